@@ -1,0 +1,1 @@
+"""Collective helpers: gradient buckets, ring exchange, communication accounting."""

@@ -1,0 +1,262 @@
+"""ParallelismConfig: how the world of ranks is cut, and the knobs of each parallelism.
+
+The four sizes multiply to the world size, outer to inner ``dp_replicate x dp_shard x cp x tp``.
+Exactly one of them may be ``-1``: it is filled with whatever the others leave. Every check
+lives here, and every error names the field and a fix::
+
+    cfg = ParallelismConfig(dp_shard_size=-1, tp_size=2).resolve(world_size=8)   # dp_shard 4
+    cfg = ParallelismConfig.from_yaml("configs/2d.yaml").with_overrides(["tp_size=4"])
+    cfg = ParallelismConfig.from_env()            # NDP_TP_SIZE=2 ... (or accelerate's names)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ndparallel.errors import ConfigError
+
+__all__ = ["MESH_DIMS", "ConfigError", "ParallelismConfig", "load_yaml_mapping", "parse_overrides"]
+
+# Mesh dimensions, outer -> inner, and the size field of each.
+MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+SIZE_FIELDS: tuple[str, ...] = tuple(f"{d}_size" for d in MESH_DIMS)
+
+# Allowed values of the string knobs.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "mixed_precision": ("no", "bf16", "fp16"),
+    "activation_checkpointing": ("none", "full", "selective"),
+    "cp_rotate_method": ("ring", "allgather"),
+    "cp_backend": ("ndparallel", "torch"),
+    "compile": ("none", "model", "blocks"),
+}
+
+# Section names a combined YAML file may keep the parallelism settings under.
+_SECTION_KEYS = ("parallelism", "parallelism_config")
+# Accelerate writes `parallelism_config_tp_size`; its env variables are `PARALLELISM_CONFIG_TP_SIZE`.
+_ACCELERATE_PREFIX = "parallelism_config_"
+_ENV_PREFIXES = ("NDP_", "PARALLELISM_CONFIG_")
+# Accelerate's names for the knobs that differ from ours.
+_ALIASES = {"cp_comm_strategy": "cp_rotate_method"}
+
+
+@dataclass
+class ParallelismConfig:
+    """Mesh sizes and parallelism knobs. ``resolve(world_size)`` fills ``-1`` and validates."""
+
+    dp_replicate_size: int = 1
+    """Data-parallel replicas (each holds a full copy, or a full FSDP group under HSDP)."""
+    dp_shard_size: int = 1
+    """FSDP2 shard group size: parameters, gradients and optimizer state are split this many ways."""
+    cp_size: int = 1
+    """Context-parallel size: the sequence is split this many ways (ring attention)."""
+    tp_size: int = 1
+    """Tensor-parallel size: weights of each layer are split this many ways (innermost, fastest links)."""
+
+    mixed_precision: str = "no"
+    """Compute/parameter dtype under FSDP: ``no`` (fp32), ``bf16`` or ``fp16``; gradients reduce in fp32."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (saves memory, costs a second all-gather in backward)."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters and optimizer state in CPU memory."""
+    activation_checkpointing: str = "none"
+    """``none``, ``full`` (recompute each block in backward) or ``selective`` (every other block)."""
+    compile: str = "none"
+    """``none``, ``model`` (whole-model torch.compile) or ``blocks`` (per transformer block)."""
+    dp_bucket_mb: float = 25.0
+    """Pure data parallel: gradient all-reduce bucket cap, MB."""
+    cp_rotate_method: str = "ring"
+    """Context parallel: ``ring`` (send/recv K/V around the ring) or ``allgather`` (gather all K/V)."""
+    cp_load_balance: bool = True
+    """Context parallel: head-tail (zig-zag) sequence split so causal attention costs the same on each rank."""
+    cp_backend: str = "ndparallel"
+    """Context parallel: ``ndparallel`` (own ring attention, CPU and CUDA) or ``torch`` (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParallelismConfig:
+        """Build from a mapping; accepts our names, accelerate's ``parallelism_config_*`` names,
+        and a mapping that holds the settings under a ``parallelism:`` section."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"parallelism config must be a mapping of field: value, got {type(data).__name__}")
+        for section in _SECTION_KEYS:
+            if isinstance(data.get(section), Mapping):
+                data = data[section]
+                break
+        values = {}
+        for key, value in data.items():
+            values[_canonical_key(str(key))] = value
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> ParallelismConfig:
+        """Read a YAML file (safe loader): the whole file, or its ``parallelism:`` section."""
+        return cls.from_dict(load_yaml_mapping(path))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, base: ParallelismConfig | None = None):
+        """Override ``base`` (default: defaults) with ``NDP_<FIELD>`` or ``PARALLELISM_CONFIG_<FIELD>`` variables."""
+        environ = os.environ if environ is None else environ
+        overrides = {}
+        for name, value in environ.items():
+            for prefix in _ENV_PREFIXES:
+                if name.startswith(prefix):
+                    key = name[len(prefix):].lower()
+                    if key in _field_names() or key in _ALIASES:
+                        overrides[_canonical_key(key)] = _parse_scalar(value)
+        return dataclasses.replace(base or cls(), **overrides)
+
+    def with_overrides(self, overrides: Iterable[str] | Mapping[str, Any]) -> ParallelismConfig:
+        """A copy with ``["tp_size=2", "mixed_precision=bf16"]`` (or a dict) applied."""
+        items = overrides.items() if isinstance(overrides, Mapping) else parse_overrides(overrides).items()
+        return dataclasses.replace(self, **{_canonical_key(k): v for k, v in items})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """YAML text of this config under a ``parallelism:`` section; also written to ``path`` if given."""
+        text = yaml.safe_dump({"parallelism": self.to_dict()}, sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    # ------------------------------------------------------------------ validation
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Mesh dimension name -> size, outer to inner (may contain one -1 before ``resolve``)."""
+        return {dim: getattr(self, f"{dim}_size") for dim in MESH_DIMS}
+
+    @property
+    def world_size(self) -> int:
+        """Product of the sizes; only meaningful once resolved."""
+        return math.prod(self.sizes.values())
+
+    def validate(self) -> None:
+        """Check types, ranges and choices (not the world size: see ``resolve``)."""
+        autos = []
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be an integer (>= 1, or -1 to fill the rest of the world)")
+            if value == -1:
+                autos.append(name)
+            elif value < 1:
+                raise ConfigError(f"{name}={value} is invalid: sizes are >= 1, or -1 to fill the rest of the world")
+        if len(autos) > 1:
+            raise ConfigError(
+                f"only one size may be -1, got {' and '.join(autos)} = -1; set all but one of them explicitly"
+            )
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                hint = _did_you_mean(str(value), choices)
+                raise ConfigError(f"{name}={value!r} is not one of {list(choices)}{hint}")
+        for name in ("reshard_after_forward", "cpu_offload", "cp_load_balance"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        bucket = self.dp_bucket_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0:
+            raise ConfigError(f"dp_bucket_mb={bucket!r} must be a positive number of megabytes")
+        if self.cpu_offload and self.dp_shard_size == 1 and self.cp_size == 1:
+            raise ConfigError("cpu_offload=true needs FSDP: set dp_shard_size > 1 (or -1)")
+
+    def resolve(self, world_size: int) -> ParallelismConfig:
+        """A copy with ``-1`` filled in, checked against ``world_size``."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world size {world_size!r} must be a positive integer")
+        sizes = self.sizes
+        auto = [f"{d}_size" for d, s in sizes.items() if s == -1]
+        fixed = math.prod(s for s in sizes.values() if s != -1)
+        if auto:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"{auto[0]}=-1 cannot fill world size {world_size}: the other sizes multiply to {fixed}, "
+                    f"which does not divide {world_size}. {_suggest(sizes, world_size)}"
+                )
+            return dataclasses.replace(self, **{auto[0]: world_size // fixed})
+        if fixed != world_size:
+            desc = " x ".join(f"{d}_size={s}" for d, s in sizes.items() if s != 1) or "all sizes = 1"
+            raise ConfigError(
+                f"mesh sizes multiply to {fixed} ({desc}) but the world size is {world_size}. "
+                f"{_suggest(sizes, world_size)}"
+            )
+        return dataclasses.replace(self)
+
+    def describe(self) -> str:
+        """``dp_replicate=2 x dp_shard=2 x tp=2`` (sizes > 1 only)."""
+        parts = [f"{d}={s}" for d, s in self.sizes.items() if s != 1]
+        return " x ".join(parts) or "single rank (all sizes 1)"
+
+
+def _field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(ParallelismConfig)}
+
+
+def _canonical_key(key: str) -> str:
+    """Map accelerate-style and aliased keys to our field names; unknown keys raise with a suggestion."""
+    name = key[len(_ACCELERATE_PREFIX):] if key.startswith(_ACCELERATE_PREFIX) else key
+    name = _ALIASES.get(name, name)
+    if name not in _field_names():
+        raise ConfigError(f"unknown parallelism field {key!r}{_did_you_mean(name, sorted(_field_names()))}")
+    return name
+
+
+def _did_you_mean(word: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _suggest(sizes: Mapping[str, int], world_size: int) -> str:
+    """A valid alternative: keep what fits and let dp_shard (or dp_replicate) fill the rest."""
+    inner = math.prod(s for d, s in sizes.items() if d in ("cp", "tp") and s != -1)
+    if world_size % inner == 0:
+        return (
+            f"For example set dp_shard_size=-1 (it becomes {world_size // inner}), or choose sizes "
+            f"whose product is {world_size}."
+        )
+    return f"cp_size x tp_size = {inner} must divide the world size {world_size}; choose sizes whose product is {world_size}."
+
+
+def _parse_scalar(text: str) -> Any:
+    """``"2"`` -> 2, ``"true"`` -> True, ``"bf16"`` -> "bf16" (YAML scalar rules, safe)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["a=1", "b.c=x"]`` -> ``{"a": 1, "b.c": "x"}``; values follow YAML scalar rules."""
+    result = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. tp_size=2)")
+        result[key.strip()] = _parse_scalar(value.strip())
+    return result
+
+
+def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML file with the safe loader; it must hold a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of key: value, got {type(data).__name__}")
+    return data

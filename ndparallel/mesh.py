@@ -1,0 +1,170 @@
+"""The named device mesh: dims ``dp_replicate, dp_shard, cp, tp`` (outer -> inner) and flattened views.
+
+Views, each a 1-D mesh over the product of some dims:
+
+=============  ==============================  ==========================================
+view           dims                            used for
+=============  ==============================  ==========================================
+``dp``         dp_replicate x dp_shard         data loading: ranks with equal dp index get equal batches
+``dp_shard_cp``  dp_shard x cp                 FSDP sharding (cp ranks also shard parameters)
+``dp_cp``      dp_replicate x dp_shard x cp    loss and gradient-norm averaging
+=============  ==============================  ==========================================
+
+``rank_groups(cfg)`` computes every group's global ranks without starting processes (what
+``ndparallel mesh CONFIG`` prints); ``init_distributed(cfg)`` builds the real mesh.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ndparallel.config import MESH_DIMS, ConfigError, ParallelismConfig
+
+__all__ = ["VIEWS", "Mesh", "destroy_distributed", "format_rank_table", "init_distributed", "rank_groups"]
+
+# Flattened views: name -> the mesh dims it joins, outer to inner.
+VIEWS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+def rank_groups(cfg: ParallelismConfig) -> dict[str, list[list[int]]]:
+    """For each dim and view, the lists of global ranks that form its process groups.
+
+    ``cfg`` must be resolved (no -1). Ranks are laid out row-major over
+    ``(dp_replicate, dp_shard, cp, tp)``, exactly as the DeviceMesh is built.
+    """
+    sizes = cfg.sizes
+    if -1 in sizes.values():
+        raise ConfigError("rank_groups needs a resolved config: call cfg.resolve(world_size) first")
+    grid = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
+    groups = {}
+    for name, dims in [(d, (d,)) for d in MESH_DIMS] + list(VIEWS.items()):
+        axes = [MESH_DIMS.index(d) for d in dims]
+        rest = [a for a in range(grid.ndim) if a not in axes]
+        group_size = math.prod(sizes[d] for d in dims)
+        groups[name] = np.transpose(grid, rest + axes).reshape(-1, group_size).tolist()
+    return groups
+
+
+def format_rank_table(cfg: ParallelismConfig) -> str:
+    """A readable table of every rank's coordinate and every group's ranks."""
+    sizes = cfg.sizes
+    world = cfg.world_size
+    lines = [f"mesh {cfg.describe()}  (world size {world}; dims outer -> inner: {', '.join(MESH_DIMS)})", ""]
+    header = ["rank"] + list(MESH_DIMS)
+    lines.append("  ".join(f"{h:>12}" for h in header))
+    coords = np.stack(np.unravel_index(np.arange(world), tuple(sizes.values())), axis=1)
+    for rank, coord in enumerate(coords):
+        lines.append("  ".join(f"{v:>12}" for v in [rank, *coord.tolist()]))
+    lines.append("")
+    for name, groups in rank_groups(cfg).items():
+        dims = VIEWS.get(name, (name,))
+        label = name if len(dims) == 1 else f"{name} ({' x '.join(dims)})"
+        size = len(groups[0])
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+        lines.append(f"{label:<40} size {size:<4} groups: {shown}")
+    return "\n".join(lines)
+
+
+def _flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    # Private torch API, isolated here: DeviceMesh has no public way to merge dims into one
+    # named 1-D mesh whose process group spans them (torch 2.11-2.14 all keep `_flatten`).
+    return mesh._flatten(name)
+
+
+class Mesh:
+    """A named 4-D DeviceMesh plus its flattened views. ``mesh["tp"]``, ``mesh["dp_shard_cp"]``,
+    ``mesh["dp_shard", "tp"]`` return torch DeviceMeshes; ``mesh.size("cp")`` and
+    ``mesh.coordinate`` give sizes and this rank's position."""
+
+    def __init__(self, device_mesh: DeviceMesh, config: ParallelismConfig, views: dict[str, DeviceMesh]):
+        self.device_mesh = device_mesh
+        self.config = config
+        self._views = views
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        if isinstance(names, str):
+            if names in self._views:
+                return self._views[names]
+            names = (names,)
+        names = tuple(names)
+        unknown = [n for n in names if n not in MESH_DIMS]
+        if unknown:
+            raise KeyError(f"unknown mesh dim(s) {unknown}; dims are {list(MESH_DIMS)}, views {list(VIEWS)}")
+        return self.device_mesh[names]
+
+    def size(self, name: str | None = None) -> int:
+        """Size of one dim or view; the world size when ``name`` is None."""
+        if name is None:
+            return self.device_mesh.size()
+        dims = VIEWS.get(name, (name,))
+        return math.prod(self.config.sizes[d] for d in dims)
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index inside its group of dim or view ``name``."""
+        return self[name].get_local_rank()
+
+    @property
+    def coordinate(self) -> dict[str, int]:
+        """This rank's index along every dim and view."""
+        return {name: self.local_rank(name) for name in (*MESH_DIMS, *VIEWS)}
+
+    def rank_table(self) -> str:
+        return format_rank_table(self.config)
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.config.describe()}, device_type={self.device_type!r})"
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(
+    cfg: ParallelismConfig | None = None,
+    device_type: str | None = None,
+    timeout_s: float = 600.0,
+) -> Mesh:
+    """Initialise the process group (torchrun's env, or one process when there is none) and build the mesh.
+
+    Backend: nccl for CUDA (plus gloo for CPU tensors), gloo for CPU. An already initialised
+    process group (e.g. inside ``ndparallel.testing.run_distributed``) is reused.
+    """
+    cfg = cfg or ParallelismConfig()
+    device_type = device_type or _default_device_type()
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if device_type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    resolved = cfg.resolve(dist.get_world_size())
+    device_mesh = init_device_mesh(device_type, tuple(resolved.sizes.values()), mesh_dim_names=MESH_DIMS)
+    views = {name: _flatten(device_mesh[dims], name) for name, dims in VIEWS.items()}
+    return Mesh(device_mesh, resolved, views)
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,164 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Module names are part of the public contract: tensor-parallel plans, FSDP wrapping and
+context parallel address modules by these names (``*`` = layer index)::
+
+    tok_embeddings                      nn.Embedding(vocab, dim)
+    layers.*.attention_norm             nn.RMSNorm(dim)
+    layers.*.attention.wq / wk / wv     nn.Linear(dim, heads * head_dim), kv heads for wk/wv
+    layers.*.attention.core_attention   CoreAttention: softmax(q k^T) v, no parameters
+    layers.*.attention.wo               nn.Linear(heads * head_dim, dim)
+    layers.*.ffn_norm                   nn.RMSNorm(dim)
+    layers.*.feed_forward.w1 / w3 / w2  SwiGLU: w2(silu(w1 x) * w3 x)
+    norm                                nn.RMSNorm(dim)
+    output                              nn.Linear(dim, vocab)
+
+The model imports nothing from ndparallel's planners: it is parallelised from outside, the
+same way a user's own model is. ``core_attention`` is the one seam for attention variants
+(context parallel swaps it for ring attention): any module with the same ``forward(q, k, v)``
+contract (``[batch, seq, heads, head_dim]`` in and out, k/v possibly with fewer heads) fits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndparallel.models.config import TransformerConfig
+
+__all__ = ["CoreAttention", "Transformer", "apply_rotary", "rotary_tables"]
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape ``[max_seq_len, head_dim // 2]`` (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by position; cos/sin are ``[(batch,) seq, head_dim/2]``."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.type_as(x)
+
+
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention on ``[batch, seq, heads, head_dim]`` tensors.
+
+    k and v may carry fewer heads than q (grouped-query attention); they are repeated here.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        repeats = q.shape[1] // k.shape[1]
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.core_attention = CoreAttention()
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads / tp of them.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v)
+        return self.wo(out.reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: ``forward(tokens[, positions]) -> logits``.
+
+    ``positions`` (``[seq]`` or ``[batch, seq]``, default ``0..seq-1``) index the rotary tables;
+    context parallel passes each rank's shard of them. Weights are initialised from
+    ``cfg.seed`` with a private generator, so two models built from one config are equal
+    whatever the global RNG state. Built under ``torch.device("meta")`` nothing is allocated:
+    call ``model.to_empty(device=...)`` then ``model.init_weights()``.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if self.tok_embeddings.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic init from ``seed`` (default ``config.seed``); also rebuilds the rotary tables."""
+        cfg = self.config
+        device = self.tok_embeddings.weight.device
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
+        residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                param.normal_(0.0, std, generator=generator)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            seq = tokens.shape[1]
+            if seq > self.config.max_seq_len:
+                raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}")
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))

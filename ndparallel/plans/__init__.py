@@ -1,0 +1,1 @@
+"""Planners: one module per parallelism dimension."""

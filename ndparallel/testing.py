@@ -1,0 +1,182 @@
+"""Run a function on N real gloo ranks on one machine and collect what each rank returns.
+
+This is public API, meant for users' own tests as much as for ndparallel's::
+
+    from ndparallel.testing import run_distributed
+
+    def check(scale):                      # must be importable (module level)
+        import torch, torch.distributed as dist
+        t = torch.ones(1) * scale
+        dist.all_reduce(t)
+        return t.item()
+
+    assert run_distributed(check, 4, 2.0) == [8.0] * 4
+
+Every rank runs in its own process with a real process group (``init_process_group``
+over a file store, so there are no port races). A rank that raises makes the call raise
+:class:`DistributedError` naming that rank and carrying its traceback; a job that does not
+finish within ``timeout`` seconds is killed and raises :class:`DistributedTimeout`. Every
+child process is killed before the call returns, whatever happens: no orphans.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DistributedError", "DistributedTimeout", "run_distributed"]
+
+
+class DistributedError(RuntimeError):
+    """A rank raised (or died). ``rank`` is the first rank that failed; ``remote_traceback`` its traceback."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+class DistributedTimeout(DistributedError, TimeoutError):
+    """The job did not finish in time; every rank was killed."""
+
+    def __init__(self, timeout: float, unfinished: list[int]):
+        self.unfinished = unfinished
+        RuntimeError.__init__(
+            self,
+            f"ranks {unfinished} did not finish within {timeout:.0f}s (a hang, e.g. a collective "
+            "that not every rank entered); all ranks were killed",
+        )
+        self.rank = unfinished[0] if unfinished else -1
+        self.remote_traceback = ""
+
+
+def _context() -> mp.context.BaseContext:
+    # forkserver: torch is imported once in the server, then every rank is a cheap fork of it.
+    # Plain fork is unsafe once the parent has started OpenMP/gloo threads; spawn re-imports torch.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _worker(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    threads: int,
+    results: Any,
+    timeout: float,
+) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NDP_STORE_PATH=store_path,
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        value = fn(*args, **kwargs)
+        results.put(("ok", rank, value))
+    except BaseException:  # report everything, including SystemExit from the function
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    threads_per_rank: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results, rank order.
+
+    ``fn`` and its arguments and results must be picklable (a module-level function). Inside
+    ``fn`` the default process group is initialised and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+    are set as torchrun would, so ``ndparallel.init_distributed`` works unchanged.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ndp-store-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, args, kwargs, r, world_size, backend, store_path, threads_per_rank, results, timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, timeout)
+        finally:
+            _kill_all(procs)
+
+
+def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    while len(values) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DistributedTimeout(timeout, sorted(set(range(world_size)) - set(values)))
+        try:
+            status, rank, payload = results.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            # A process that died without reporting (SIGKILL, segfault, os._exit).
+            for rank, p in enumerate(procs):
+                if rank not in values and p.exitcode is not None and p.exitcode != 0:
+                    raise DistributedError(rank, f"process exited with code {p.exitcode} without reporting") from None
+            continue
+        if status == "error":
+            raise DistributedError(rank, payload)
+        values[rank] = payload
+    return [values[r] for r in range(world_size)]
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.join(timeout=0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
