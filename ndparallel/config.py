@@ -226,7 +226,10 @@ def _suggest(sizes: Mapping[str, int], world_size: int) -> str:
             f"For example set dp_shard_size=-1 (it becomes {world_size // inner}), or choose sizes "
             f"whose product is {world_size}."
         )
-    return f"cp_size x tp_size = {inner} must divide the world size {world_size}; choose sizes whose product is {world_size}."
+    return (
+        f"cp_size x tp_size = {inner} must divide the world size {world_size}; "
+        f"choose sizes whose product is {world_size}."
+    )
 
 
 def _parse_scalar(text: str) -> Any:
