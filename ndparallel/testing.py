@@ -102,7 +102,7 @@ def _worker(
         value = fn(*args, **kwargs)
         results.put(("ok", rank, value))
     except BaseException:  # report everything, including SystemExit from the function
-        results.put(("error", rank, traceback.format_exc()))
+        results.put(("error", rank, (time.time(), traceback.format_exc())))
     finally:
         if dist.is_initialized():
             try:
@@ -160,15 +160,44 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list
         try:
             status, rank, payload = results.get(timeout=min(remaining, 0.5))
         except queue.Empty:
-            # A process that died without reporting (SIGKILL, segfault, os._exit).
-            for rank, p in enumerate(procs):
-                if rank not in values and p.exitcode is not None and p.exitcode != 0:
-                    raise DistributedError(rank, f"process exited with code {p.exitcode} without reporting") from None
+            dead = _dead_without_report(procs, values)
+            if dead:
+                raise DistributedError(dead[0], _exit_message(procs[dead[0]])) from None
             continue
         if status == "error":
-            raise DistributedError(rank, payload)
+            raise _root_cause(procs, results, values, {rank: payload})
         values[rank] = payload
     return [values[r] for r in range(world_size)]
+
+
+def _dead_without_report(procs: list, reported: dict) -> list[int]:
+    return [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+
+
+def _exit_message(proc: Any) -> str:
+    return f"process exited with code {proc.exitcode} without reporting (killed, crashed or os._exit)"
+
+
+def _root_cause(procs: list, results: Any, values: dict, errors: dict) -> DistributedError:
+    """One rank's failure makes its peers fail too ("connection closed by peer"): gather what else
+    arrives within a second and blame the rank that died silently, else the earliest error."""
+    grace = time.monotonic() + 1.0
+    while time.monotonic() < grace:
+        try:
+            status, rank, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors[rank] = payload
+        else:
+            values[rank] = payload
+    dead = _dead_without_report(procs, {**values, **errors})
+    if dead:
+        return DistributedError(dead[0], _exit_message(procs[dead[0]]))
+    rank = min(errors, key=lambda r: errors[r][0])
+    others = sorted(set(errors) - {rank})
+    note = f"\n(ranks {others} failed afterwards, most likely as a consequence)" if others else ""
+    return DistributedError(rank, errors[rank][1] + note)
 
 
 def _kill_all(procs: list) -> None:

@@ -1,0 +1,36 @@
+# Every target sets up .venv itself. TORCH picks the torch wheel on a fresh venv (default: the
+# CPU build 2.13.0; e.g. `make test TORCH=torch==2.11.0` or a CUDA build); a torch already
+# importable in .venv is kept.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ndparallel-installed
+CPU_RANKS ?= 4
+
+.PHONY: demo test bench lint format clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,hf]"
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/ndparallel train --config configs/demo.yaml --cpu-ranks $(CPU_RANKS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ndparallel tests benchmarks
+	$(VENV)/bin/ruff format --check ndparallel tests benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format ndparallel tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks

@@ -1,0 +1,188 @@
+"""TrainConfig: one YAML file = parallelism + model + data + optimisation + checkpointing + logging.
+
+Sections and their defaults are the dataclasses below. ``key=value`` overrides address a field
+as ``section.field`` (``train.steps=50``, ``model.n_layers=4``); parallelism fields may be given
+bare (``tp_size=2``). Unknown keys raise ``ConfigError`` with a did-you-mean suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from ndparallel.config import ParallelismConfig, load_yaml_mapping, parse_overrides
+from ndparallel.errors import ConfigError
+from ndparallel.models import TransformerConfig
+
+__all__ = ["CheckpointConfig", "DataConfig", "LoopConfig", "TrainConfig"]
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """A text file or folder; default: the Python standard library's source (exists everywhere)."""
+    seq_len: int = 128
+    max_bytes: int = 4_000_000
+    """Read at most this much of the corpus."""
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 100
+    global_batch: int = 16
+    """Sequences per optimizer step, summed over data-parallel ranks and micro-batches."""
+    micro_batch: int | None = None
+    """Sequences per rank per forward; default global_batch / dp (no accumulation)."""
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    """0 disables clipping."""
+    seed: int = 0
+    log_every: int = 10
+    metrics_file: str | None = None
+    """JSONL file of per-step metrics (rank 0); default: none."""
+    device: str | None = None
+    """cpu or cuda; default cuda when available (``NDP_DEVICE`` overrides)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Root folder of step-numbered checkpoints; none disables checkpointing."""
+    every: int = 0
+    """Save every N steps (0: only at the end, when dir is set)."""
+    keep_last: int = 3
+    resume: bool = False
+    """Continue from the newest complete checkpoint under dir."""
+
+
+_SECTIONS = {
+    "model": TransformerConfig,
+    "data": DataConfig,
+    "train": LoopConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclass
+class TrainConfig:
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    model: TransformerConfig = field(default_factory=lambda: TransformerConfig.from_preset("tiny"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a training config must be a mapping of sections, got {type(data).__name__}")
+        known = {"parallelism", *_SECTIONS}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            raise ConfigError(
+                f"unknown config section(s) {unknown}; sections are {sorted(known)}"
+                + (f"; did you mean {hint[0]!r}?" if hint else "")
+            )
+        kwargs: dict[str, Any] = {"parallelism": ParallelismConfig.from_dict(data.get("parallelism") or {})}
+        for name, section_cls in _SECTIONS.items():
+            values = data.get(name) or {}
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"section {name!r} must be a mapping, got {type(values).__name__}")
+            if section_cls is TransformerConfig:
+                kwargs[name] = TransformerConfig.from_dict(values)
+            else:
+                kwargs[name] = _build(section_cls, name, values)
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> TrainConfig:
+        data = load_yaml_mapping(path)
+        return cls.from_dict(apply_overrides(data, overrides))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False)
+
+    def validate(self) -> None:
+        t = self.train
+        for name in ("steps", "global_batch", "log_every"):
+            if not isinstance(getattr(t, name), int) or getattr(t, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(t, name)!r} must be a positive integer")
+        if t.micro_batch is not None and (not isinstance(t.micro_batch, int) or t.micro_batch < 1):
+            raise ConfigError(f"train.micro_batch={t.micro_batch!r} must be a positive integer (or null)")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                f"raise model.max_seq_len or shorten data.seq_len"
+            )
+        if self.data.path is None and self.model.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for byte-level data")
+
+    def accumulation_steps(self, dp_size: int) -> int:
+        """Micro-batches per optimizer step on each rank, checked against the data-parallel size."""
+        t = self.train
+        if t.global_batch % dp_size:
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} is not divisible by the data-parallel size {dp_size} "
+                f"(dp_replicate x dp_shard); use a multiple of {dp_size}"
+            )
+        per_rank = t.global_batch // dp_size
+        micro = t.micro_batch or per_rank
+        if per_rank % micro:
+            raise ConfigError(
+                f"train.micro_batch={micro} does not divide the per-rank batch {per_rank} "
+                f"(global_batch {t.global_batch} / dp {dp_size}); pick a divisor of {per_rank}"
+            )
+        return per_rank // micro
+
+
+def _build(section_cls: type, name: str, values: Mapping[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    for key in values:
+        if key not in known:
+            hint = difflib.get_close_matches(key, sorted(known), n=1)
+            raise ConfigError(
+                f"unknown field {name}.{key}; known: {sorted(known)}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+            )
+    return section_cls(**values)
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``section.field=value`` (or bare parallelism ``field=value``) overrides to a config mapping."""
+    result = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    parallel_fields = {f.name for f in dataclasses.fields(ParallelismConfig)}
+    for key, value in parse_overrides(overrides).items():
+        section, dot, name = key.partition(".")
+        if not dot:
+            if key not in parallel_fields:
+                raise ConfigError(
+                    f"override {key!r}: write section.field=value (e.g. train.steps=50), or a parallelism field"
+                )
+            section, name = "parallelism", key
+        result.setdefault(section, {})
+        if not isinstance(result[section], dict):
+            raise ConfigError(f"override {key!r}: section {section!r} is not a mapping")
+        result[section][name] = value
+    return result
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,54 @@
+"""Rank-0 progress line and the end-of-run summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["Progress", "format_duration", "format_rate"]
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def format_rate(tokens_per_s: float) -> str:
+    if tokens_per_s >= 1e6:
+        return f"{tokens_per_s / 1e6:.2f}M"
+    if tokens_per_s >= 1e3:
+        return f"{tokens_per_s / 1e3:.1f}k"
+    return f"{tokens_per_s:.0f}"
+
+
+class Progress:
+    """``step 40/200 [#####.....] loss 2.31 | 14.2k tok/s | lr 2.9e-03 | eta 0m41s`` on rank 0 only.
+
+    On a terminal the line redraws in place; otherwise one line is printed every ``every`` steps.
+    """
+
+    def __init__(self, total: int, enabled: bool, every: int = 10, width: int = 24, stream=None):
+        self.total = total
+        self.enabled = enabled
+        self.every = max(1, every)
+        self.width = width
+        self.stream = stream or sys.stdout
+        self.tty = self.enabled and self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, step: int, **fields: float | str) -> None:
+        if not self.enabled or not (self.tty or step % self.every == 0 or step == self.total):
+            return
+        done = int(self.width * step / self.total)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(step, 1) * (self.total - step)
+        parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * done}{'.' * (self.width - done)}]"]
+        parts += [f"{name} {value}" for name, value in fields.items()]
+        parts.append(f"eta {format_duration(eta)}")
+        line = " | ".join(parts)
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()

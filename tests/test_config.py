@@ -1,0 +1,122 @@
+"""ParallelismConfig: construction, round trips, overrides, and a clear error for every bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from ndparallel import ConfigError, ParallelismConfig
+from ndparallel.train.config import TrainConfig
+
+
+def test_defaults_and_resolve_fill():
+    cfg = ParallelismConfig(dp_shard_size=-1, tp_size=2)
+    resolved = cfg.resolve(8)
+    assert resolved.sizes == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}
+    assert resolved.world_size == 8
+    assert cfg.dp_shard_size == -1, "resolve returns a copy"
+    assert ParallelismConfig().resolve(1).describe() == "single rank (all sizes 1)"
+    assert resolved.describe() == "dp_shard=4 x tp=2"
+
+
+def _bad_yaml(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return lambda: ParallelismConfig.from_yaml(path)
+
+
+BAD_CONFIGS = [
+    # (description, callable raising, fragment the message must contain)
+    ("product != world", lambda tmp: ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(8),
+     "multiply to 4 (dp_shard_size=2 x tp_size=2) but the world size is 8"),
+    ("product suggestion", lambda tmp: ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(8),
+     "set dp_shard_size=-1 (it becomes 4)"),
+    ("size zero", lambda tmp: ParallelismConfig(tp_size=0), "tp_size=0 is invalid"),
+    ("negative size", lambda tmp: ParallelismConfig(cp_size=-2), "cp_size=-2 is invalid"),
+    ("two -1", lambda tmp: ParallelismConfig(dp_shard_size=-1, dp_replicate_size=-1),
+     "only one size may be -1, got dp_replicate_size and dp_shard_size"),
+    ("-1 does not divide", lambda tmp: ParallelismConfig(dp_shard_size=-1, tp_size=3).resolve(8),
+     "dp_shard_size=-1 cannot fill world size 8: the other sizes multiply to 3"),
+    ("float size", lambda tmp: ParallelismConfig(tp_size=2.0), "tp_size=2.0 must be an integer"),
+    ("bool size", lambda tmp: ParallelismConfig(tp_size=True), "tp_size=True must be an integer"),
+    ("string size", lambda tmp: ParallelismConfig.from_dict({"tp_size": "two"}), "tp_size='two' must be an integer"),
+    ("unknown key", lambda tmp: ParallelismConfig.from_dict({"tp_sise": 2}),
+     "unknown parallelism field 'tp_sise'; did you mean 'tp_size'?"),
+    ("bad mixed precision", lambda tmp: ParallelismConfig(mixed_precision="bf61"),
+     "mixed_precision='bf61' is not one of ['no', 'bf16', 'fp16']; did you mean 'bf16'?"),
+    ("bad rotate method", lambda tmp: ParallelismConfig(cp_rotate_method="alltoall"),
+     "cp_rotate_method='alltoall' is not one of ['ring', 'allgather']"),
+    ("bad bool", lambda tmp: ParallelismConfig(reshard_after_forward="yes"),
+     "reshard_after_forward='yes' must be true or false"),
+    ("bad bucket", lambda tmp: ParallelismConfig(dp_bucket_mb=0), "dp_bucket_mb=0 must be a positive number"),
+    ("offload without sharding", lambda tmp: ParallelismConfig(cpu_offload=True), "cpu_offload=true needs FSDP"),
+    ("yaml list", lambda tmp: _bad_yaml(tmp, "- 1\n- 2\n")(), "the top level must be a mapping"),
+    ("yaml syntax", lambda tmp: _bad_yaml(tmp, "tp_size: [1,\n")(), "invalid YAML"),
+    ("yaml unsafe tag", lambda tmp: _bad_yaml(tmp, "tp_size: !!python/object/apply:os.system ['true']\n")(),
+     "invalid YAML"),
+    ("missing file", lambda tmp: ParallelismConfig.from_yaml(tmp / "nope.yaml"), "does not exist"),
+    ("bad override", lambda tmp: ParallelismConfig().with_overrides(["tp_size"]), "must look like key=value"),
+    ("world size zero", lambda tmp: ParallelismConfig().resolve(0), "world size 0 must be a positive integer"),
+    ("not a mapping", lambda tmp: ParallelismConfig.from_dict([1, 2]), "must be a mapping"),
+    ("train batch vs dp", lambda tmp: TrainConfig.from_dict({"train": {"global_batch": 6}}).accumulation_steps(4),
+     "train.global_batch=6 is not divisible by the data-parallel size 4"),
+    ("train unknown section", lambda tmp: TrainConfig.from_dict({"trian": {}}), "did you mean 'train'?"),
+    ("train seq too long", lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 4096}}),
+     "data.seq_len=4096 exceeds model.max_seq_len=256"),
+    ("unknown preset", lambda tmp: TrainConfig.from_dict({"model": {"preset": "huge"}}), "unknown model preset 'huge'"),
+]
+
+
+@pytest.mark.parametrize("make, fragment", [(m, f) for _, m, f in BAD_CONFIGS], ids=[d for d, _, _ in BAD_CONFIGS])
+def test_bad_config_has_clear_error(tmp_path, make, fragment):
+    with pytest.raises(ConfigError) as info:
+        make(tmp_path)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_yaml_dict_round_trip(tmp_path):
+    cfg = ParallelismConfig(dp_replicate_size=2, dp_shard_size=-1, tp_size=2, mixed_precision="bf16",
+                            cp_load_balance=False, dp_bucket_mb=12.5)
+    path = tmp_path / "cfg.yaml"
+    cfg.to_yaml(path)
+    assert ParallelismConfig.from_yaml(path) == cfg
+    assert ParallelismConfig.from_dict(cfg.to_dict()) == cfg
+    # A bare mapping (no section) reads the same.
+    path.write_text("tp_size: 4\ndp_shard_size: -1\n")
+    assert ParallelismConfig.from_yaml(path) == ParallelismConfig(tp_size=4, dp_shard_size=-1)
+
+
+def test_accelerate_names_yaml(tmp_path):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(
+        "distributed_type: FSDP\n"  # other accelerate keys live outside the parallelism_config section
+        "parallelism_config:\n"
+        "  parallelism_config_dp_replicate_size: 2\n"
+        "  parallelism_config_dp_shard_size: 2\n"
+        "  parallelism_config_tp_size: 2\n"
+        "  parallelism_config_cp_size: 1\n"
+        "  parallelism_config_cp_comm_strategy: allgather\n"
+    )
+    cfg = ParallelismConfig.from_yaml(path)
+    assert cfg.sizes == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert cfg.cp_rotate_method == "allgather"
+
+
+def test_env_and_overrides():
+    env = {"NDP_TP_SIZE": "2", "NDP_DP_SHARD_SIZE": "-1", "NDP_MIXED_PRECISION": "bf16",
+           "PARALLELISM_CONFIG_CP_SIZE": "2", "NDP_UNRELATED": "x", "PATH": "/bin"}
+    cfg = ParallelismConfig.from_env(env)
+    assert (cfg.tp_size, cfg.dp_shard_size, cfg.cp_size, cfg.mixed_precision) == (2, -1, 2, "bf16")
+    assert cfg.resolve(16).dp_shard_size == 4
+    over = cfg.with_overrides(["tp_size=4", "reshard_after_forward=false", "cp_size=1"])
+    assert (over.tp_size, over.reshard_after_forward, over.cp_size) == (4, False, 1)
+    assert cfg.with_overrides({"cp_size": 1}).cp_size == 1
+
+
+def test_train_config_overrides(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("parallelism:\n  dp_shard_size: -1\nmodel:\n  preset: tiny\ntrain:\n  steps: 7\n")
+    cfg = TrainConfig.from_yaml(path, ["train.steps=3", "tp_size=2", "model.n_layers=3", "train.micro_batch=2"])
+    assert (cfg.train.steps, cfg.parallelism.tp_size, cfg.model.n_layers) == (3, 2, 3)
+    assert cfg.accumulation_steps(dp_size=2) == 4  # 16 / 2 ranks / 2 per micro-batch
+    assert TrainConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
