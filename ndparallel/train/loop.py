@@ -60,7 +60,7 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     if enabled:
         yield
         return
-    from ndparallel.parallelize import no_sync
+    from ndparallel.grad_sync import no_sync
 
     with no_sync(model):
         yield
