@@ -47,12 +47,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.resume:
+        overrides.append("checkpoint.resume=true")
     cfg = TrainConfig.from_yaml(args.config, overrides) if args.config else _default_train_config(overrides)
-    train(cfg)
+    result = train(cfg)
     from ndparallel.mesh import destroy_distributed
 
     destroy_distributed()
-    return 0
+    return 130 if result.interrupted else 0
 
 
 def _without_option(argv: Sequence[str], option: str) -> list[str]:
@@ -141,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-ranks", type=int, default=0, help="simulate N gloo ranks on this CPU (uses torchrun)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--steps", type=int, default=None, help="shortcut for train.steps=N")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in checkpoint.dir")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=50 tp_size=2")
     p.set_defaults(func=_cmd_train)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -100,7 +101,9 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout),
         )
         value = fn(*args, **kwargs)
-        results.put(("ok", rank, value))
+        # Pickled here, not by the queue: torch would share tensors through file descriptors
+        # that vanish when this process exits before the parent reads them.
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException:  # report everything, including SystemExit from the function
         results.put(("error", rank, (time.time(), traceback.format_exc())))
     finally:
@@ -167,7 +170,7 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list
         if status == "error":
             raise _root_cause(procs, results, values, {rank: payload})
         values[rank] = payload
-    return [values[r] for r in range(world_size)]
+    return [pickle.loads(values[r]) for r in range(world_size)]
 
 
 def _dead_without_report(procs: list, reported: dict) -> list[int]:

@@ -154,9 +154,9 @@ def test_harness_raising_rank_propagates_traceback():
 def test_harness_hanging_rank_times_out():
     start = time.monotonic()
     with pytest.raises(DistributedTimeout) as info:
-        run_distributed(_hang_on_rank_zero, 2, timeout=4)
-    assert info.value.unfinished == [0]
-    assert time.monotonic() - start < 15
+        run_distributed(_hang_on_rank_zero, 2, timeout=6)
+    assert 0 in info.value.unfinished  # rank 1 normally finishes too, unless the machine is very loaded
+    assert time.monotonic() - start < 20
 
 
 def test_harness_dead_rank_is_reported():

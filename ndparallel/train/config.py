@@ -52,6 +52,8 @@ class LoopConfig:
     """JSONL file of per-step metrics (rank 0); default: none."""
     device: str | None = None
     """cpu or cuda; default cuda when available (``NDP_DEVICE`` overrides)."""
+    peak_tflops: float | None = None
+    """Per-device peak for the MFU estimate; default: bf16 dense peak of known GPUs, none on CPU."""
 
 
 @dataclass
@@ -61,8 +63,8 @@ class CheckpointConfig:
     every: int = 0
     """Save every N steps (0: only at the end, when dir is set)."""
     keep_last: int = 3
-    resume: bool = False
-    """Continue from the newest complete checkpoint under dir."""
+    resume: bool | str = False
+    """true: continue from the newest complete checkpoint under dir; a path: from that checkpoint."""
 
 
 _SECTIONS = {
@@ -129,6 +131,11 @@ class TrainConfig:
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 f"raise model.max_seq_len or shorten data.seq_len"
             )
+        c = self.checkpoint
+        if c.every < 0 or c.keep_last < 1:
+            raise ConfigError(f"checkpoint.every={c.every} must be >= 0 and checkpoint.keep_last={c.keep_last} >= 1")
+        if (c.every or c.resume is True) and not c.dir:
+            raise ConfigError("checkpoint.every / checkpoint.resume=true need checkpoint.dir (where to save and look)")
         if self.data.path is None and self.model.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for byte-level data")
 

@@ -11,9 +11,12 @@ import contextlib
 import json
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,10 @@ from ndparallel.train.config import TrainConfig
 from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.progress import Progress, format_duration, format_rate
 
-__all__ = ["TrainResult", "lr_at", "train"]
+__all__ = ["TrainResult", "lr_at", "peak_flops_per_device", "train"]
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for the MFU estimate.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
 
 
 @dataclass
@@ -35,6 +41,10 @@ class TrainResult:
     tokens_per_s: float = 0.0
     seconds: float = 0.0
     steps: int = 0
+    start_step: int = 0
+    """Step the run resumed from (0 for a fresh run)."""
+    interrupted: bool = False
+    """Stopped early by SIGINT/SIGTERM (after saving, when checkpointing is on)."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -76,8 +86,67 @@ def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
     return parallelize(model, mesh.config, mesh=mesh)
 
 
+def peak_flops_per_device(cfg: TrainConfig, device_type: str) -> float | None:
+    """``train.peak_tflops`` if set, else the bf16 dense peak of a known CUDA device, else None (no MFU)."""
+    if cfg.train.peak_tflops:
+        return cfg.train.peak_tflops * 1e12
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
+    return None
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM set a flag; all ranks agree on it at the end of each step, so they stop together."""
+
+    def __init__(self) -> None:
+        self.local = False
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.local:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.local = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1 if self.local else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _resume_path(cfg: TrainConfig) -> str | None:
+    """The checkpoint to start from: an explicit path, the newest under ``checkpoint.dir`` when
+    ``resume`` is true or torchrun restarted the job (``--max-restarts``), else None."""
+    from ndparallel import checkpoint
+
+    c = cfg.checkpoint
+    if isinstance(c.resume, str):
+        return c.resume
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if c.dir and (c.resume or restarted):
+        return checkpoint.latest(c.dir)
+    return None
+
+
+def _save(cfg: TrainConfig, step: int, model: nn.Module, optimizer, loader: BatchLoader, rank0: bool) -> None:
+    from ndparallel import checkpoint
+
+    path = Path(cfg.checkpoint.dir) / f"step-{step:08d}"
+    checkpoint.save(path, model, optimizer, keep_last=cfg.checkpoint.keep_last, step=step, data=loader.state_dict())
+    if rank0:
+        print(f"saved checkpoint {path}", flush=True)
+
+
 def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     """Train ``cfg.model`` on ``cfg.data`` for ``cfg.train.steps`` steps; returns losses and throughput."""
+    from ndparallel import checkpoint
     from ndparallel.clip import clip_grad_norm_
     from ndparallel.metrics import average_over, cross_entropy_loss
     from ndparallel.plans.context_parallel import context_parallel
@@ -97,22 +166,33 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     loader = BatchLoader(corpus, t.global_batch, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed)
     device = next(model.parameters()).device
     tokens_per_step = t.global_batch * cfg.data.seq_len
+    peak = peak_flops_per_device(cfg, mesh.device_type)
+    flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
 
+    result = TrainResult()
+    resume = _resume_path(cfg)
+    if resume:
+        state = checkpoint.load(resume, model, optimizer)
+        loader.load_state_dict(state["data"])
+        result.start_step = int(state["step"])
     if rank0:
         print(
             f"ndparallel train: {cfg.model.num_params() / 1e6:.2f}M params | mesh {mesh.config.describe()} "
             f"({mesh.size()} ranks, {mesh.device_type}) | global batch {t.global_batch} x {cfg.data.seq_len} tokens"
-            f" | {accumulation} micro-batch(es) per rank per step | {corpus.num_windows} windows of data",
+            f" | {accumulation} micro-batch(es) per rank per step | {corpus.num_windows} windows of data"
+            + (f" | resumed from {resume} at step {result.start_step}" if resume else ""),
             flush=True,
         )
     metrics_file = open(t.metrics_file, "a") if (rank0 and t.metrics_file) else None  # noqa: SIM115
-    progress = Progress(t.steps, enabled=rank0, every=t.log_every)
-    result = TrainResult()
+    progress = Progress(t.steps, enabled=rank0, every=t.log_every, start_step=result.start_step)
+    stop = _StopRequest()
     start = time.perf_counter()
+    step = result.start_step
     try:
-        for step in range(t.steps):
+        while step < t.steps:
+            lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg)
+                group["lr"] = lr
             inputs, labels = loader.batch(step)
             step_loss = torch.zeros((), device=device)
             for micro, (x, y) in enumerate(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True)):
@@ -125,35 +205,48 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                     loss = cross_entropy_loss(model(x, positions), y) / accumulation
                     loss.backward()
                 step_loss += loss.detach()
-            grad_norm = clip_grad_norm_(model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
+            grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loader.step = step
 
             global_loss = average_over(mesh["dp_cp"], step_loss)
             result.losses.append(global_loss)
-            result.grad_norms.append(float(grad_norm))
+            result.grad_norms.append(grad_norm)
             elapsed = time.perf_counter() - start
-            rate = tokens_per_step * (step + 1) / elapsed
-            fields = {"loss": f"{global_loss:.4f}", "tok/s": format_rate(rate), "lr": f"{lr_at(step, cfg):.1e}"}
-            progress.update(step + 1, **fields)
+            rate = tokens_per_step * (step - result.start_step) / elapsed
+            fields = {"loss": f"{global_loss:.4f}", "tok/s": format_rate(rate), "lr": f"{lr:.1e}"}
+            mfu = flops_per_token * rate / (peak * mesh.size()) if peak else None
+            if mfu is not None:
+                fields["mfu"] = f"{100 * mfu:.1f}%"
+            progress.update(step, **fields)
             if metrics_file:
-                record = dict(step=step + 1, loss=global_loss, grad_norm=float(grad_norm), lr=lr_at(step, cfg),
-                              tokens_per_s=rate, elapsed_s=elapsed)
+                record = dict(step=step, loss=global_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=rate, mfu=mfu)
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+            interrupted = stop.agreed(device)
+            every = cfg.checkpoint.every
+            if cfg.checkpoint.dir and (step == t.steps or interrupted or (every and step % every == 0)):
+                _save(cfg, step, model, optimizer, loader, rank0)
+            if interrupted:
+                result.interrupted = True
+                if rank0:
+                    print(f"stopped by signal after step {step}", flush=True)
+                break
     finally:
+        stop.restore()
         if metrics_file:
             metrics_file.close()
     result.seconds = time.perf_counter() - start
-    result.steps = t.steps
-    result.tokens_per_s = tokens_per_step * t.steps / result.seconds
-    if rank0:
+    result.steps = step - result.start_step
+    result.tokens_per_s = tokens_per_step * result.steps / result.seconds if result.steps else 0.0
+    if rank0 and result.losses:
         first, last = result.losses[0], result.losses[-1]
         per_rank = format_rate(result.tokens_per_s / mesh.size())
         print(
-            f"done: {t.steps} steps in {format_duration(result.seconds)} | loss {first:.4f} -> {last:.4f} | "
+            f"done: {result.steps} steps in {format_duration(result.seconds)} | loss {first:.4f} -> {last:.4f} | "
             f"{format_rate(result.tokens_per_s)} tok/s global, {per_rank} per rank",
             flush=True,
         )
     return result
-

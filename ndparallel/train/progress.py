@@ -28,8 +28,9 @@ class Progress:
     On a terminal the line redraws in place; otherwise one line is printed every ``every`` steps.
     """
 
-    def __init__(self, total: int, enabled: bool, every: int = 10, width: int = 24, stream=None):
+    def __init__(self, total: int, enabled: bool, every: int = 10, width: int = 24, stream=None, start_step: int = 0):
         self.total = total
+        self.start_step = start_step
         self.enabled = enabled
         self.every = max(1, every)
         self.width = width
@@ -42,7 +43,7 @@ class Progress:
             return
         done = int(self.width * step / self.total)
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / max(step, 1) * (self.total - step)
+        eta = elapsed / max(step - self.start_step, 1) * (self.total - step)
         parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * done}{'.' * (self.width - done)}]"]
         parts += [f"{name} {value}" for name, value in fields.items()]
         parts.append(f"eta {format_duration(eta)}")

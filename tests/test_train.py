@@ -1,0 +1,184 @@
+"""The training job: resume exactness across meshes, a SIGKILLed rank, torchrun restarts, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ndparallel.testing import run_distributed
+from ndparallel.train.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config(parallelism: dict, ckpt_dir: str, **checkpoint) -> dict:
+    return {
+        "parallelism": parallelism,
+        "model": {"preset": "tiny", "max_seq_len": 64},
+        "data": {"seq_len": 64, "max_bytes": 300_000},
+        "train": {"steps": 10, "global_batch": 8, "lr": 0.01, "warmup_steps": 2, "log_every": 100},
+        "checkpoint": {"dir": ckpt_dir, **checkpoint},
+    }
+
+
+def _train(config: dict) -> dict:
+    from ndparallel.train import train
+
+    result = train(TrainConfig.from_dict(config))
+    return {"losses": result.losses, "start_step": result.start_step}
+
+
+def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_distributed(_train, 2, _config({"dp_shard_size": 2}, ckpt, every=5, keep_last=5))[0]
+    assert sorted(os.listdir(ckpt)) == ["step-00000005", "step-00000010"]
+    assert straight["losses"][-1] < straight["losses"][0]
+    middle = f"{ckpt}/step-00000005"
+
+    same = run_distributed(_train, 2, _config({"dp_shard_size": 2}, str(tmp_path / "a"), resume=middle))[0]
+    assert same["start_step"] == 5
+    assert same["losses"] == straight["losses"][5:], "same mesh: identical fp32 losses"
+
+    other = run_distributed(_train, 4, _config({"dp_shard_size": 2, "tp_size": 2}, str(tmp_path / "b"), resume=middle))
+    single = run_distributed(_train, 1, _config({}, str(tmp_path / "c"), resume=middle))
+    for got in (other[0], single[0]):
+        assert got["losses"] == pytest.approx(straight["losses"][5:], abs=1e-5)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue
+    return found
+
+
+def _worker_pid(agent: int, local_rank: int, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in _children(agent):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if f"LOCAL_RANK={local_rank}".encode() in env:
+                return pid
+        time.sleep(0.2)
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under pid {agent}")
+
+
+def _wait_for(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def _launch(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    """Start a long 2-rank training job; its stdout/stderr go to tmp_path/out.txt and err.txt."""
+    config = tmp_path / "job.yaml"
+    steps = _config({"dp_shard_size": 2}, str(tmp_path / "ckpt"), every=2)
+    steps["train"]["steps"] = 100_000  # far more than the test waits for
+    steps["train"]["metrics_file"] = str(tmp_path / "metrics.jsonl")
+    config.write_text(json.dumps(steps))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ndparallel",
+            "launch",
+            "--cpu-ranks",
+            "2",
+            *extra,
+            "--",
+            "train",
+            "--config",
+            str(config),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=open(tmp_path / "out.txt", "w"),  # noqa: SIM115  (closed with the process)
+        stderr=open(tmp_path / "err.txt", "w"),  # noqa: SIM115
+        text=True,
+    )
+
+
+def test_sigkilled_rank_ends_the_job_and_resume_continues(tmp_path):
+    job = _launch(tmp_path)
+    try:
+        _wait_for(tmp_path / "ckpt" / "step-00000002")
+        os.kill(_worker_pid(job.pid, 1), signal.SIGKILL)
+        job.wait(timeout=90)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert "rank 1 failed first (exit code -9)" in (tmp_path / "err.txt").read_text()
+    from ndparallel import checkpoint
+
+    last = checkpoint.latest(tmp_path / "ckpt")
+    assert last is not None
+    saved_step = int(Path(last).name.split("-")[1])
+    config = _config({"dp_shard_size": 2}, str(tmp_path / "ckpt"), resume=True, every=2)
+    config["train"]["steps"] = saved_step + 2
+    resumed = run_distributed(_train, 2, config)[0]
+    assert resumed["start_step"] == saved_step
+    assert len(resumed["losses"]) == 2
+
+
+def _train_as_restarted(config: dict) -> dict:
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # what torchrun sets after --max-restarts restarts a job
+    return _train(config)
+
+
+def test_restarted_job_resumes_from_the_newest_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = run_distributed(_train, 2, _config({"dp_shard_size": 2}, ckpt, every=3))[0]
+    config = _config({"dp_shard_size": 2}, ckpt, every=3)
+    config["train"]["steps"] = 12
+    again = run_distributed(_train_as_restarted, 2, config)[0]
+    assert again["start_step"] == 10, "no resume flag needed: a torchrun restart resumes"
+    assert len(again["losses"]) == 2
+    assert len(first["losses"]) == 10
+
+
+def test_demo_config_trains_on_four_cpu_ranks():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ndparallel",
+            "train",
+            "--config",
+            "configs/demo.yaml",
+            "--cpu-ranks",
+            "4",
+            "train.steps=30",
+            "train.log_every=10",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(4 ranks, cpu)" in result.stdout
+    done = [line for line in result.stdout.splitlines() if line.startswith("done: 30 steps")]
+    assert done, result.stdout
+    first, last = (float(x) for x in done[0].split("loss ")[1].split(" |")[0].split(" -> "))
+    assert last < first - 0.5, "the loss must visibly fall"
