@@ -131,6 +131,25 @@ class Mesh:
         return f"Mesh({self.config.describe()}, device_type={self.device_type!r})"
 
 
+def _launcher_store(timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store torchrun's env describes, keyed by restart attempt.
+
+    After ``--max-restarts`` restarts a job, the store still holds the dead attempt's gloo
+    addresses under the same keys, and the new ranks can connect to them ("connectFullMesh
+    failed ... connection refused"; measured on torch 2.13). A prefix per attempt keeps them apart.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ.get("MASTER_PORT", "29500")),
+        world,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"ndparallel/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def _default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -153,7 +172,10 @@ def init_distributed(
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if device_type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend=backend, timeout=timeout)
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(
+                backend=backend, timeout=timeout, store=_launcher_store(timeout), rank=rank, world_size=world
+            )
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif device_type == "cuda":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,20 +140,35 @@ def test_sigkilled_rank_ends_the_job_and_resume_continues(tmp_path):
     assert len(resumed["losses"]) == 2
 
 
-def _train_as_restarted(config: dict) -> dict:
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # what torchrun sets after --max-restarts restarts a job
-    return _train(config)
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
+    job = _launch(tmp_path, "--max-restarts", "1")
+    out = tmp_path / "out.txt"
+    try:
+        _wait_for(tmp_path / "ckpt" / "step-00000002")
+        os.kill(_worker_pid(job.pid, 1), signal.SIGKILL)
+        # torchrun restarts both ranks; the new attempt finds the checkpoint and says so.
+        deadline = time.monotonic() + 180
+        while "resumed from" not in out.read_text():
+            assert job.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.3)
+        _wait_for_line_after(out, "resumed from", "step ")
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=90)
+    finally:
+        job.kill()
+    text = out.read_text()
+    assert re.search(r"resumed from .*step-\d+ at step \d+", text), text[-2000:]
 
 
-def test_restarted_job_resumes_from_the_newest_checkpoint(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    first = run_distributed(_train, 2, _config({"dp_shard_size": 2}, ckpt, every=3))[0]
-    config = _config({"dp_shard_size": 2}, ckpt, every=3)
-    config["train"]["steps"] = 12
-    again = run_distributed(_train_as_restarted, 2, config)[0]
-    assert again["start_step"] == 10, "no resume flag needed: a torchrun restart resumes"
-    assert len(again["losses"]) == 2
-    assert len(first["losses"]) == 10
+def _wait_for_line_after(path: Path, marker: str, prefix: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        after = path.read_text().split(marker, 1)[-1]
+        if any(line.startswith(prefix) for line in after.splitlines()):
+            return
+        assert time.monotonic() < deadline, f"no {prefix!r} line after {marker!r}"
+        time.sleep(0.3)
 
 
 def test_demo_config_trains_on_four_cpu_ranks():
