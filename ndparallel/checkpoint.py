@@ -1,0 +1,780 @@
+"""Distributed checkpoints over torch.distributed.checkpoint (DCP): atomic, reshardable, no pickles of our own.
+
+::
+
+    ndp.checkpoint.save("ckpt/step-100", model, opt, step=100, scheduler=sched.state_dict(), keep_last=3)
+    extra = ndp.checkpoint.load(ndp.checkpoint.latest("ckpt"), model, opt)   # any mesh, or one process
+    sched.load_state_dict(extra["scheduler"])
+
+A checkpoint is a directory. Model and optimizer tensors (DTensor shards included) go through DCP,
+so a checkpoint saved on one mesh loads on any other. Everything that is not a tensor (optimizer
+hyper-parameters, scheduler state, the data position, ``step``) is written by rank 0 as JSON, and
+per-rank RNG states are saved as tensors: loading never unpickles an object of ours. The directory
+is written as ``<path>.tmp-<id>``, completed by a JSON marker written last, then renamed into place,
+so a save that dies half-way leaves the previous checkpoint intact. ``load`` checks the marker and
+every file before DCP touches the model. Layout and guarantees: docs/checkpointing.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import glob
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "MARKER",
+    "AsyncSave",
+    "CheckpointError",
+    "export_safetensors",
+    "import_safetensors",
+    "latest",
+    "load",
+    "prune",
+    "save",
+    "save_async",
+    "validate",
+]
+
+MARKER = "ndparallel_meta.json"
+"""Written last, by rank 0: a directory without it is not a (complete) checkpoint."""
+STATE_FILE = "ndparallel_state.json"
+"""Everything that is not a tensor: the structure of the saved state with tensor placeholders."""
+FORMAT = "ndparallel-checkpoint"
+FORMAT_VERSION = 1
+# Test hook: rank 0 SIGKILLs itself at this commit stage ("before_marker" or "before_rename").
+_CRASH_ENV = "NDPARALLEL_CHECKPOINT_TEST_CRASH"
+_TMP_RE = re.compile(r"\.(tmp|old)-[0-9a-f]+$")
+_TENSOR, _TUPLE = "__tensor__", "__tuple__"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model; nothing was loaded."""
+
+
+# ----------------------------------------------------------------------------- state <-> (JSON, tensors)
+
+
+def _split(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON skeleton of ``obj``; every tensor goes to ``tensors[key]`` and leaves a placeholder."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj
+        return {_TENSOR: key, "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str) or k in (_TENSOR, _TUPLE):
+                raise CheckpointError(
+                    f"checkpoint state {_display(key)!r} has key {k!r}: dict keys must be strings "
+                    f"(and not {_TENSOR!r}/{_TUPLE!r}); convert the key, e.g. str({k!r})"
+                )
+            out[k] = _split(v, f"{key}.{k}" if key else k, tensors)
+        return out
+    if isinstance(obj, list):
+        return [_split(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {_TUPLE: [_split(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise CheckpointError(
+        f"checkpoint state {_display(key)!r} is a {type(obj).__name__}: extra state must be tensors or JSON values "
+        "(int, float, str, bool, None, and lists, tuples and str-keyed dicts of them); e.g. pass "
+        "scheduler.state_dict(), not the scheduler, and int(x) for numpy integers"
+    )
+
+
+def _display(key: str) -> str:
+    return key.removeprefix("extra.") if key.startswith("extra.") else key or "<root>"
+
+
+def _join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`_split`."""
+    if isinstance(skeleton, dict):
+        if _TENSOR in skeleton:
+            return tensors[skeleton[_TENSOR]]
+        if _TUPLE in skeleton:
+            return tuple(_join(v, tensors) for v in skeleton[_TUPLE])
+        return {k: _join(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_join(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def _placeholders(skeleton: Any) -> list[dict]:
+    if isinstance(skeleton, dict):
+        if _TENSOR in skeleton:
+            return [skeleton]
+        return [p for v in skeleton.values() for p in _placeholders(v)]
+    if isinstance(skeleton, list):
+        return [p for v in skeleton for p in _placeholders(v)]
+    return []
+
+
+# ----------------------------------------------------------------------------- RNG states as tensors
+
+
+def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's torch CPU, CUDA (current device), python ``random`` and numpy global RNG states."""
+    prefix = f"rng.rank{rank}."
+    out = {prefix + "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[prefix + "torch_cuda"] = torch.cuda.get_rng_state()
+    version, mt, gauss = random.getstate()
+    out[prefix + "python"] = torch.tensor([version, *mt], dtype=torch.int64)
+    out[prefix + "python_gauss"] = torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64)
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    out[prefix + "numpy"] = torch.tensor([pos, has_gauss, *keys.tolist()], dtype=torch.int64)
+    out[prefix + "numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    return out
+
+
+def _restore_rng(loaded: dict[str, torch.Tensor], rank: int) -> None:
+    prefix = f"rng.rank{rank}."
+    torch.set_rng_state(loaded[prefix + "torch_cpu"])
+    if prefix + "torch_cuda" in loaded and torch.cuda.is_available():
+        torch.cuda.set_rng_state(loaded[prefix + "torch_cuda"])
+    py, py_gauss = loaded[prefix + "python"].tolist(), loaded[prefix + "python_gauss"].tolist()
+    random.setstate((py[0], tuple(py[1:]), py_gauss[1] if py_gauss[0] else None))
+    npy = loaded[prefix + "numpy"].tolist()
+    keys = np.array(npy[2:], dtype=np.uint32)
+    np.random.set_state(("MT19937", keys, npy[0], npy[1], loaded[prefix + "numpy_gauss"].item()))
+
+
+# ----------------------------------------------------------------------------- process-group helpers
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every single-process save/load ("assuming the intent is to ... in a single
+    # process"); that is exactly our intent when there is no process group.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast_int(value: int) -> int:
+    """Rank 0's ``value`` on every rank (a tensor broadcast: nothing is pickled)."""
+    if not _distributed() or dist.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+def _all_ok(ok: bool) -> bool:
+    """True when ``ok`` on every rank; lets rank-0-only work fail on every rank instead of hanging."""
+    if not _distributed() or dist.get_world_size() == 1:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return int(t.item()) == 0
+
+
+def _raise_if_failed(error: BaseException | None, message: str) -> None:
+    """Collective: if any rank has an ``error``, raise on every rank (the error itself where it happened)."""
+    if not _all_ok(error is None):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{message}; see that rank's error")
+
+
+# ----------------------------------------------------------------------------- files: fsync, rename, marker
+
+
+def _fsync_dir(path: str | Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _exchange(a: str, b: str) -> bool:
+    # Linux renameat2(RENAME_EXCHANGE) swaps two directories atomically; os.rename cannot replace a
+    # non-empty directory. Returns False where unsupported (other OSes, some network filesystems).
+    if sys.platform != "linux":
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _replace_dir(tmp: Path, path: Path, token: str) -> None:
+    """Move the complete ``tmp`` to ``path``, replacing an existing checkpoint there."""
+    if not path.exists():
+        os.rename(tmp, path)
+    elif _exchange(str(tmp), str(path)):
+        shutil.rmtree(tmp)  # now holds the old checkpoint
+    else:  # two renames: for a moment only <path>.old-<id> (complete) exists
+        old = path.with_name(f"{path.name}.old-{token}")
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old)
+    _fsync_dir(path.parent)
+
+
+def _crash_hook(stage: str) -> None:
+    if os.environ.get(_CRASH_ENV) == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _mesh_info(model: nn.Module) -> list[dict[str, Any]]:
+    seen: dict[tuple, dict[str, Any]] = {}
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            m = p.device_mesh
+            names = list(m.mesh_dim_names or [f"dim{i}" for i in range(m.ndim)])
+            seen.setdefault((tuple(names), tuple(m.shape)), {"dims": names, "shape": list(m.shape)})
+    return list(seen.values())
+
+
+def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, Any]) -> None:
+    """Rank 0, after every rank's data is on disk: state JSON, marker (last), rename into place."""
+    _write_json(tmp / STATE_FILE, skeleton)
+    _crash_hook("before_marker")
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    marker = dict(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        **info,
+        created=now.isoformat(timespec="seconds"),
+        created_unix=now.timestamp(),
+        torch_version=torch.__version__,
+        files=files,
+        sha256={name: _sha256(tmp / name) for name in (".metadata", STATE_FILE)},
+    )
+    _write_json(tmp / MARKER, marker)
+    _fsync_dir(tmp)
+    _crash_hook("before_rename")
+    _replace_dir(tmp, path, token)
+
+
+def _remove_stale_tmp(path: Path) -> None:
+    for p in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
+        if p.is_dir() and _TMP_RE.search(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _prepare(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, save_rng: bool, state: dict
+) -> tuple[Path, Path, str, dict[str, torch.Tensor], Any, dict[str, Any]]:
+    path = Path(path).absolute()
+    if _TMP_RE.search(path.name):
+        raise CheckpointError(f"checkpoint path {str(path)!r} must not end in .tmp-<hex> or .old-<hex>: reserved")
+    rank = _rank()
+    # Rank 0 picks the temporary name; a broadcast int keeps every rank on the same directory.
+    token = f"{_broadcast_int(time.time_ns() & (2**62 - 1) if rank == 0 else 0):x}"
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    tree: dict[str, Any] = {}
+    if optimizer is not None:
+        tree["model"], tree["optimizer"] = get_state_dict(model, optimizer)
+    else:
+        tree["model"] = get_model_state_dict(model)
+    tree["extra"] = state
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(tree, "", tensors)
+    if save_rng:
+        tensors.update(_rng_tensors(rank))
+    step = state.get("step")
+    info = dict(
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        world_size=_world_size(),
+        mesh=_mesh_info(model),
+        has_optimizer=optimizer is not None,
+        rng_ranks=_world_size() if save_rng else 0,
+    )
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            if path.exists() and not path.is_dir():
+                raise CheckpointError(f"checkpoint path {str(path)!r} exists and is not a directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_tmp(path)
+            tmp.mkdir()
+        except (OSError, CheckpointError) as e:
+            error = e
+    _raise_if_failed(error, f"rank 0 could not create checkpoint directory {str(tmp)!r}")
+    return path, tmp, token, tensors, skeleton, info
+
+
+def _finish(path: Path, tmp: Path, token: str, skeleton: Any, info: dict, keep_last: int | None) -> str:
+    _barrier()  # every rank's files are written
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            _commit(tmp, path, token, skeleton, info)
+            if keep_last is not None:
+                prune(path.parent, keep_last)
+        except Exception as e:  # reported on every rank below
+            error = e
+    _raise_if_failed(error, f"rank 0 failed to commit checkpoint {str(path)!r}")
+    return str(path)
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    keep_last: int | None = None,
+    save_rng: bool = True,
+    **state: Any,
+) -> str:
+    """Save ``model`` (and ``optimizer``) plus extra ``state`` to directory ``path``; every rank calls it.
+
+    ``state``: tensors and JSON values, e.g. ``step=100, scheduler=sched.state_dict(), data={"pos": 1234}``
+    (rank 0's values are kept). Per-rank RNG states are saved unless ``save_rng=False``. The
+    directory appears complete or not at all; an existing one is replaced. ``keep_last=k`` then
+    deletes all but the newest ``k`` checkpoints in ``path``'s parent (see :func:`prune`).
+    Returns the absolute path.
+    """
+    _check_keep_last(keep_last)
+    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, state)
+    with _quiet_single_process():
+        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+    return _finish(path, tmp, token, skeleton, info, keep_last)
+
+
+class AsyncSave:
+    """Handle of :func:`save_async`. ``wait()`` (every rank) finishes the write and commits the checkpoint."""
+
+    def __init__(self, future: Any, finalize: Callable[[], str]):
+        self._future = future
+        self._finalize = finalize
+        self._path: str | None = None
+
+    def done(self) -> bool:
+        """True when the background write finished (the commit still needs :meth:`wait`)."""
+        return self._future.done()
+
+    def wait(self) -> str:
+        """Block until the files are written, then commit (collective: every rank must call it)."""
+        if self._path is None:
+            self._future.result()
+            self._path = self._finalize()
+        return self._path
+
+
+_ASYNC_GROUPS: dict[int, Any] = {}
+
+
+def _async_group() -> Any:
+    # A separate gloo group for the background thread's collectives, so they never interleave
+    # with the training step's collectives on the default group. Created once (a collective).
+    if not _distributed():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[key]
+
+
+def save_async(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    keep_last: int | None = None,
+    save_rng: bool = True,
+    **state: Any,
+) -> AsyncSave:
+    """Like :func:`save`, but tensors are copied to CPU now and written by a background thread.
+
+    Training may continue at once; call ``handle.wait()`` on every rank (before the next save)
+    to commit. Until then ``path`` is untouched (its previous checkpoint, if any, stays valid).
+    """
+    _check_keep_last(keep_last)
+    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, state)
+    group = _async_group()
+    kwargs = {"process_group": group} if _distributed() else {"no_dist": True}
+    with _quiet_single_process():
+        future = dcp.async_save(tensors, checkpoint_id=str(tmp), **kwargs)
+    # Newer torch may return an AsyncSaveResponse (staging + upload futures) instead of a Future.
+    future = getattr(future, "upload_completion", future)
+    return AsyncSave(future, lambda: _finish(path, tmp, token, skeleton, info, keep_last))
+
+
+def _check_keep_last(keep_last: int | None) -> None:
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last={keep_last!r} must be a positive integer (or None to keep all)")
+
+
+# ----------------------------------------------------------------------------- validate / latest / prune
+
+
+def validate(path: str | os.PathLike) -> dict[str, Any]:
+    """Check that ``path`` is a complete, intact checkpoint; return its marker. Raises :class:`CheckpointError`.
+
+    Checks: the marker exists and parses, its format version is known, every file it lists exists
+    with the recorded size, and DCP's ``.metadata`` and the state JSON match their recorded SHA-256.
+    Reads only; no process group needed.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {str(path)!r}")
+    marker_path = path / MARKER
+    if not marker_path.is_file():
+        hint = "; it holds checkpoints: pass latest(root) instead" if _candidates(path) else ""
+        raise CheckpointError(
+            f"{str(path)!r} has no {MARKER}: the save did not complete (crashed or still running) or this "
+            f"is not an ndparallel checkpoint{hint}"
+        )
+    try:
+        marker = json.loads(marker_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{str(marker_path)!r} is unreadable or not JSON: {e}") from e
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
+        raise CheckpointError(f"{str(marker_path)!r} is not an ndparallel checkpoint marker")
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{str(path)!r} has format_version {marker.get('format_version')!r}; this ndparallel reads "
+            f"version {FORMAT_VERSION}: upgrade ndparallel"
+        )
+    for name, size in marker["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: file {name!r} listed in {MARKER} is missing")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is corrupt: {name!r} has {actual} bytes, {MARKER} recorded {size} "
+                "(truncated or modified)"
+            )
+    for name, digest in marker.get("sha256", {}).items():
+        if _sha256(path / name) != digest:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name!r} does not match its SHA-256")
+    return marker
+
+
+def _candidates(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and not _TMP_RE.search(p.name) and (p / MARKER).is_file()]
+
+
+def _complete(root: str | os.PathLike) -> list[tuple[tuple, Path]]:
+    """Complete checkpoints under ``root``, oldest first, ordered by (step, creation time)."""
+    found = []
+    for p in _candidates(Path(root)):
+        try:
+            marker = validate(p)
+        except CheckpointError as e:
+            warnings.warn(f"skipping corrupt checkpoint: {e}", stacklevel=3)
+            continue
+        step = marker.get("step")
+        found.append(((step if isinstance(step, int) else -1, marker.get("created_unix", 0.0)), p))
+    return sorted(found)
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directly under ``root`` (highest step, then newest), or None.
+
+    Partial directories (no marker, e.g. ``step-200.tmp-<id>`` left by a crash) are ignored;
+    corrupt ones are skipped with a warning.
+    """
+    found = _complete(root)
+    return str(found[-1][1]) if found else None
+
+
+def prune(root: str | os.PathLike, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root`` (one process only, e.g. rank 0).
+
+    Also removes leftovers of crashed saves (``*.tmp-<id>`` / ``*.old-<id>`` directories) older than
+    the newest checkpoint. Returns the deleted paths.
+    """
+    _check_keep_last(keep)
+    root = Path(root)
+    found = _complete(root)
+    deleted = [p for _, p in found[:-keep]]
+    if found:
+        newest = found[-1][0][1]
+        deleted += [
+            p for p in root.iterdir() if p.is_dir() and _TMP_RE.search(p.name) and p.stat().st_mtime < newest - 1.0
+        ]
+    for p in deleted:
+        shutil.rmtree(p, ignore_errors=True)
+    if deleted:
+        _fsync_dir(root)
+    return [str(p) for p in deleted]
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _check_fits(live: dict[str, torch.Tensor], stored: dict[str, Any], path: Path, section: str, skeleton: Any) -> None:
+    """Every live tensor has a stored entry of the same global shape, and vice versa for ``section``."""
+    saved_keys = {p[_TENSOR] for p in _placeholders(skeleton)}
+    missing = sorted(k for k in live if k not in stored or k not in saved_keys)
+    unexpected = sorted(k for k in saved_keys if k not in live)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit the {section}: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''} ({len(missing)}), unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''} ({len(unexpected)}); was it saved from another model?"
+        )
+    bad = [
+        f"{k}: checkpoint {list(getattr(stored[k], 'size', ['not a tensor']))} vs {section} {list(t.shape)}"
+        for k, t in live.items()
+        if not isinstance(stored[k], TensorStorageMetadata) or list(stored[k].size) != list(t.shape)
+    ]
+    if bad:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the {section}: shapes differ: {bad[:5]}")
+
+
+def _read(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """Validate, then read the marker, the state skeleton and DCP's key -> storage metadata."""
+    marker = validate(path)
+    skeleton = json.loads((path / STATE_FILE).read_text())
+    # DCP's .metadata is a pickle written by torch; validate() checked its SHA-256 against the marker.
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return marker, skeleton, metadata.state_dict_metadata
+
+
+def _empty_like_placeholder(p: dict) -> torch.Tensor:
+    return torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (and ``optimizer``), on any mesh; return the extra state.
+
+    Every rank calls it (or one process without a process group). The checkpoint is validated and
+    checked against the model before anything is read into it: a :class:`CheckpointError` means
+    the model and optimizer are untouched. RNG states are restored for ranks that saved one
+    (rank ``r`` gets rank ``r``'s) unless ``restore_rng=False``.
+    """
+    path = Path(path).absolute()
+    marker, skeleton, stored = _read(path)
+    if optimizer is not None and "optimizer" not in skeleton:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; call load without the optimizer")
+
+    live_model: dict[str, torch.Tensor] = {}
+    _split(get_model_state_dict(model), "model", live_model)
+    _check_fits(live_model, stored, path, "model", skeleton["model"])
+    targets = dict(live_model)
+    if optimizer is not None:
+        # torch's get_state_dict initialises the state of an optimizer that has none (a step with
+        # lr 0), so it runs only once the files and the model are known to fit.
+        _, optim_sd = get_state_dict(model, optimizer)
+        live_optim: dict[str, torch.Tensor] = {}
+        _split(optim_sd, "optimizer", live_optim)
+        _check_fits(live_optim, stored, path, "optimizer", skeleton["optimizer"])
+        targets.update(live_optim)
+        # Tensors among the saved hyper-parameters (e.g. a tensor lr) are not in the live state.
+        for p in _placeholders(skeleton["optimizer"]):
+            targets.setdefault(p[_TENSOR], _empty_like_placeholder(p))
+    for p in _placeholders(skeleton.get("extra", {})):
+        targets[p[_TENSOR]] = _empty_like_placeholder(p)
+    rank = _rank()
+    rng_keys = [k for k in stored if k.startswith(f"rng.rank{rank}.")] if restore_rng else []
+    for k in rng_keys:
+        meta = stored[k]
+        targets[k] = torch.empty(list(meta.size), dtype=meta.properties.dtype)
+
+    with _quiet_single_process():
+        dcp.load(targets, checkpoint_id=str(path), no_dist=not _distributed())
+
+    if optimizer is not None:
+        saved_optim = _join(skeleton["optimizer"], targets)
+        saved_model = _join(skeleton["model"], targets)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=saved_model,
+            optim_state_dict=saved_optim,
+            options=StateDictOptions(strict=True),
+        )
+    else:
+        set_model_state_dict(model, _join(skeleton["model"], targets), options=StateDictOptions(strict=True))
+    if rng_keys:
+        _restore_rng(targets, rank)
+    elif restore_rng and marker.get("rng_ranks", 0) > 0:
+        warnings.warn(
+            f"checkpoint {str(path)!r} has RNG states for {marker['rng_ranks']} ranks, none for rank {rank}: "
+            "this rank's RNG is not restored",
+            stacklevel=2,
+        )
+    return _join(skeleton.get("extra", {}), targets)
+
+
+# ----------------------------------------------------------------------------- safetensors export / import
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ImportError(
+            "safetensors export/import needs the safetensors package: pip install safetensors "
+            "(or pip install 'ndparallel[hf]')"
+        ) from e
+    return safetensors.torch
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    st = _safetensors()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(file.name + ".part")
+    st.save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.PathLike) -> str:
+    """Write the full (unsharded) model weights to one safetensors ``file``.
+
+    ``source`` is a live (possibly sharded) model, and then every rank calls it (rank 0 gathers and
+    writes), or a checkpoint directory, and then it runs in one process without a process group
+    (with one, rank 0 does the work and the others wait). Keys are the model's parameter names.
+    """
+    _safetensors()  # fail early, on every rank, before any collective
+    file = Path(file).absolute()
+    if isinstance(source, nn.Module):
+        full = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        error: BaseException | None = None
+        if _rank() == 0:
+            try:
+                _write_safetensors(full, file)
+            except Exception as e:  # reported on every rank below
+                error = e
+        _raise_if_failed(error, f"rank 0 failed to write {str(file)!r}")
+        return str(file)
+    path = Path(source).absolute()
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            _export_checkpoint(path, file)
+        except Exception as e:  # reported on every rank below
+            error = e
+    _raise_if_failed(error, f"rank 0 failed to export {str(path)!r}")
+    return str(file)
+
+
+def _export_checkpoint(path: Path, file: Path) -> None:
+    """Full model tensors of a checkpoint directory, read in this process alone, to ``file``."""
+    _, skeleton, stored = _read(path)
+    tensors = {}
+    for p in _placeholders(skeleton["model"]):
+        meta = stored[p[_TENSOR]]
+        tensors[p[_TENSOR]] = torch.empty(list(meta.size), dtype=meta.properties.dtype)
+    with _quiet_single_process():
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    _write_safetensors({k.removeprefix("model."): v for k, v in tensors.items()}, file)
+
+
+def import_safetensors(file: str | os.PathLike, model: nn.Module) -> None:
+    """Load full weights from one safetensors ``file`` into ``model``, sharded or not; every rank calls it.
+
+    Every rank checks the file's names and shapes against the model first (a mismatch raises
+    :class:`CheckpointError`, model untouched); rank 0 reads the tensors and broadcasts them.
+    """
+    st = _safetensors()
+    from safetensors import safe_open
+
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(f"no safetensors file at {str(file)!r}")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise CheckpointError(f"{str(file)!r} is not a readable safetensors file: {e}") from e
+    live = get_model_state_dict(model)
+    missing = sorted(set(live) - set(shapes))
+    unexpected = sorted(set(shapes) - set(live))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{str(file)!r} does not fit the model: missing {missing[:5]} ({len(missing)}), "
+            f"unexpected {unexpected[:5]} ({len(unexpected)})"
+        )
+    bad = [f"{k}: file {shapes[k]} vs model {list(t.shape)}" for k, t in live.items() if shapes[k] != list(t.shape)]
+    if bad:
+        raise CheckpointError(f"{str(file)!r} does not fit the model: shapes differ: {bad[:5]}")
+    broadcast = _world_size() > 1
+    full = st.load_file(str(file)) if _rank() == 0 or not broadcast else {}
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=True)
+    )

@@ -1,0 +1,438 @@
+"""Checkpoints: resharding (FSDP2 x4 -> dp_shard 2 x tp 2 -> one process), exact resume, async save,
+atomic commit under a crash, corrupt-checkpoint detection, keep-last-k, safetensors export/import.
+
+Every multi-rank check runs on real gloo ranks and writes real DCP directories under ``tmp_path``.
+The three 4-rank jobs (save, resume on the same mesh, resume on another mesh) form one test so the
+saved checkpoint is shared; the single-process reference runs in the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+import ndparallel as ndp
+from ndparallel import checkpoint as ckpt
+from ndparallel.checkpoint import CheckpointError
+from ndparallel.metrics import average_over, cross_entropy_loss
+from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.testing import DistributedError, run_distributed
+from tests.parity import full_grads
+
+GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 256
+FSDP4 = {"dp_shard_size": 4}
+FSDP2 = {"dp_shard_size": 2}
+FSDP2_TP2 = {"dp_shard_size": 2, "tp_size": 2}
+
+
+# ----------------------------------------------------------------------------- training helpers (run in ranks)
+
+
+def _setup(parallel: dict | None, seed: int = 0):
+    """Tiny Transformer, AdamW and a LinearLR schedule; parallelised on ``parallel`` (None: one process)."""
+    net = Transformer(TransformerConfig.from_preset("tiny", seed=seed))
+    mesh = None
+    if parallel is not None:
+        from ndparallel.parallelize import parallelize
+
+        mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
+        net = parallelize(net, mesh.config, mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=10)
+    return net, opt, sched, mesh
+
+
+def _step(net, opt, sched, mesh, grads: dict | None = None) -> tuple[float, list[float]]:
+    """One step on a batch drawn from the *global* torch RNG (identical on every rank), so resuming
+    with the wrong RNG state changes the data. Also draws from python's and numpy's RNGs."""
+    data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1))
+    dp_size, dp_rank = (mesh.size("dp"), mesh.local_rank("dp")) if mesh else (1, 0)
+    per = GLOBAL_BATCH // dp_size
+    data = data[dp_rank * per : (dp_rank + 1) * per]
+    loss = cross_entropy_loss(net(data[:, :-1]), data[:, 1:])
+    loss.backward()
+    if grads is not None:
+        grads.update(full_grads(net))  # full fp32 gradients (a collective under DTensor)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return average_over(mesh["dp_cp"] if mesh else None, loss), [random.random(), float(np.random.rand())]
+
+
+def _train(net, opt, sched, mesh, steps: int, grads: dict | None = None) -> tuple[list[float], list[list[float]]]:
+    """``steps`` steps; ``grads`` (if given) receives the first step's full gradients."""
+    losses, draws = [], []
+    for i in range(steps):
+        loss, draw = _step(net, opt, sched, mesh, grads if i == 0 else None)
+        losses.append(loss)
+        draws.append(draw)
+    return losses, draws
+
+
+def _full_state(net, opt) -> dict[str, np.ndarray] | None:
+    """Full model + optimizer state as numpy (rank 0; None elsewhere). A collective under a process group."""
+    model_sd, optim_sd = get_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    out = {f"model.{k}": v.detach().numpy().copy() for k, v in model_sd.items()}
+    for fqn, state in optim_sd["state"].items():
+        for name, value in state.items():
+            out[f"optim.{fqn}.{name}"] = value.detach().numpy().copy()
+    out["lr"] = np.array([g["lr"] for g in optim_sd["param_groups"]])
+    return out
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def job_save(root: str) -> dict[str, Any]:
+    """FSDP2 x4: 5 steps, save (sync and async), export safetensors, 5 more steps while the async save writes."""
+    _seed_all(1234)
+    net, opt, sched, mesh = _setup(FSDP4)
+    losses, draws = _train(net, opt, sched, mesh, 5)
+    extra = dict(scheduler=sched.state_dict(), data={"position": 5 * GLOBAL_BATCH, "epoch": 0}, note=(1, "a"))
+    path = ckpt.save(f"{root}/sync/step-5", net, opt, step=5, **extra)
+    handle = ckpt.save_async(f"{root}/async/step-5", net, opt, step=5, **extra)
+    state5 = _full_state(net, opt)
+    ckpt.export_safetensors(net, f"{root}/full.safetensors")
+    grads: dict = {}
+    more_losses, more_draws = _train(net, opt, sched, mesh, 5, grads)  # runs while the async save writes
+    async_path = handle.wait()
+    return dict(
+        losses=losses + more_losses,
+        draws=draws + more_draws,
+        state5=state5,
+        path=path,
+        async_path=async_path,
+        async_done=handle.done(),
+        grads6=grads,
+    )
+
+
+def job_resume(path: str, parallel: dict | None, safetensors_file: str | None = None) -> dict[str, Any]:
+    """New process group (or one process): fresh model from another seed, load, compare state, 5 steps."""
+    _seed_all(999)  # load must restore the RNG states saved at step 5
+    net, opt, sched, mesh = _setup(parallel, seed=7)
+    extra = ckpt.load(path, net, opt)
+    sched.load_state_dict(extra["scheduler"])
+    state = _full_state(net, opt)
+    grads: dict = {}
+    losses, draws = _train(net, opt, sched, mesh, 5, grads)
+    out = dict(extra=extra, state=state, losses=losses, draws=draws, grads6=grads)
+    if safetensors_file is not None:
+        fresh, _, _, _ = _setup(parallel, seed=11)
+        ckpt.import_safetensors(safetensors_file, fresh)
+        out["imported"] = _full_state(fresh, torch.optim.AdamW(fresh.parameters()))
+    if parallel is not None:
+        out["world_size"] = dist.get_world_size()
+    return out
+
+
+def _assert_same_state(got: dict, ref: dict, prefix: str = "", atol: float = 0.0) -> None:
+    keys = [k for k in ref if k.startswith(prefix)]
+    assert keys and set(keys) == {k for k in got if k.startswith(prefix)}
+    for k in keys:
+        diff = float(np.abs(got[k] - ref[k]).max())
+        assert diff <= atol, f"{k} differs by {diff:.3g}"
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ----------------------------------------------------------------------------- resharding + exact resume
+
+
+def test_save_fsdp4_load_fsdp4_tp2x2_and_one_process(tmp_path):
+    saved = run_distributed(job_save, 4, str(tmp_path))[0]
+    path, async_path = saved["path"], saved["async_path"]
+    assert saved["async_done"]
+    assert ckpt.latest(tmp_path / "sync") == path and ckpt.latest(tmp_path / "async") == async_path
+    marker = json.loads((Path(path) / ckpt.MARKER).read_text())
+    assert marker["step"] == 5 and marker["world_size"] == 4 and marker["rng_ranks"] == 4
+    assert marker["mesh"] == [{"dims": ["dp_shard_cp"], "shape": [4]}]
+    straight = saved["losses"]
+
+    # Same mesh, new process group: the resumed 5 steps are bit-identical to the straight run.
+    same = run_distributed(job_resume, 4, path, FSDP4, str(tmp_path / "full.safetensors"))[0]
+    _assert_same_state(same["state"], saved["state5"])
+    assert same["losses"] == straight[5:], (same["losses"], straight[5:])
+    assert same["draws"] == saved["draws"][5:]
+    _assert_same_state(same["grads6"], saved["grads6"])
+    assert same["extra"]["step"] == 5 and same["extra"]["data"] == {"position": 40, "epoch": 0}
+    assert same["extra"]["note"] == (1, "a")  # tuples survive the JSON round trip
+    _assert_same_state(same["imported"], saved["state5"], prefix="model.")
+
+    # Another mesh (dp_shard 2 x tp 2), from the async checkpoint written while training went on.
+    other = run_distributed(job_resume, 4, async_path, FSDP2_TP2, str(tmp_path / "full.safetensors"))[0]
+    _assert_same_state(other["state"], saved["state5"])  # resharding copies values exactly
+    dloss = max(abs(a - b) for a, b in zip(other["losses"], straight[5:], strict=True))
+    assert dloss <= 1e-5, (other["losses"], straight[5:])
+    assert other["draws"] == saved["draws"][5:]
+    _assert_same_state(other["grads6"], saved["grads6"], atol=1e-5)
+    _assert_same_state(other["imported"], saved["state5"], prefix="model.")
+
+    # One process, no process group: same state, same trajectory within fp32 tolerance.
+    assert not dist.is_initialized()
+    rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        single = job_resume(path, None, str(tmp_path / "full.safetensors"))
+    finally:
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+    _assert_same_state(single["state"], saved["state5"])
+    dloss = max(abs(a - b) for a, b in zip(single["losses"], straight[5:], strict=True))
+    assert dloss <= 1e-5, (single["losses"], straight[5:])
+    _assert_same_state(single["grads6"], saved["grads6"], atol=1e-5)
+    _assert_same_state(single["imported"], saved["state5"], prefix="model.")
+
+    # Offline export straight from the checkpoint directory equals the live gather.
+    from safetensors.torch import load_file
+
+    ckpt.export_safetensors(path, tmp_path / "offline.safetensors")
+    live, offline = load_file(tmp_path / "full.safetensors"), load_file(tmp_path / "offline.safetensors")
+    assert live.keys() == offline.keys() and all(torch.equal(live[k], offline[k]) for k in live)
+    assert all(np.array_equal(live[k].numpy(), saved["state5"][f"model.{k}"]) for k in live)
+
+
+# ----------------------------------------------------------------------------- atomic commit under a crash
+
+
+def job_crash(root: str, first_save: bool, seed: int) -> None:
+    """Optionally save ``step-1`` (and its weights as safetensors), then die inside the commit of another save."""
+    parallel = FSDP2 if dist.get_world_size() > 1 else None
+    net, opt, sched, mesh = _setup(parallel, seed=seed)
+    _train(net, opt, sched, mesh, 1)
+    if first_save:
+        ckpt.save(f"{root}/step-1", net, opt, step=1)
+        ckpt.export_safetensors(net, f"{root}/step-1.safetensors")
+        _train(net, opt, sched, mesh, 1)
+        os.environ["NDPARALLEL_CHECKPOINT_TEST_CRASH"] = "before_marker"
+        ckpt.save(f"{root}/step-2", net, opt, step=2)
+    else:  # replace step-1; die after the marker is written, before the rename
+        os.environ["NDPARALLEL_CHECKPOINT_TEST_CRASH"] = "before_rename"
+        ckpt.save(f"{root}/step-1", net, opt, step=1)
+    raise AssertionError("the test hook should have killed rank 0 inside save")
+
+
+def _load_one_process(path, seed: int = 5):
+    net, opt, _, _ = _setup(None, seed=seed)
+    ckpt.load(path, net, opt, restore_rng=False)
+    return net
+
+
+def _equal_to_file(net, file) -> bool:
+    from safetensors.torch import load_file
+
+    expected = load_file(file)
+    return expected.keys() == net.state_dict().keys() and all(
+        torch.equal(v, expected[k]) for k, v in net.state_dict().items()
+    )
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
+    root = tmp_path / "ckpts"
+    with pytest.raises(DistributedError, match="exited with code -9"):
+        run_distributed(job_crash, 2, str(root), True, 0, timeout=120)
+    partial = [p for p in root.iterdir() if p.name.startswith("step-2.tmp-")]
+    assert len(partial) == 1 and not (partial[0] / ckpt.MARKER).exists()
+    assert (partial[0] / ".metadata").exists()  # DCP finished; only the commit was cut
+    assert ckpt.latest(root) == str(root / "step-1")
+    with pytest.raises(CheckpointError, match="no ndparallel_meta.json"):
+        ckpt.validate(partial[0])
+    assert _equal_to_file(_load_one_process(root / "step-1"), root / "step-1.safetensors")
+
+    # A crash after the marker but before the rename, while replacing step-1: step-1 is untouched,
+    # and the marked temporary directory is still not a checkpoint for latest().
+    with pytest.raises(DistributedError, match="exited with code -9"):
+        run_distributed(job_crash, 1, str(root), False, 3, timeout=120)
+    marked = [p for p in root.iterdir() if p.name.startswith("step-1.tmp-")]
+    assert len(marked) == 1 and (marked[0] / ckpt.MARKER).exists()
+    assert ckpt.latest(root) == str(root / "step-1")
+    assert _equal_to_file(_load_one_process(root / "step-1"), root / "step-1.safetensors")
+
+    # A successful save replaces step-1 and clears the leftovers of its own crashed save.
+    net, opt, _, _ = _setup(None, seed=8)
+    ckpt.save(root / "step-1", net, opt, step=1)
+    assert not any(p.name.startswith("step-1.tmp-") for p in root.iterdir())
+    loaded = _load_one_process(root / "step-1")
+    assert _same_weights(loaded, net)
+    # prune() removes the crashed step-2 leftover once it is older than the newest checkpoint.
+    old = time.time() - 60
+    os.utime(partial[0], (old, old))
+    assert ckpt.prune(root, 1) == [str(partial[0])]
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-1"]
+
+
+# ----------------------------------------------------------------------------- corrupt checkpoints
+
+
+def _snapshot(net, opt) -> dict[str, torch.Tensor]:
+    out = {f"m.{k}": v.clone() for k, v in net.state_dict().items()}
+    for i, s in opt.state.items():
+        out.update({f"o.{id(i)}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def _corrupt_variants(good: Path) -> dict[str, tuple[Path, str]]:
+    variants = {}
+
+    def variant(name: str) -> Path:
+        p = good.parent / name
+        shutil.copytree(good, p)
+        return p
+
+    shard = next(p.name for p in good.iterdir() if p.suffix == ".distcp")
+    p = variant("deleted-shard")
+    (p / shard).unlink()
+    variants["deleted shard"] = (p, "is missing")
+    p = variant("truncated")
+    with open(p / shard, "r+b") as f:
+        f.truncate((p / shard).stat().st_size // 2)
+    variants["truncated shard"] = (p, "truncated or modified")
+    p = variant("no-marker")
+    (p / ckpt.MARKER).unlink()
+    variants["missing marker"] = (p, "no ndparallel_meta.json")
+    p = variant("marker-mismatch")
+    marker = json.loads((p / ckpt.MARKER).read_text())
+    marker["files"][shard] += 1
+    (p / ckpt.MARKER).write_text(json.dumps(marker))
+    variants["marker size mismatch"] = (p, "recorded")
+    p = variant("metadata-flipped")
+    data = bytearray((p / ".metadata").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (p / ".metadata").write_bytes(bytes(data))
+    variants["same-size corruption of .metadata"] = (p, "SHA-256")
+    p = variant("bad-marker-json")
+    (p / ckpt.MARKER).write_text("{not json")
+    variants["unparsable marker"] = (p, "not JSON")
+    return variants
+
+
+def test_corrupt_checkpoints_raise_before_touching_the_model(tmp_path):
+    net, opt, sched, _ = _setup(None)
+    _train(net, opt, sched, None, 1)
+    good = Path(ckpt.save(tmp_path / "good", net, opt, step=1, scheduler=sched.state_dict()))
+    target, target_opt, target_sched, _ = _setup(None, seed=3)
+    _train(target, target_opt, target_sched, None, 1)
+    before = _snapshot(target, target_opt)
+    fresh, fresh_opt, _, _ = _setup(None, seed=4)
+    rng_before = torch.get_rng_state()
+    for label, (path, message) in _corrupt_variants(good).items():
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.load(path, target, target_opt)
+        after = _snapshot(target, target_opt)
+        assert all(torch.equal(before[k], after[k]) for k in before), f"{label}: model or optimizer was touched"
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.load(path, fresh, fresh_opt)
+        assert not fresh_opt.state, f"{label}: a fresh optimizer got state"
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+    # The wrong model, a missing optimizer state, a path that is a root of checkpoints.
+    other = Transformer(TransformerConfig.from_preset("tiny", n_layers=3))
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        ckpt.load(good, other)
+    wide = Transformer(TransformerConfig.from_preset("tiny", ffn_dim=256))
+    with pytest.raises(CheckpointError, match="shapes differ"):
+        ckpt.load(good, wide)
+    model_only = Path(ckpt.save(tmp_path / "model-only", target))
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        ckpt.load(model_only, target, target_opt)
+    with pytest.raises(CheckpointError, match="pass latest"):
+        ckpt.load(tmp_path, target)
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        ckpt.load(tmp_path / "absent", target)
+    after = _snapshot(target, target_opt)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    # latest() skips the corrupt ones (with a warning) and the unmarked one silently.
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        found = ckpt.latest(tmp_path)
+    assert found in (str(good), str(model_only))
+
+
+def test_extra_state_must_be_tensors_or_json(tmp_path):
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    opt = torch.optim.AdamW(net.parameters())
+    sched = torch.optim.lr_scheduler.LinearLR(opt)
+    with pytest.raises(CheckpointError, match="'scheduler' is a LinearLR.*scheduler.state_dict"):
+        ckpt.save(tmp_path / "x", net, opt, scheduler=sched)
+    with pytest.raises(CheckpointError, match="dict keys must be strings"):
+        ckpt.save(tmp_path / "x", net, data={1: 2})
+    with pytest.raises(CheckpointError, match="keep_last=0"):
+        ckpt.save(tmp_path / "x", net, keep_last=0)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    # Tensors and nested JSON values round-trip exactly.
+    extra = dict(step=3, t=torch.arange(4.0), nested={"a": [1, 2.5, None, True], "b": (torch.ones(2, 2), "x")})
+    path = ckpt.save(tmp_path / "y", net, **extra)
+    got = ckpt.load(path, net)
+    assert got["step"] == 3 and got["nested"]["a"] == [1, 2.5, None, True] and got["nested"]["b"][1] == "x"
+    assert torch.equal(got["t"], extra["t"]) and torch.equal(got["nested"]["b"][0], torch.ones(2, 2))
+
+
+# ----------------------------------------------------------------------------- keep-last-k, safetensors
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's single-process note, from its thread
+def test_keep_last_prune_replace_and_async(tmp_path, monkeypatch):
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    for step in (1, 2, 3, 4):
+        ckpt.save(tmp_path / f"step-{step}", net, step=step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step-4")
+    # Ordered by step, not by name: step-10 is newer than step-9.
+    ckpt.save(tmp_path / "step-10", net, step=10)
+    ckpt.save(tmp_path / "step-9", net, step=9)
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step-10")
+    assert sorted(Path(p).name for p in ckpt.prune(tmp_path, 1)) == ["step-3", "step-4", "step-9"]
+    assert [p.name for p in tmp_path.iterdir()] == ["step-10"]
+    assert ckpt.latest(tmp_path / "empty") is None
+    # Replacing an existing checkpoint: atomic exchange (Linux), and the two-rename fallback.
+    for exchange in (True, False):
+        if not exchange:
+            monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        net = Transformer(TransformerConfig.from_preset("tiny", seed=20 + exchange))
+        ckpt.save(tmp_path / "step-10", net, step=10)
+        assert [p.name for p in tmp_path.iterdir()] == ["step-10"]
+        loaded = Transformer(TransformerConfig.from_preset("tiny", seed=1))
+        ckpt.load(tmp_path / "step-10", loaded)
+        assert _same_weights(net, loaded)
+    # Asynchronous save in one process: nothing at the path until wait() commits.
+    handle = ckpt.save_async(tmp_path / "step-11", net, step=11, keep_last=1)
+    assert isinstance(handle, ckpt.AsyncSave)
+    assert handle.wait() == str(tmp_path / "step-11") == ckpt.latest(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-11"]
+
+
+def test_safetensors_import_checks_and_missing_package(tmp_path, monkeypatch):
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    file = ckpt.export_safetensors(net, tmp_path / "w.safetensors")
+    other = Transformer(TransformerConfig.from_preset("tiny", seed=4))
+    ckpt.import_safetensors(file, other)
+    assert _same_weights(net, other)
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        ckpt.import_safetensors(file, Transformer(TransformerConfig.from_preset("tiny", n_layers=3)))
+    (tmp_path / "bad.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        ckpt.import_safetensors(tmp_path / "bad.safetensors", other)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match="pip install safetensors"):
+        ckpt.export_safetensors(net, tmp_path / "w2.safetensors")
