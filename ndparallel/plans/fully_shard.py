@@ -1,0 +1,102 @@
+"""FSDP2 / HSDP: ``fully_shard`` per transformer block, on the embedding, on [final norm + output], on the root.
+
+Each ``fully_shard`` call makes one communication group: its parameters are all-gathered
+just before that module's forward (and again in backward when ``reshard_after_forward``),
+and its gradients reduce-scattered right after its backward, so communication of block
+``i`` overlaps compute of its neighbours. A 1-D mesh shards (FSDP); a 2-D
+``(replicate, shard)`` mesh shards inside each replica and all-reduces across replicas (HSDP).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from ndparallel.config import ParallelismConfig
+
+__all__ = ["apply_fully_shard", "default_shard_groups", "fsdp_mesh", "mixed_precision_policy"]
+
+_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    """Parameters (and so compute) in bf16/fp16 during forward/backward; gradients reduced in fp32."""
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+
+
+def fsdp_mesh(mesh) -> DeviceMesh | None:
+    """The data-parallel mesh FSDP shards over, from an :class:`ndparallel.mesh.Mesh`.
+
+    ``mesh["dp_shard_cp"]`` (1-D) when only sharding; a 2-D ``(dp_replicate, dp_shard_cp)`` mesh
+    for HSDP; ``None`` when ``dp_shard x cp == 1`` (no FSDP: pure replicate or no data parallel).
+    """
+    if mesh.size("dp_shard_cp") == 1:
+        return None
+    if mesh.size("dp_replicate") == 1:
+        return mesh["dp_shard_cp"]
+    if mesh.size("cp") == 1:
+        return mesh["dp_replicate", "dp_shard"]  # public slicing: no flattened dim involved
+    return _replicate_by_flattened(mesh)
+
+
+def _replicate_by_flattened(mesh) -> DeviceMesh:
+    # Private-ish torch behaviour, isolated here: a 2-D mesh whose second dim is the flattened
+    # ``dp_shard_cp`` view has no public constructor. Slicing the flattened name out of the root
+    # mesh works on torch 2.11-2.13 (with a deprecation warning); where it stops working,
+    # un-flatten the ``dp_cp`` view instead.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return mesh.device_mesh["dp_replicate", "dp_shard_cp"]
+        except (KeyError, RuntimeError, ValueError):
+            return _unflatten_dp_cp(mesh)
+
+
+def _unflatten_dp_cp(mesh) -> DeviceMesh:
+    # Private torch API (DeviceMesh._unflatten): split the flattened dp_cp view into
+    # (dp_replicate, dp_shard_cp); creates new process groups (every rank must call it).
+    sizes = (mesh.size("dp_replicate"), mesh.size("dp_shard_cp"))
+    return mesh["dp_cp"]._unflatten(0, sizes, ("dp_replicate", "dp_shard_cp"))
+
+
+def default_shard_groups(model: nn.Module) -> list[list[str]]:
+    """Extra FSDP groups besides the blocks: ``[[tok_embeddings], [norm, output]]`` when the model has them."""
+    names = dict(model.named_children())
+    groups = []
+    if "tok_embeddings" in names:
+        groups.append(["tok_embeddings"])
+    head = [n for n in ("norm", "output") if n in names]
+    if head:
+        groups.append(head)
+    return groups
+
+
+def apply_fully_shard(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    cfg: ParallelismConfig,
+    blocks: Sequence[nn.Module],
+    groups: Sequence[Sequence[str]] | None = None,
+) -> nn.Module:
+    """Shard ``model`` over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP): each block, each group of child FQNs, the root.
+
+    ``groups`` default: :func:`default_shard_groups`. The last block keeps its parameters
+    gathered after forward: backward needs them at once, so freeing them would only add an all-gather.
+    """
+    kwargs = dict(mesh=dp_mesh, mp_policy=mixed_precision_policy(cfg.mixed_precision))
+    if cfg.cpu_offload:
+        # Pinned host memory speeds host<->device copies; it needs an accelerator (CPU-only ranks: no pinning).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
+    reshard = cfg.reshard_after_forward
+    for index, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=reshard and index < len(blocks) - 1, **kwargs)
+    for group in default_shard_groups(model) if groups is None else groups:
+        modules = [model.get_submodule(fqn) for fqn in group]
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    return model

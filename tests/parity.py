@@ -1,0 +1,250 @@
+"""Shared helpers for parity tests: one training function that runs on any mesh or in one process.
+
+``train_steps(parallel, steps, ...)`` builds the tiny reference Transformer from a seed,
+parallelises it with ``parallel`` (a dict of ParallelismConfig fields; ``None`` = plain
+single-process model, no process group), trains ``steps`` AdamW steps on deterministic
+random batches and returns what a parity test compares::
+
+    ref = train_steps(None, 5)                                   # in the pytest process
+    out = run_distributed(train_steps, 4, {"dp_shard_size": 2, "tp_size": 2}, 5)
+    assert_parity(out[0], ref)
+
+Data: every step has one global batch of ``global_batch`` sequences; the rank with
+``mesh.coordinate["dp"] == d`` takes slice ``d`` of it, so ranks of one tp/cp group see the
+same tokens. ``loss_fn(model, tokens, labels, mesh)`` replaces the forward + loss (context
+parallel passes one that shards the sequence); the reported loss is averaged over
+``mesh["dp_cp"]``, i.e. it is the global-batch loss on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from ndparallel.clip import clip_grad_norm_, total_grad_norm
+from ndparallel.metrics import average_over, cross_entropy_loss
+from ndparallel.models import Transformer, TransformerConfig
+
+__all__ = [
+    "assert_parity",
+    "build_model",
+    "context_parallel_loss_fn",
+    "default_loss_fn",
+    "full_grads",
+    "local_bytes",
+    "make_batches",
+    "train_steps",
+]
+
+NO_CLIP = 1e9  # max_norm that never clips, so the norm is still measured
+
+
+def build_model(model: dict[str, Any] | None = None, seed: int = 0) -> Transformer:
+    """The reference Transformer (``tiny`` preset unless ``model`` says otherwise), weights from ``seed``."""
+    fields = {"preset": "tiny", **(model or {}), "seed": seed}
+    return Transformer(TransformerConfig.from_dict(fields))
+
+
+def make_batches(
+    steps: int, global_batch: int, seq_len: int, vocab_size: int, seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` global batches of ``(tokens, labels)``, each ``[global_batch, seq_len]``; labels are next tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        data = torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
+        batches.append((data[:, :-1].contiguous(), data[:, 1:].contiguous()))
+    return batches
+
+
+def default_loss_fn(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tensor:
+    return cross_entropy_loss(model(tokens), labels)
+
+
+def context_parallel_loss_fn(
+    model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, mesh: Any
+) -> torch.Tensor:
+    """Forward + loss on this rank's sequence shard (cp ranks split the sequence; positions follow)."""
+    from ndparallel.plans.context_parallel import context_parallel, make_positions
+
+    tokens, labels = tokens.clone(), labels.clone()
+    positions = make_positions(tokens)
+    buffers = [tokens, labels, positions]
+    # no_restore: backward runs after the block and the embedding saved the sharded token tensor.
+    with context_parallel(mesh, buffers, seq_dims=[1, 1, 0], no_restore=buffers):
+        return cross_entropy_loss(model(tokens, positions), labels)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Every parameter's full gradient by FQN, as fp32 numpy arrays (tensors do not survive the trip
+    back from a rank process through ``run_distributed``'s queue). A collective under DTensor."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        grads[name] = full.detach().float().cpu().numpy().copy()
+    return grads
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for ``tensors`` (a DTensor counts its local shard)."""
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
+    return {
+        "param_bytes": local_bytes(params),
+        "grad_bytes": local_bytes(p.grad for p in params),
+        "optim_bytes": local_bytes(states),
+    }
+
+
+def train_steps(
+    parallel: dict[str, Any] | None,
+    steps: int = 5,
+    *,
+    model: dict[str, Any] | None = None,
+    seed: int = 0,
+    data_seed: int = 1,
+    global_batch: int = 8,
+    seq_len: int = 32,
+    lr: float = 1e-3,
+    max_norm: float | None = None,
+    grad_accum: int = 1,
+    loss_fn: Callable[..., torch.Tensor] = default_loss_fn,
+    parallelize_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train and report ``losses``, ``grad_norms`` (pre-clip, every step), ``grads`` (full, after step 1's
+    backward), ``memory`` (this rank's bytes of params/grads/optimizer state after the last step),
+    ``coordinate``, ``dtypes`` (parameter dtype by FQN), ``all_dtensor`` and, when ``max_norm`` is
+    given, ``clipped_norms`` (the norm after clipping).
+
+    ``parallel=None`` runs the plain model in this process with no process group (the reference).
+    ``max_norm=None`` measures the norm without clipping. ``grad_accum`` splits each rank's slice
+    into that many micro-batches (gradients synchronised only on the last one).
+    """
+    torch.manual_seed(seed)
+    net = build_model(model, seed)
+    mesh = None
+    dp_size, dp_rank = 1, 0
+    if parallel is not None:
+        import ndparallel as ndp
+        from ndparallel.parallelize import parallelize
+
+        mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
+        net = parallelize(net, mesh.config, mesh, **(parallelize_kwargs or {}))
+        dp_size, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+    if global_batch % (dp_size * grad_accum):
+        raise ValueError(f"global_batch={global_batch} must divide by dp size {dp_size} x grad_accum {grad_accum}")
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1)
+    batches = make_batches(steps, global_batch, seq_len, net.config.vocab_size, data_seed)
+    per_rank = global_batch // dp_size
+    micro = per_rank // grad_accum
+    result: dict[str, Any] = {"losses": [], "grad_norms": []}
+    for step, (tokens, labels) in enumerate(batches):
+        tokens = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        labels = labels[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        step_loss = 0.0
+        for m in range(grad_accum):
+            last = m == grad_accum - 1
+            with contextlib.nullcontext() if last else _no_sync(net, mesh):
+                part = slice(m * micro, (m + 1) * micro)
+                loss = loss_fn(net, tokens[part], labels[part], mesh) / grad_accum
+                loss.backward()
+            step_loss += loss.detach()
+        result["losses"].append(average_over(mesh["dp_cp"] if mesh else None, step_loss))
+        if step == 0:
+            result["grads"] = full_grads(net)
+        norm = clip_grad_norm_(net.parameters(), NO_CLIP if max_norm is None else max_norm)
+        result["grad_norms"].append(norm.item())
+        if max_norm is not None:  # what clipping left: min(norm, max_norm) when it works on every mesh
+            result.setdefault("clipped_norms", []).append(total_grad_norm(net.parameters()).item())
+        optimizer.step()
+        if step == steps - 1:
+            result["memory"] = _memory(net, optimizer)
+        optimizer.zero_grad()
+    result["coordinate"] = mesh.coordinate if mesh else {}
+    result["dtypes"] = {n: str(p.dtype) for n, p in net.named_parameters()}
+    result["all_dtensor"] = all(isinstance(p, DTensor) for p in net.parameters())
+    return result
+
+
+def _no_sync(model: torch.nn.Module, mesh: Any):
+    """Skip gradient communication on a non-final micro-batch (FSDP, HSDP or replicate)."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    from ndparallel.grad_sync import no_sync
+
+    return no_sync(model)
+
+
+def assert_parity(
+    got: dict[str, Any],
+    ref: dict[str, Any],
+    loss_tol: float = 1e-5,
+    norm_rtol: float = 1e-5,
+    grad_tol: float = 1e-5,
+    label: str = "",
+    max_norm: float | None = None,
+) -> None:
+    """Losses within ``loss_tol`` (absolute) at every step, grad norms within ``norm_rtol`` (relative) and
+    step-1 full gradients within ``grad_tol`` (max abs difference, per parameter); with ``max_norm``,
+    the norm after clipping is ``min(norm, max_norm)`` at every step."""
+    assert len(got["losses"]) == len(ref["losses"]), label
+    dloss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    assert dloss <= loss_tol, f"{label}: max |dloss| = {dloss:.3g} > {loss_tol}: {got['losses']} vs {ref['losses']}"
+    for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True):
+        assert math.isclose(a, b, rel_tol=norm_rtol, abs_tol=1e-7), f"{label}: grad norm {a} vs {b}"
+    for a, b in zip(got.get("clipped_norms", []), got["grad_norms"], strict=False):
+        assert math.isclose(a, min(b, max_norm), rel_tol=1e-5), f"{label}: norm {a} after clipping {b} to {max_norm}"
+    assert got["grads"].keys() == ref["grads"].keys(), f"{label}: parameter names differ"
+    for name, grad in ref["grads"].items():
+        diff = float(np.abs(got["grads"][name] - grad).max())
+        assert diff <= grad_tol, f"{label}: step-1 gradient of {name} differs by {diff:.3g}"
+
+
+# ------------------------------------------------------------------------------ packed multi-rank runs
+Run = tuple[dict[str, Any] | None, dict[str, Any]]  # (parallel config fields, train_steps keyword arguments)
+
+
+def run_many(runs: list[Run]) -> list[dict[str, Any]]:
+    """On every rank: ``train_steps`` for each ``(parallel, kwargs)`` in turn, sharing one process group."""
+    return [train_steps(parallel, **kwargs) for parallel, kwargs in runs]
+
+
+_CACHE: dict[tuple[int, str], list[list[dict[str, Any]]]] = {}
+
+
+def run_cached(world_size: int, runs: list[Run], timeout: float = 600.0) -> list[list[dict[str, Any]]]:
+    """``run_distributed(run_many, world_size, runs)`` once per pytest process: ``[rank][run] -> result``.
+
+    Parity and memory tests share the same spawned runs through this cache.
+    """
+    from ndparallel.testing import run_distributed
+
+    key = (world_size, repr(runs))
+    if key not in _CACHE:
+        _CACHE[key] = run_distributed(run_many, world_size, runs, timeout=timeout)
+    return _CACHE[key]
+
+
+@functools.cache
+def reference(**kwargs: Any) -> dict[str, Any]:
+    """Single-process ``train_steps(None, **kwargs)``, computed once per pytest process."""
+    return train_steps(None, **kwargs)

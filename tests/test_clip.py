@@ -1,0 +1,118 @@
+"""clip_grad_norm_ with gradients on different meshes, mixing Shard/Replicate/Partial DTensors and plain tensors."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ndparallel.clip import clip_grad_norm_
+from ndparallel.testing import run_distributed
+
+NORM_TYPES = (2.0, 1.0, 3.0, math.inf)
+
+
+def _full_grads() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(8, 3), (4, 6), (4, 4), (5,), (6, 2)]
+    grads = [torch.randn(s, generator=generator) for s in shapes]
+    grads[2][1, 2] = 9.0  # the inf-norm lives in a Shard(1) piece on a 2-D mesh
+    return grads
+
+
+def _params_on_meshes(full: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Five parameters: Shard(0) on the 1-D world mesh; (Shard(0), Replicate) and (Replicate, Shard(1)) on a
+    2x2 mesh; a plain tensor; a Replicate parameter whose gradient is Partial on a 1-D sub-mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("w",))
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    params = []
+    for value, (mesh, placements) in zip(
+        full[:3], [(world, [Shard(0)]), (grid, [Shard(0), Replicate()]), (grid, [Replicate(), Shard(1)])], strict=True
+    ):
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros_like(value), mesh, placements))
+        param.grad = distribute_tensor(value.clone(), mesh, placements)
+        params.append(param)
+    plain = torch.nn.Parameter(torch.zeros_like(full[3]))
+    plain.grad = full[3].clone()
+    params.append(plain)
+    sub = grid["b"]
+    weight = (sub.get_local_rank() + 1) / 3.0  # 1/3 + 2/3 = 1: the Partial pieces sum to the full gradient
+    partial = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full[4]), sub, [Replicate()]))
+    partial.grad = DTensor.from_local(full[4] * weight, sub, [Partial()])
+    params.append(partial)
+    params.append(torch.nn.Parameter(torch.zeros(3)))  # no gradient: ignored
+    assert dist.get_world_size() == 4
+    return params
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _clip_checks() -> dict:
+    full = _full_grads()
+    out = {}
+    for norm_type in NORM_TYPES:
+        ref = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full]), norm_type).item()
+        params = _params_on_meshes(full)
+        unclipped = clip_grad_norm_(params, 1e9, norm_type)
+        unchanged = max((_full(p.grad) - g).abs().max().item() for p, g in zip(params, full, strict=False))
+        max_norm = ref / 4
+        norm = clip_grad_norm_(params, max_norm, norm_type)
+        coef = max_norm / (ref + 1e-6)
+        clipped_err = max((_full(p.grad) - g * coef).abs().max().item() for p, g in zip(params, full, strict=False))
+        after = clip_grad_norm_(params, 1e9, norm_type).item()
+        out[norm_type] = dict(
+            ref=ref,
+            unclipped=unclipped.item(),
+            plain=type(norm) is torch.Tensor,
+            unchanged=unchanged,
+            norm=norm.item(),
+            clipped_err=clipped_err,
+            after=after,
+            max_norm=max_norm,
+        )
+    return out
+
+
+def test_clip_across_meshes_and_tensor_kinds_4_ranks():
+    for rank_out in run_distributed(_clip_checks, 4):
+        for norm_type, r in rank_out.items():
+            label = f"norm_type={norm_type}"
+            assert math.isclose(r["unclipped"], r["ref"], rel_tol=1e-6), (label, r)
+            assert math.isclose(r["norm"], r["ref"], rel_tol=1e-6), (label, r)
+            assert r["plain"], f"{label}: the returned norm must be a plain tensor"
+            assert r["unchanged"] < 1e-6, f"{label}: max_norm above the norm must not change gradients"
+            assert r["clipped_err"] < 1e-6, (label, r)
+            assert math.isclose(r["after"], r["max_norm"], rel_tol=1e-5), (label, r)
+
+
+def test_clip_single_process_matches_torch():
+    full = _full_grads()
+    for norm_type in NORM_TYPES:
+        ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+        theirs = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
+        for a, b, g in zip(ours, theirs, full, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        norm = clip_grad_norm_(ours, 1.0, norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0, norm_type)
+        assert torch.allclose(norm, expected, rtol=1e-6)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_clip_nonfinite_raises_when_asked():
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([1.0, math.nan])
+    try:
+        clip_grad_norm_([param], 1.0, error_if_nonfinite=True)
+    except RuntimeError as err:
+        assert "non-finite" in str(err)
+    else:
+        raise AssertionError("expected a RuntimeError for a NaN gradient")

@@ -1,0 +1,248 @@
+"""parallelize() on every mesh shape reproduces one process: losses, grad norms, step-1 gradients (gloo ranks).
+
+Runs are packed: one spawned group per world size trains several shapes in turn (see
+``tests.parity.run_cached``); tests/test_memory.py reads the same runs' memory numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ndparallel.testing import run_distributed
+from tests.parity import assert_parity, context_parallel_loss_fn, reference, run_cached, train_steps
+
+STEPS = 5
+CLIP = 0.5  # below the real grad norm (~0.8-1.1 for the tiny model), so clipping is active
+# bf16 parameters/compute vs the fp32 reference (gradients reduce in fp32). Measured on torch 2.13 CPU:
+# max |dloss| 1.2e-4, grad-norm rel. error 1.2e-3, step-1 gradient max abs error 1.5e-4.
+BF16_TOL = dict(loss_tol=2e-3, norm_rtol=1e-2, grad_tol=2e-3)
+
+# label -> (parallel config, train_steps kwargs). Grouped by world size: one spawn per group.
+RUNS_4 = {
+    "dp_shard4": ({"dp_shard_size": 4}, {}),
+    "tp4_gqa": ({"tp_size": 4}, {}),
+    "dp_shard2_tp2_clip_ac": (
+        {"dp_shard_size": 2, "tp_size": 2, "activation_checkpointing": "full"},
+        {"max_norm": CLIP},
+    ),
+    "hsdp2x2_clip_ac_accum2": (
+        {"dp_replicate_size": 2, "dp_shard_size": 2, "activation_checkpointing": "selective"},
+        {"max_norm": CLIP, "grad_accum": 2},
+    ),
+    # HSDP over a (dp_replicate, dp_shard_cp) mesh whose shard dim is the flattened cp dim (ring attention).
+    "hsdp2_cp2": ({"dp_replicate_size": 2, "cp_size": 2}, {"loss_fn": context_parallel_loss_fn}),
+    "dp_shard4_bf16": ({"dp_shard_size": 4, "mixed_precision": "bf16", "reshard_after_forward": False}, {}),
+}
+RUNS_2 = {
+    "tp2": ({"tp_size": 2}, {}),
+    "dp_replicate2": ({"dp_replicate_size": 2}, {}),
+    "dp_replicate2_accum2_clip": ({"dp_replicate_size": 2}, {"grad_accum": 2, "max_norm": CLIP}),
+    "dp_shard2_cpu_offload": ({"dp_shard_size": 2, "cpu_offload": True}, {}),
+}
+RUNS_8 = {"hsdp2x2_tp2_clip": ({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, {"max_norm": CLIP})}
+ALL_RUNS = {4: RUNS_4, 2: RUNS_2, 8: RUNS_8}
+
+
+def _with_steps(runs: dict) -> list:
+    return [(parallel, {"steps": STEPS, **kwargs}) for parallel, kwargs in runs.values()]
+
+
+def results(world_size: int) -> dict[str, list[dict]]:
+    """label -> per-rank results for the group of ``world_size`` (spawned once per pytest process)."""
+    runs = ALL_RUNS[world_size]
+    per_rank = run_cached(world_size, _with_steps(runs))
+    return {label: [rank[i] for rank in per_rank] for i, label in enumerate(runs)}
+
+
+def _reference_for(kwargs: dict) -> dict:
+    return reference(steps=STEPS, max_norm=kwargs.get("max_norm"))
+
+
+def _check_group(world_size: int) -> None:
+    for label, ranks in results(world_size).items():
+        parallel, kwargs = ALL_RUNS[world_size][label]
+        ref = _reference_for(kwargs)
+        for rank, got in enumerate(ranks):
+            tag = f"{label} rank {rank}"
+            sharded = any(parallel.get(f"{d}_size", 1) > 1 for d in ("dp_shard", "cp", "tp"))
+            assert got["all_dtensor"] == sharded, f"{tag}: every parameter is a DTensor iff FSDP or TP is on"
+            assert list(got["grads"]) == list(ref["grads"]), f"{tag}: FQNs changed"
+            if parallel.get("mixed_precision", "no") != "no":
+                assert_parity(got, ref, label=tag, max_norm=kwargs.get("max_norm"), **BF16_TOL)
+                assert all(v == "torch.float32" for v in got["dtypes"].values()), "sharded params stay fp32"
+            else:
+                assert_parity(got, ref, label=tag, max_norm=kwargs.get("max_norm"))
+                assert ("clipped_norms" in got) == ("max_norm" in kwargs), tag
+
+
+def test_parity_4_ranks_fsdp_tp_2d_hsdp_bf16():
+    _check_group(4)
+
+
+def test_parity_2_ranks_tp_and_replicate():
+    _check_group(2)
+
+
+def test_parity_8_ranks_hsdp_x_tp():
+    _check_group(8)
+
+
+def test_clipping_is_active_in_clipped_runs():
+    ref, clipped = reference(steps=STEPS, max_norm=None), reference(steps=STEPS, max_norm=CLIP)
+    assert min(ref["grad_norms"]) > CLIP
+    assert all(math.isclose(n, CLIP, rel_tol=1e-5) for n in clipped["clipped_norms"])
+
+
+# ----------------------------------------------------------------------------- API behaviour (2 ranks)
+def _api_checks() -> dict:
+    import ndparallel as ndp
+    from ndparallel.errors import ConfigError
+    from ndparallel.parallelize import parallelize
+    from tests.parity import build_model
+
+    out = {}
+    # mesh=None: parallelize builds the mesh from cfg (dp_shard fills the world).
+    model = build_model()
+    names = [n for n, _ in model.named_parameters()]
+    returned = parallelize(model, ndp.ParallelismConfig(dp_shard_size=-1))
+    out["same_object"] = returned is model
+    out["fqns_kept"] = [n for n, _ in model.named_parameters()] == names
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(tp_size=2))
+    errors = {}
+    for label, call in {
+        "blocks_compile_tp": lambda: parallelize(
+            build_model(), ndp.ParallelismConfig(tp_size=2, compile="blocks"), mesh
+        ),
+        "cfg_mismatch": lambda: parallelize(build_model(), ndp.ParallelismConfig(dp_shard_size=2), mesh),
+        "tp_divides_heads": lambda: parallelize(build_model({"n_heads": 8, "n_kv_heads": 1}), None, mesh),
+    }.items():
+        try:
+            call()
+            errors[label] = None
+        except ConfigError as err:
+            errors[label] = str(err)
+    out["errors"] = errors
+    # compile="blocks" refused before anything changed: the model is untouched.
+    model = build_model()
+    try:
+        parallelize(model, ndp.ParallelismConfig(tp_size=2, compile="blocks"), mesh)
+    except ConfigError:
+        pass
+    out["untouched_after_error"] = not any(type(p).__name__ == "DTensor" for p in model.parameters())
+    return out
+
+
+def test_parallelize_api_on_2_ranks():
+    out = run_distributed(_api_checks, 2)[0]
+    assert out["same_object"] and out["fqns_kept"]
+    assert out["untouched_after_error"]
+    errors = out["errors"]
+    assert "compile='blocks' with tp_size=2" in errors["blocks_compile_tp"]
+    assert "differ from the mesh" in errors["cfg_mismatch"]
+    assert errors["tp_divides_heads"] == "tp_size=2 does not divide n_kv_heads=1; choose a tp_size that divides it"
+
+
+# ------------------------------------------------------------------------ HSDP mesh with cp > 1 (4 ranks)
+def _hsdp_cp_mesh() -> dict:
+    import ndparallel as ndp
+    from ndparallel.plans.fully_shard import _unflatten_dp_cp, fsdp_mesh
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_replicate_size=2, cp_size=2))
+    dp_mesh = fsdp_mesh(mesh)
+    fallback = _unflatten_dp_cp(mesh)  # the path taken once torch drops flattened-name slicing
+    # Train a tiny Linear with HSDP over it and compare with the full-batch gradient.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4, bias=False)
+    full_weight = layer.weight.detach().clone()
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(layer, mesh=dp_mesh)
+    data = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(1))
+    rank = mesh.local_rank("dp_cp")
+    layer(data[rank]).pow(2).mean().backward()
+    ref = full_weight.clone().requires_grad_(True)
+    torch.stack([(x @ ref.T).pow(2).mean() for x in data]).mean().backward()
+    grad = layer.weight.grad.full_tensor()
+    return {
+        "names": dp_mesh.mesh_dim_names,
+        "ranks": dp_mesh.mesh.tolist(),
+        "fallback": (fallback.mesh_dim_names, fallback.mesh.tolist()),
+        "grad_diff": (grad - ref.grad).abs().max().item(),
+    }
+
+
+def test_hsdp_mesh_with_context_parallel_dims():
+    """(dp_replicate, dp_shard_cp) 2-D mesh: replicate groups x flattened shard*cp groups, usable by fully_shard."""
+    out = run_distributed(_hsdp_cp_mesh, 4)
+    for got in out:
+        assert got["names"] == ("dp_replicate", "dp_shard_cp")
+        assert got["ranks"] == [[0, 1], [2, 3]]
+        assert got["fallback"] == (got["names"], got["ranks"])
+        assert got["grad_diff"] < 1e-6
+
+
+# ---------------------------------------------------------------------------- compile: one small check
+def _compiled_model_run() -> dict:
+    return train_steps({"compile": "model"}, 1)
+
+
+def test_compile_model_matches_eager_one_rank():
+    got = run_distributed(_compiled_model_run, 1, timeout=600)[0]
+    assert_parity(got, reference(steps=1, max_norm=None), loss_tol=1e-5, norm_rtol=1e-4, grad_tol=1e-5)
+
+
+def parity_table() -> str:
+    """Markdown table of the measured differences (``python -m tests.test_parallelize``; spawns every group)."""
+    import numpy as np
+
+    lines = ["| run | ranks | max abs dloss | grad-norm rel. | step-1 grad |", "|---|---|---|---|---|"]
+    for world_size, runs in ALL_RUNS.items():
+        for label, ranks in results(world_size).items():
+            got, ref = ranks[0], _reference_for(runs[label][1])
+            dloss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+            dnorm = max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True))
+            dgrad = max(float(np.abs(got["grads"][k] - v).max()) for k, v in ref["grads"].items())
+            lines.append(f"| {label} | {world_size} | {dloss:.1e} | {dnorm:.1e} | {dgrad:.1e} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(parity_table())
+    from tests.test_memory import format_table, memory_rows
+
+    print(format_table(memory_rows()))
+
+
+# ------------------------------------------------------------------------- single-process unit checks
+def test_find_blocks_default_fqns_and_predicate():
+    from torch import nn
+
+    from ndparallel.errors import ConfigError
+    from ndparallel.parallelize import find_blocks
+    from tests.parity import build_model
+
+    model = build_model()
+    assert find_blocks(model) == list(model.layers)
+    assert find_blocks(model, ["layers.1"]) == [model.layers[1]]
+    assert find_blocks(model, lambda fqn, m: fqn.endswith("feed_forward")) == [b.feed_forward for b in model.layers]
+    with pytest.raises(ConfigError, match="'layers.7' is not a submodule"):
+        find_blocks(model, ["layers.7"])
+    with pytest.raises(ConfigError, match="no nn.ModuleList"):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_activation_checkpointing_modes_keep_fqns_and_values():
+    from ndparallel.plans.activation_checkpoint import apply_activation_checkpointing
+    from tests.parity import build_model
+
+    model = build_model({"n_layers": 3})
+    names = [n for n, _ in model.named_parameters()]
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected = model(tokens)
+    assert apply_activation_checkpointing(list(model.layers), "selective") == [model.layers[0], model.layers[2]]
+    assert apply_activation_checkpointing(list(model.layers), "none") == []
+    assert [n for n, _ in model.named_parameters()] == names
+    assert torch.equal(model(tokens), expected)
