@@ -13,7 +13,7 @@ CPU_RANKS ?= 4
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	$(PY) -m pip install -q -e ".[dev,hf,plot]"
 	@touch $@
 
 demo: $(STAMP)
