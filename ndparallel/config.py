@@ -112,7 +112,7 @@ class ParallelismConfig:
         for name, value in environ.items():
             for prefix in _ENV_PREFIXES:
                 if name.startswith(prefix):
-                    key = name[len(prefix):].lower()
+                    key = name[len(prefix) :].lower()
                     if key in _field_names() or key in _ALIASES:
                         overrides[_canonical_key(key)] = _parse_scalar(value)
         return dataclasses.replace(base or cls(), **overrides)
@@ -206,7 +206,7 @@ def _field_names() -> set[str]:
 
 def _canonical_key(key: str) -> str:
     """Map accelerate-style and aliased keys to our field names; unknown keys raise with a suggestion."""
-    name = key[len(_ACCELERATE_PREFIX):] if key.startswith(_ACCELERATE_PREFIX) else key
+    name = key[len(_ACCELERATE_PREFIX) :] if key.startswith(_ACCELERATE_PREFIX) else key
     name = _ALIASES.get(name, name)
     if name not in _field_names():
         raise ConfigError(f"unknown parallelism field {key!r}{_did_you_mean(name, sorted(_field_names()))}")

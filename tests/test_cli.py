@@ -42,8 +42,18 @@ def test_mesh_errors_are_one_line(capsys):
 def test_launch_translates_to_torchrun_arguments(monkeypatch):
     monkeypatch.delenv("NDP_DEVICE", raising=False)
     argv = _torchrun_argv(["--cpu-ranks", "4", "--max-restarts", "1", "--", "train", "--config", "x.yaml"])
-    assert argv == ["--max-restarts", "1", "--nproc-per-node", "4", "--standalone", "-m", "ndparallel",
-                    "train", "--config", "x.yaml"]
+    assert argv == [
+        "--max-restarts",
+        "1",
+        "--nproc-per-node",
+        "4",
+        "--standalone",
+        "-m",
+        "ndparallel",
+        "train",
+        "--config",
+        "x.yaml",
+    ]
     assert os.environ["NDP_DEVICE"] == "cpu"
     multi = _torchrun_argv(["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-endpoint", "h:29400", "--", "s.py"])
     assert multi == ["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-endpoint", "h:29400", "s.py"]
@@ -57,14 +67,16 @@ def test_launch_translates_to_torchrun_arguments(monkeypatch):
 
 def test_launch_runs_a_script_on_real_ranks(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, torch.distributed as dist
         dist.init_process_group("gloo")
         t = torch.ones(1) * (dist.get_rank() + 1)
         dist.all_reduce(t)
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():.0f}", flush=True)
         dist.destroy_process_group()
-    """))
+    """)
+    )
     result = _run("launch", "--cpu-ranks", "3", "--", str(script))
     assert result.returncode == 0, result.stderr
     for rank in range(3):
@@ -73,13 +85,15 @@ def test_launch_runs_a_script_on_real_ranks(tmp_path):
 
 def test_launch_crashing_rank_takes_the_job_down(tmp_path):
     script = tmp_path / "crash.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import time, torch.distributed as dist
         dist.init_process_group("gloo")
         if dist.get_rank() == 1:
             raise RuntimeError("rank one exploded on purpose")
         time.sleep(120)  # the others would wait far longer than the test allows
-    """))
+    """)
+    )
     start = time.monotonic()
     result = _run("launch", "--cpu-ranks", "3", "--", str(script), timeout=90)
     assert result.returncode != 0

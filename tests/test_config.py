@@ -26,42 +26,75 @@ def _bad_yaml(tmp_path, text):
 
 BAD_CONFIGS = [
     # (description, callable raising, fragment the message must contain)
-    ("product != world", lambda tmp: ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(8),
-     "multiply to 4 (dp_shard_size=2 x tp_size=2) but the world size is 8"),
-    ("product suggestion", lambda tmp: ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(8),
-     "set dp_shard_size=-1 (it becomes 4)"),
+    (
+        "product != world",
+        lambda tmp: ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(8),
+        "multiply to 4 (dp_shard_size=2 x tp_size=2) but the world size is 8",
+    ),
+    (
+        "product suggestion",
+        lambda tmp: ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(8),
+        "set dp_shard_size=-1 (it becomes 4)",
+    ),
     ("size zero", lambda tmp: ParallelismConfig(tp_size=0), "tp_size=0 is invalid"),
     ("negative size", lambda tmp: ParallelismConfig(cp_size=-2), "cp_size=-2 is invalid"),
-    ("two -1", lambda tmp: ParallelismConfig(dp_shard_size=-1, dp_replicate_size=-1),
-     "only one size may be -1, got dp_replicate_size and dp_shard_size"),
-    ("-1 does not divide", lambda tmp: ParallelismConfig(dp_shard_size=-1, tp_size=3).resolve(8),
-     "dp_shard_size=-1 cannot fill world size 8: the other sizes multiply to 3"),
+    (
+        "two -1",
+        lambda tmp: ParallelismConfig(dp_shard_size=-1, dp_replicate_size=-1),
+        "only one size may be -1, got dp_replicate_size and dp_shard_size",
+    ),
+    (
+        "-1 does not divide",
+        lambda tmp: ParallelismConfig(dp_shard_size=-1, tp_size=3).resolve(8),
+        "dp_shard_size=-1 cannot fill world size 8: the other sizes multiply to 3",
+    ),
     ("float size", lambda tmp: ParallelismConfig(tp_size=2.0), "tp_size=2.0 must be an integer"),
     ("bool size", lambda tmp: ParallelismConfig(tp_size=True), "tp_size=True must be an integer"),
     ("string size", lambda tmp: ParallelismConfig.from_dict({"tp_size": "two"}), "tp_size='two' must be an integer"),
-    ("unknown key", lambda tmp: ParallelismConfig.from_dict({"tp_sise": 2}),
-     "unknown parallelism field 'tp_sise'; did you mean 'tp_size'?"),
-    ("bad mixed precision", lambda tmp: ParallelismConfig(mixed_precision="bf61"),
-     "mixed_precision='bf61' is not one of ['no', 'bf16', 'fp16']; did you mean 'bf16'?"),
-    ("bad rotate method", lambda tmp: ParallelismConfig(cp_rotate_method="alltoall"),
-     "cp_rotate_method='alltoall' is not one of ['ring', 'allgather']"),
-    ("bad bool", lambda tmp: ParallelismConfig(reshard_after_forward="yes"),
-     "reshard_after_forward='yes' must be true or false"),
+    (
+        "unknown key",
+        lambda tmp: ParallelismConfig.from_dict({"tp_sise": 2}),
+        "unknown parallelism field 'tp_sise'; did you mean 'tp_size'?",
+    ),
+    (
+        "bad mixed precision",
+        lambda tmp: ParallelismConfig(mixed_precision="bf61"),
+        "mixed_precision='bf61' is not one of ['no', 'bf16', 'fp16']; did you mean 'bf16'?",
+    ),
+    (
+        "bad rotate method",
+        lambda tmp: ParallelismConfig(cp_rotate_method="alltoall"),
+        "cp_rotate_method='alltoall' is not one of ['ring', 'allgather']",
+    ),
+    (
+        "bad bool",
+        lambda tmp: ParallelismConfig(reshard_after_forward="yes"),
+        "reshard_after_forward='yes' must be true or false",
+    ),
     ("bad bucket", lambda tmp: ParallelismConfig(dp_bucket_mb=0), "dp_bucket_mb=0 must be a positive number"),
     ("offload without sharding", lambda tmp: ParallelismConfig(cpu_offload=True), "cpu_offload=true needs FSDP"),
     ("yaml list", lambda tmp: _bad_yaml(tmp, "- 1\n- 2\n")(), "the top level must be a mapping"),
     ("yaml syntax", lambda tmp: _bad_yaml(tmp, "tp_size: [1,\n")(), "invalid YAML"),
-    ("yaml unsafe tag", lambda tmp: _bad_yaml(tmp, "tp_size: !!python/object/apply:os.system ['true']\n")(),
-     "invalid YAML"),
+    (
+        "yaml unsafe tag",
+        lambda tmp: _bad_yaml(tmp, "tp_size: !!python/object/apply:os.system ['true']\n")(),
+        "invalid YAML",
+    ),
     ("missing file", lambda tmp: ParallelismConfig.from_yaml(tmp / "nope.yaml"), "does not exist"),
     ("bad override", lambda tmp: ParallelismConfig().with_overrides(["tp_size"]), "must look like key=value"),
     ("world size zero", lambda tmp: ParallelismConfig().resolve(0), "world size 0 must be a positive integer"),
     ("not a mapping", lambda tmp: ParallelismConfig.from_dict([1, 2]), "must be a mapping"),
-    ("train batch vs dp", lambda tmp: TrainConfig.from_dict({"train": {"global_batch": 6}}).accumulation_steps(4),
-     "train.global_batch=6 is not divisible by the data-parallel size 4"),
+    (
+        "train batch vs dp",
+        lambda tmp: TrainConfig.from_dict({"train": {"global_batch": 6}}).accumulation_steps(4),
+        "train.global_batch=6 is not divisible by the data-parallel size 4",
+    ),
     ("train unknown section", lambda tmp: TrainConfig.from_dict({"trian": {}}), "did you mean 'train'?"),
-    ("train seq too long", lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 4096}}),
-     "data.seq_len=4096 exceeds model.max_seq_len=256"),
+    (
+        "train seq too long",
+        lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 4096}}),
+        "data.seq_len=4096 exceeds model.max_seq_len=256",
+    ),
     ("unknown preset", lambda tmp: TrainConfig.from_dict({"model": {"preset": "huge"}}), "unknown model preset 'huge'"),
 ]
 
@@ -75,8 +108,14 @@ def test_bad_config_has_clear_error(tmp_path, make, fragment):
 
 
 def test_yaml_dict_round_trip(tmp_path):
-    cfg = ParallelismConfig(dp_replicate_size=2, dp_shard_size=-1, tp_size=2, mixed_precision="bf16",
-                            cp_load_balance=False, dp_bucket_mb=12.5)
+    cfg = ParallelismConfig(
+        dp_replicate_size=2,
+        dp_shard_size=-1,
+        tp_size=2,
+        mixed_precision="bf16",
+        cp_load_balance=False,
+        dp_bucket_mb=12.5,
+    )
     path = tmp_path / "cfg.yaml"
     cfg.to_yaml(path)
     assert ParallelismConfig.from_yaml(path) == cfg
@@ -103,8 +142,14 @@ def test_accelerate_names_yaml(tmp_path):
 
 
 def test_env_and_overrides():
-    env = {"NDP_TP_SIZE": "2", "NDP_DP_SHARD_SIZE": "-1", "NDP_MIXED_PRECISION": "bf16",
-           "PARALLELISM_CONFIG_CP_SIZE": "2", "NDP_UNRELATED": "x", "PATH": "/bin"}
+    env = {
+        "NDP_TP_SIZE": "2",
+        "NDP_DP_SHARD_SIZE": "-1",
+        "NDP_MIXED_PRECISION": "bf16",
+        "PARALLELISM_CONFIG_CP_SIZE": "2",
+        "NDP_UNRELATED": "x",
+        "PATH": "/bin",
+    }
     cfg = ParallelismConfig.from_env(env)
     assert (cfg.tp_size, cfg.dp_shard_size, cfg.cp_size, cfg.mixed_precision) == (2, -1, 2, "bf16")
     assert cfg.resolve(16).dp_shard_size == 4
