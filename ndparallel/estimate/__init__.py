@@ -1,0 +1,60 @@
+"""Analytic memory / communication / step-time model of ndparallel training, and a mesh planner.
+
+    from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, model_spec, plan
+
+    model = model_spec("8b")                        # preset, HF config.json path/dict, raw counts
+    train = TrainingSpec(global_batch=512, seq_len=8192, activation_checkpointing="full")
+    cluster = ClusterSpec.from_gpu("h100", num_gpus=64)
+    e = estimate(model, train, MeshShape(dp_shard=16, tp=4), cluster)
+    e.memory.peak, e.time.step_s, [c.name for c in e.comms]
+    best = plan(model, train, cluster).best        # every mesh shape ranked by predicted step time
+
+Formulas and validation: docs/planning.md.
+"""
+
+from ndparallel.comm.counter import CommCounter
+from ndparallel.estimate.comm import Collective, collectives, group_link
+from ndparallel.estimate.memory import MemoryEstimate, activation_bytes, estimate_memory, params_per_rank
+from ndparallel.estimate.planner import Estimate, Plan, estimate, mesh_shapes, plan, shape_problems
+from ndparallel.estimate.spec import (
+    GPU_PRESETS,
+    PRECISIONS,
+    ClusterSpec,
+    MeshShape,
+    ModelSpec,
+    TrainingSpec,
+    model_spec,
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+)
+from ndparallel.estimate.timing import StepTime, estimate_step_time
+
+__all__ = [
+    "GPU_PRESETS",
+    "PRECISIONS",
+    "ClusterSpec",
+    "Collective",
+    "CommCounter",
+    "Estimate",
+    "MemoryEstimate",
+    "MeshShape",
+    "ModelSpec",
+    "Plan",
+    "StepTime",
+    "TrainingSpec",
+    "activation_bytes",
+    "collectives",
+    "estimate",
+    "estimate_memory",
+    "estimate_step_time",
+    "group_link",
+    "mesh_shapes",
+    "model_spec",
+    "params_per_rank",
+    "parse_bandwidth",
+    "parse_bytes",
+    "parse_count",
+    "plan",
+    "shape_problems",
+]

@@ -1,0 +1,148 @@
+"""Per-step communication of one rank: every collective, its mesh dim, link, bytes and time.
+
+Bytes are *payloads*: the full tensor of an all-gather's output, a reduce-scatter's input, an
+all-reduce's tensor, a P2P send's tensor (what ``CommCounter`` counts on real ranks). Time uses the
+ring algorithm: a rank moves ``(n-1)/n`` of the payload for all-gather and reduce-scatter and
+``2(n-1)/n`` for all-reduce, at the bandwidth of the slowest link the group crosses, plus a fixed
+latency per call. Which link a group uses follows from the mesh order (dp_replicate, dp_shard, cp,
+tp, outer -> inner): a group whose ranks fit inside one node uses NVLink, otherwise the network.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ndparallel.estimate.memory import DDP_BUCKET_BYTES, checkpointed_blocks, fsdp_units
+from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
+
+__all__ = ["LATENCY_S", "Collective", "collectives", "group_link"]
+
+DIM_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
+LATENCY_S = {"intra": 10e-6, "inter": 30e-6}
+"""Fixed cost of one collective call (launch + synchronisation), seconds."""
+BUS_FACTOR = {
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective call in a training step, summed over its calls."""
+
+    name: str
+    kind: str
+    """all_gather, reduce_scatter, all_reduce or send_recv."""
+    group: str
+    """Mesh dim or view it runs over: dp_shard_cp, dp_replicate, tp, cp."""
+    group_size: int
+    phase: str
+    """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp (on the critical path), cp_ring."""
+    calls: int
+    """Calls per optimizer step."""
+    payload_bytes: float
+    """Sum of payloads over the step's calls."""
+    link: str
+    """intra (NVLink) or inter (network)."""
+    bandwidth: float
+
+    @property
+    def bus_bytes(self) -> float:
+        """Bytes each rank sends over the step (ring algorithm)."""
+        return self.payload_bytes * BUS_FACTOR[self.kind](self.group_size)
+
+    @property
+    def time_s(self) -> float:
+        return self.bus_bytes / self.bandwidth + self.calls * LATENCY_S[self.link]
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "bus_bytes": self.bus_bytes, "time_s": self.time_s}
+
+
+def group_link(mesh: MeshShape, dims: tuple[str, ...], cluster: ClusterSpec) -> str:
+    """``intra`` if every group over ``dims`` (contiguous in mesh order) lies inside one node, else ``inter``.
+
+    Ranks are laid out row-major over (dp_replicate, dp_shard, cp, tp) and placed on nodes in rank
+    order, so a group spans ``stride x size`` consecutive ranks, stride = product of the inner dims.
+    """
+    sizes = mesh.as_dict()
+    inner = DIM_ORDER[DIM_ORDER.index(dims[-1]) + 1 :]
+    stride = math.prod(sizes[d] for d in inner)
+    span = stride * math.prod(sizes[d] for d in dims)
+    return "intra" if span <= cluster.gpus_per_node else "inter"
+
+
+def collectives(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec) -> list[Collective]:
+    """Every collective of one optimizer step on one rank (see docs/planning.md for each row)."""
+    micro_steps = train.accumulation_steps(mesh) or 1
+    sync_steps = micro_steps if train.grad_sync_every_microbatch else 1
+    precision = train.bytes
+    layers = model.n_layers
+    rows: list[Collective] = []
+
+    def add(name: str, kind: str, dims: tuple[str, ...], phase: str, calls: int, payload: float) -> None:
+        size = math.prod(mesh.as_dict()[d] for d in dims)
+        if size == 1 or calls == 0:
+            return
+        link = group_link(mesh, dims, cluster)
+        bandwidth = cluster.intra_node_bw if link == "intra" else cluster.inter_node_bw
+        group = "dp_shard_cp" if dims == ("dp_shard", "cp") else dims[0]
+        rows.append(Collective(name, kind, group, size, phase, calls, payload, link, bandwidth))
+
+    # FSDP2 over dp_shard x cp: units = embedding, n_layers blocks, head (final norm + output).
+    units = fsdp_units(model, mesh.tp)
+    tp_local = units["embedding"] + layers * units["block"] + units["head"]
+    n_units = layers + 2
+    fsdp = ("dp_shard", "cp")
+    add("FSDP all-gather (forward)", "all_gather", fsdp, "fsdp_forward",
+        n_units * micro_steps, tp_local * precision.compute * micro_steps)  # fmt: skip
+    if train.reshard_after_forward:  # the last block stays gathered into backward (plans/fully_shard.py)
+        regather = tp_local - units["block"]
+        add("FSDP all-gather (backward)", "all_gather", fsdp, "fsdp_backward",
+            (n_units - 1) * micro_steps, regather * precision.compute * micro_steps)  # fmt: skip
+    add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce",
+        n_units * sync_steps, tp_local * precision.reduce * sync_steps)  # fmt: skip
+
+    # Data-parallel replicas: HSDP all-reduces the gradient shards, plain replicate whole bucketed gradients.
+    replicated = tp_local / mesh.fsdp * precision.reduce
+    if mesh.fsdp > 1:
+        add("HSDP all-reduce (grad shards)", "all_reduce", ("dp_replicate",), "grad_reduce",
+            n_units * sync_steps, replicated * sync_steps)  # fmt: skip
+    else:
+        buckets = max(1, math.ceil(replicated / DDP_BUCKET_BYTES))
+        add("replicate all-reduce (grads)", "all_reduce", ("dp_replicate",), "grad_reduce",
+            buckets * sync_steps, replicated * sync_steps)  # fmt: skip
+
+    # Tensor parallel with sequence parallel: per block 2 all-gathers + 2 reduce-scatters of the
+    # [micro_batch, seq/cp, dim] activation forward, the same again backward, + recomputed forwards.
+    tokens = train.micro_batch * train.seq_len / mesh.cp
+    activation = tokens * model.dim * precision.compute
+    recomputed = checkpointed_blocks(layers, train.activation_checkpointing)
+    # Recomputation (non-reentrant checkpoint) stops once the last saved tensor is rebuilt: the block's
+    # final reduce-scatter (w2's) is not repeated. + 1 each for the embedding (reduce-scatter forward,
+    # all-gather backward) and the output projection (all-gather forward, reduce-scatter backward).
+    tp_calls = {"all_gather": 4 * layers + 2 * recomputed + 2, "reduce_scatter": 4 * layers + recomputed + 2}
+    for kind, calls in tp_calls.items():
+        add(f"TP {kind.replace('_', '-')} (SP activations)", kind, ("tp",), "tp",
+            calls * micro_steps, calls * activation * micro_steps)  # fmt: skip
+    add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",
+        (2 * layers + 1) * micro_steps, (2 * layers + 1) * model.dim * precision.reduce * micro_steps)  # fmt: skip
+    # loss_parallel: cross-entropy over vocab-sharded logits all-reduces max, sum-exp and the target logit (fp32).
+    add("TP all-reduce (loss-parallel stats)", "all_reduce", ("tp",), "tp",
+        3 * micro_steps, 3 * tokens * 4 * micro_steps)  # fmt: skip
+
+    # Context parallel, ring attention (comm/ring.py): per block forward, cp-1 hops of the local K and V
+    # (un-repeated heads, compute dtype); backward recirculates K/V (cp-1 hops) and sends the fp32 dK/dV
+    # partial sums cp hops; a recomputed block repeats its forward ring.
+    kv = 2 * tokens * model.kv_dim / mesh.tp
+    hops = mesh.cp - 1
+    forward_hops = (layers + recomputed) * hops
+    add("CP ring K/V send/recv", "send_recv", ("cp",), "cp_ring",
+        (forward_hops + layers * hops) * micro_steps,
+        (forward_hops + layers * hops) * kv * precision.compute * micro_steps)  # fmt: skip
+    add("CP ring dK/dV send/recv", "send_recv", ("cp",), "cp_ring",
+        layers * mesh.cp * micro_steps, layers * mesh.cp * kv * 4 * micro_steps)  # fmt: skip
+    return rows

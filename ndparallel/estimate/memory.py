@@ -1,0 +1,170 @@
+"""Per-rank memory of one training step: state (params, grads, AdamW), activations, peak transient.
+
+Layout assumed (ndparallel's planners): tensor parallel with sequence parallel splits every block
+matmul and the embedding / output over ``tp`` (norms are replicated over tp); FSDP2 then shards
+every tensor over ``dp_shard x cp`` in units of one transformer block, the embedding, and
+[final norm + output]. ``dp_replicate`` keeps full copies (HSDP when dp_shard x cp > 1, plain
+replicate otherwise). Formulas: docs/planning.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
+
+__all__ = [
+    "MemoryEstimate",
+    "activation_bytes",
+    "checkpointed_blocks",
+    "estimate_memory",
+    "fsdp_units",
+    "layer_activation_bytes_per_token",
+    "params_per_rank",
+]
+
+DDP_BUCKET_BYTES = 25 * 10**6  # ndparallel's replicate default bucket (dp_bucket_mb=25)
+
+
+def checkpointed_blocks(n_layers: int, mode: str) -> int:
+    """Blocks recomputed in backward: all (``full``), every other one starting with the first
+    (``selective``, ndparallel's plans/activation_checkpoint.py), or none."""
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation checkpointing mode {mode!r} not in {ACTIVATION_CHECKPOINTING}")
+    return {"none": 0, "full": n_layers, "selective": (n_layers + 1) // 2}[mode]
+
+
+def fsdp_units(model: ModelSpec, tp: int) -> dict[str, float]:
+    """Parameters of each FSDP unit on one tensor-parallel rank (before FSDP sharding).
+
+    Units: ``embedding``, one ``block`` (there are n_layers of them) and ``head`` (final norm + output).
+    """
+    block = model.layer_matmul_params / tp + model.layer_norm_params
+    return {
+        "embedding": model.embedding_params / tp,
+        "block": block,
+        "head": model.output_params / tp + model.dim,
+    }
+
+
+def params_per_rank(model: ModelSpec, mesh: MeshShape) -> float:
+    """Parameter elements held by one rank: tp-local model / (dp_shard x cp)."""
+    units = fsdp_units(model, mesh.tp)
+    tp_local = units["embedding"] + model.n_layers * units["block"] + units["head"]
+    return tp_local / mesh.fsdp
+
+
+def norm_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int) -> float:
+    """What one RMSNorm and the column-parallel linears after it save, per token.
+
+    Fused kernel (CUDA): its input (sequence-sharded, ``d/t``) and an fp32 rstd. Composite (CPU, eager
+    without a fused kernel): an fp32 copy of the input and the fp32 normalised input (``2 x 4 d/t``) and
+    the rstd. Either way the all-gathered output, saved by wq/wk/wv or w1/w3, is ``d`` in the compute dtype.
+    """
+    e, d, t = train.bytes.compute, model.dim, tp
+    internal = e * d / t if train.fused_norm else 2 * 4 * d / t
+    return internal + 4 / t + e * d
+
+
+def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int, cp: int = 1) -> float:
+    """Bytes one block saves for backward per token (of this rank's sequence shard), no checkpointing.
+
+    Counted tensor by tensor for the reference block with SP (``d`` = dim, ``f`` = ffn_dim, ``t`` = tp),
+    as autograd saves them (checked with saved-tensor hooks, tests/test_estimate.py): two RMSNorms
+    (``norm_activation_bytes_per_token``); attention's q, k, v and output (``2 q_dim/t + 2 kv'/t``) with
+    its fp32 log-sum-exp (``heads/t``), where ``kv' = q_dim`` when SDPA gets k/v repeated for grouped-query
+    attention and ``kv_dim`` otherwise (and under context parallel: ring attention keeps the kv heads);
+    SwiGLU's w1 out, silu out, w3 out and product (``4f/t``), in the compute dtype.
+    """
+    e, t = train.bytes.compute, tp
+    repeated = model.n_kv_heads < model.n_heads and cp == 1  # CoreAttention's repeat_interleave for GQA
+    kv_saved = model.q_dim if repeated else model.kv_dim
+    attention = e * (2 * model.q_dim + 2 * kv_saved) / t + 4 * model.n_heads / t
+    mlp = e * 4 * model.ffn_dim / t
+    return 2 * norm_activation_bytes_per_token(model, train, tp) + attention + mlp
+
+
+def head_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int) -> float:
+    """The final RMSNorm (as in a block), vocab-parallel logits in the compute dtype, the fp32 log-softmax the
+    loss saves and its fp32 gradient at the start of backward (``V/t`` each)."""
+    vocab = model.vocab_size / tp
+    return norm_activation_bytes_per_token(model, train, tp) + vocab * (train.bytes.compute + 4 + 4)
+
+
+def activation_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, mode: str | None = None) -> float:
+    """Peak activation bytes of one micro-batch on one rank for checkpointing ``mode`` (default: train's).
+
+    ``none``: every block's saved tensors. ``full``: each block keeps only its (sequence-sharded) input,
+    and one block's tensors exist again while it is recomputed. ``selective``: every other block is
+    checkpointed (ndparallel's definition). The loss head is never checkpointed.
+    """
+    mode = mode or train.activation_checkpointing
+    tokens = train.micro_batch * train.seq_len / mesh.cp
+    layer = layer_activation_bytes_per_token(model, train, mesh.tp, mesh.cp) * tokens
+    block_input = train.bytes.compute * model.dim / mesh.tp * tokens
+    n_layers = model.n_layers
+    checkpointed = checkpointed_blocks(n_layers, mode)
+    stored = (n_layers - checkpointed) * layer + checkpointed * block_input
+    recompute = layer if checkpointed else 0.0
+    head = head_activation_bytes_per_token(model, train, mesh.tp) * tokens
+    return stored + recompute + head
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank. ``peak`` = params + grads + optimizer + accumulated_grads + activations + transient."""
+
+    params: float
+    """Sharded parameters (fp32; under mixed precision this shard is the master copy)."""
+    grads: float
+    optimizer: float
+    """AdamW exp_avg and exp_avg_sq, fp32."""
+    activations: float
+    """Saved activations of one micro-batch at the start of backward, chosen checkpointing mode."""
+    transient: float
+    """Largest short-lived buffer: all-gathered FSDP units (current + prefetched) and the unit's unsharded
+    gradient before its reduce-scatter; replicate: gradient buckets (+ bf16 weight copies)."""
+    activations_by_mode: dict[str, float]
+    accumulated_grads: float = 0.0
+    """Unsharded gradients FSDP keeps between micro-batches when gradient sync waits for the last one."""
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.state + self.accumulated_grads + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "state": self.state, "peak": self.peak}
+
+
+def estimate_memory(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> MemoryEstimate:
+    """Per-rank memory of ``model`` trained with ``train`` on ``mesh``."""
+    precision = train.bytes
+    params = params_per_rank(model, mesh)
+    units = fsdp_units(model, mesh.tp)
+    if mesh.fsdp > 1:
+        largest = max(units.values())
+        if train.reshard_after_forward:
+            gathered = 2 * largest * precision.compute  # the unit in use + the prefetched next one
+        else:
+            gathered = params * mesh.fsdp * precision.compute  # every unit stays gathered forward -> backward
+        transient = gathered + largest * precision.reduce  # unsharded gradient before reduce-scatter
+    else:
+        tp_local = params
+        weight_copy = tp_local * precision.compute if precision.compute != precision.param else 0.0
+        transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)
+    by_mode = {mode: activation_bytes(model, train, mesh, mode) for mode in ACTIVATION_CHECKPOINTING}
+    deferred_sync = not train.grad_sync_every_microbatch and train.accumulation_steps(mesh) > 1
+    accumulated = params * mesh.fsdp * precision.reduce if deferred_sync and mesh.fsdp > 1 else 0.0
+    return MemoryEstimate(
+        params=params * precision.param,
+        grads=params * precision.grad,
+        optimizer=params * precision.optimizer,
+        activations=by_mode[train.activation_checkpointing],
+        transient=transient,
+        activations_by_mode=by_mode,
+        accumulated_grads=accumulated,
+    )

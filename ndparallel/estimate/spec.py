@@ -1,0 +1,390 @@
+"""Inputs of the estimator: the model's shape, the cluster, the training shape and a mesh shape.
+
+Everything is plain numbers in SI units (bytes, bytes/s, FLOP/s) so that the formulas in
+``memory.py``, ``comm.py`` and ``timing.py`` read like the equations in docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ndparallel.errors import ConfigError
+from ndparallel.models.config import PRESETS, TransformerConfig
+
+__all__ = [
+    "ACTIVATION_CHECKPOINTING",
+    "GPU_PRESETS",
+    "PRECISIONS",
+    "ClusterSpec",
+    "MeshShape",
+    "ModelSpec",
+    "Precision",
+    "TrainingSpec",
+    "model_spec",
+    "parse_bandwidth",
+    "parse_bytes",
+    "parse_count",
+]
+
+GiB = 1024**3
+
+# ---------------------------------------------------------------------------------------------- units
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12, "p": 10**15}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: str | float, name: str = "memory") -> float:
+    """``"80GiB"`` -> 85899345920, ``"80GB"`` -> 8e10, ``"141G"`` (binary) or a plain number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = _NUMBER.match(str(value))
+        if not match or match.group(2).lower() not in _BYTE_UNITS:
+            raise ConfigError(
+                f"{name}={value!r} is not a size: use a number with a unit, e.g. 80GiB, 80GB, 141G or 512MiB"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    result = number * _BYTE_UNITS[unit]
+    if result <= 0:
+        raise ConfigError(f"{name}={value!r} must be positive")
+    return result
+
+
+def parse_bandwidth(value: str | float, name: str = "bandwidth") -> float:
+    """Bytes per second: ``"450GB/s"``, ``"50GB"``, ``"400Gbit/s"`` (bits are divided by 8) or a number."""
+    text = str(value).strip()
+    bits = bool(re.search(r"(?i:bit)|bps$", text))  # "Gbps" / "Gbit/s" are bits; "GBps" / "GB/s" bytes
+    text = re.sub(r"(?i)(/s|ps|it)$", "", text)
+    text = re.sub(r"(?i)(bit|b)$", "b", text) if bits else text
+    return parse_bytes(text, name) / (8 if bits else 1)
+
+
+def parse_count(value: str | float, name: str) -> float:
+    """``"989T"`` -> 9.89e14, ``"8b"`` -> 8e9 (decimal prefixes) or a plain number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        match = _NUMBER.match(str(value).replace("FLOP/s", "").replace("flops", ""))
+        if not match or match.group(2).lower() not in _COUNT_UNITS:
+            raise ConfigError(f"{name}={value!r} is not a number: use e.g. 989e12 or 989T")
+        result = float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()]
+    if result <= 0:
+        raise ConfigError(f"{name}={value!r} must be positive")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-style decoder's shape: all the estimator needs to know about a model."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    head_dim: int = 0
+    """0 means ``dim // n_heads``."""
+    tied_embeddings: bool = False
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{key}={value!r} must be a positive integer")
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.dim={self.dim}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
+
+    # -- parameter counts ------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """wq, wk, wv, wo and the SwiGLU w1, w3, w2 of one block (the weights tensor parallel splits)."""
+        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn_dim
+
+    @property
+    def layer_norm_params(self) -> int:
+        """attention_norm + ffn_norm (replicated across tensor-parallel ranks)."""
+        return 2 * self.dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def output_params(self) -> int:
+        return 0 if self.tied_embeddings else self.vocab_size * self.dim
+
+    def num_params(self) -> int:
+        """All parameters (same count as ``TransformerConfig.num_params`` for the reference model)."""
+        per_layer = self.layer_matmul_params + self.layer_norm_params
+        return self.n_layers * per_layer + self.embedding_params + self.output_params + self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, forward + backward: 6 x matmul params + causal attention (12 L d s / 2)."""
+        matmul = self.n_layers * self.layer_matmul_params + self.vocab_size * self.dim  # output projection
+        return 6 * matmul + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """The q k^T and p v part of ``flops_per_token`` (what context parallel splits and ring P2P overlaps)."""
+        return 6 * self.n_layers * self.q_dim * seq_len
+
+    # -- constructors ----------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: TransformerConfig, name: str = "custom") -> ModelSpec:
+        return cls(
+            dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=int(cfg.n_kv_heads or cfg.n_heads),
+            ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, name=name,
+        )  # fmt: skip
+
+    @classmethod
+    def from_preset(cls, name: str) -> ModelSpec:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or pass a config.json")
+        return cls.from_config(TransformerConfig.from_preset(name), name=name)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], name: str = "hf") -> ModelSpec:
+        """From a Hugging Face ``config.json`` dict (Llama / Mistral / Qwen style field names)."""
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise ConfigError(f"HF config is missing {missing}; it needs {list(required)} (+ num_key_value_heads)")
+        return cls(
+            dim=int(config["hidden_size"]),
+            n_layers=int(config["num_hidden_layers"]),
+            n_heads=int(config["num_attention_heads"]),
+            n_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            ffn_dim=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            head_dim=int(config.get("head_dim") or 0),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            name=str(config.get("_name_or_path") or config.get("model_type") or name),
+        )
+
+
+def model_spec(model: str | os.PathLike | Mapping[str, Any] | TransformerConfig | ModelSpec) -> ModelSpec:
+    """Any model description -> ModelSpec: a preset name, a path to an HF ``config.json``, an HF config dict,
+    a ``{dim, n_layers, ...}`` dict of raw counts, a TransformerConfig or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, TransformerConfig):
+        return ModelSpec.from_config(model)
+    if isinstance(model, Mapping):
+        if "hidden_size" in model:
+            return ModelSpec.from_hf_config(model)
+        known = set(ModelSpec.__dataclass_fields__)
+        unknown = sorted(set(model) - known - {"preset"})
+        if unknown:
+            raise ConfigError(f"unknown model field(s) {unknown}; raw counts use {sorted(known)}")
+        if "preset" in model:
+            return ModelSpec.from_config(TransformerConfig.from_dict(dict(model)), name=str(model["preset"]))
+        values = dict(model)
+        values.setdefault("n_kv_heads", values.get("n_heads"))
+        try:
+            return ModelSpec(**values)
+        except TypeError as err:
+            raise ConfigError(f"raw model counts are incomplete ({err}); give {sorted(known)}") from None
+    text = os.fspath(model)
+    if text.endswith(".json") or os.path.sep in text:
+        path = Path(text)
+        if not path.is_file():
+            raise ConfigError(f"model config file {text!r} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{text}: invalid JSON: {err}") from None
+        return ModelSpec.from_hf_config(data, name=path.parent.name or path.stem)
+    return ModelSpec.from_preset(text)
+
+
+# ---------------------------------------------------------------------------------------------- cluster
+# peak dense bf16 FLOP/s, memory, NVLink per direction (effective), inter-node per GPU (one 400 Gb/s NIC).
+GPU_PRESETS: dict[str, dict[str, float]] = {
+    "h100": dict(gpu_memory=80 * GiB, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9),
+    "h200": dict(gpu_memory=140 * GiB, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9),
+    "a100": dict(gpu_memory=80 * GiB, peak_flops=312e12, intra_node_bw=250e9, inter_node_bw=25e9),
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs and their links. Defaults: an H100-class 8-GPU node, NVLink ~450 GB/s, 50 GB/s of network per GPU."""
+
+    num_gpus: int = 8
+    gpus_per_node: int = 8
+    gpu_memory: float = 80 * GiB
+    """Bytes of memory per GPU."""
+    intra_node_bw: float = 450e9
+    """Effective bus bandwidth of one GPU inside a node (NVLink), bytes/s per direction."""
+    inter_node_bw: float = 50e9
+    """Effective network bandwidth per GPU between nodes (InfiniBand / RoCE), bytes/s per direction."""
+    peak_flops: float = 989e12
+    """Dense peak FLOP/s of one GPU in the compute dtype."""
+    mfu: float = 0.5
+    """Fraction of peak the matmuls reach (model FLOPs utilisation, communication excluded)."""
+    memory_margin: float = 0.1
+    """Fraction of GPU memory kept free for the CUDA context, allocator fragmentation and comm buffers."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_gpus", "gpus_per_node"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{key}={value!r} must be a positive integer")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ConfigError(
+                f"gpus={self.num_gpus} is not a multiple of gpus_per_node={self.gpus_per_node}: "
+                f"use {self.num_gpus // self.gpus_per_node * self.gpus_per_node} or "
+                f"{math.ceil(self.num_gpus / self.gpus_per_node) * self.gpus_per_node} GPUs, or set --gpus-per-node"
+            )
+        for key in ("gpu_memory", "intra_node_bw", "inter_node_bw", "peak_flops"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)!r} must be positive")
+        if not 0 < self.mfu <= 1:
+            raise ConfigError(f"mfu={self.mfu!r} must be in (0, 1], e.g. 0.5")
+        if not 0 <= self.memory_margin < 1:
+            raise ConfigError(f"memory_margin={self.memory_margin!r} must be in [0, 1), e.g. 0.1")
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu_memory * (1 - self.memory_margin)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.num_gpus // self.gpus_per_node)
+
+    @classmethod
+    def from_gpu(cls, gpu: str, **overrides: Any) -> ClusterSpec:
+        """A preset GPU (``h100``, ``h200``, ``a100``) with any field overridden."""
+        key = gpu.lower()
+        if key not in GPU_PRESETS:
+            raise ConfigError(f"unknown gpu {gpu!r}; choose one of {sorted(GPU_PRESETS)} (or give each field)")
+        return cls(**{**GPU_PRESETS[key], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------- training
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state."""
+
+    name: str
+    param: int
+    """Sharded parameter storage (under FSDP2 mixed precision this fp32 shard is the master copy)."""
+    grad: int
+    """Sharded gradient (FSDP2 reduces in fp32)."""
+    optimizer: int
+    """AdamW m and v (fp32 each)."""
+    compute: int
+    """Activations and all-gathered (unsharded) parameters."""
+    reduce: int
+    """Gradient reduction (reduce-scatter / all-reduce) dtype."""
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", param=4, grad=4, optimizer=8, compute=4, reduce=4),
+    "bf16": Precision("bf16", param=4, grad=4, optimizer=8, compute=2, reduce=4),
+    "fp16": Precision("fp16", param=4, grad=4, optimizer=8, compute=2, reduce=4),
+}
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """Training shape. ``global_batch`` counts sequences of ``seq_len`` tokens per optimizer step."""
+
+    global_batch: int = 256
+    seq_len: int = 4096
+    micro_batch: int = 1
+    precision: str = "bf16"
+    """``bf16``/``fp16``: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32), fp32 master shards; or ``fp32``."""
+    activation_checkpointing: str = "none"
+    optimizer: str = "adamw"
+    reshard_after_forward: bool = True
+    """FSDP: free gathered units after forward and all-gather them again in backward."""
+    fused_norm: bool = True
+    """RMSNorm saves only its input and rstd (CUDA fused kernel); False: the composite CPU op's fp32 copies."""
+    grad_sync_every_microbatch: bool = False
+    """Reduce gradients after every micro-batch (FSDP2's default). False (ndparallel's training loop,
+    ``ndparallel.grad_sync.no_sync``): once per optimizer step; FSDP then keeps unsharded gradients
+    between micro-batches."""
+
+    def __post_init__(self) -> None:
+        for key in ("global_batch", "seq_len", "micro_batch"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{key}={value!r} must be a positive integer")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is not one of {list(PRECISIONS)}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
+                f"{list(ACTIVATION_CHECKPOINTING)}"
+            )
+        if self.optimizer != "adamw":
+            raise ConfigError(f"optimizer={self.optimizer!r}: only 'adamw' is modelled")
+
+    @property
+    def bytes(self) -> Precision:
+        return PRECISIONS[self.precision]
+
+    def accumulation_steps(self, mesh: MeshShape) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank (0 when the batch does not divide)."""
+        per_step = mesh.dp * self.micro_batch
+        return self.global_batch // per_step if self.global_batch % per_step == 0 else 0
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+@dataclass(frozen=True, order=True)
+class MeshShape:
+    """Sizes of the four mesh dims, outer -> inner: dp_replicate, dp_shard, cp, tp."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def fsdp(self) -> int:
+        """FSDP shard group size: dp_shard x cp (context-parallel ranks also shard parameters)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}

@@ -1,0 +1,115 @@
+"""Step time: compute from FLOPs at an assumed MFU, plus the communication that compute cannot hide.
+
+Overlap assumptions (FSDP2 prefetching, overlapped gradient reduction, no async TP):
+
+* FSDP forward all-gathers hide behind forward compute, except the first unit's of each micro-batch.
+* Backward all-gathers hide behind the micro-batch's backward compute (+ recompute); gradient
+  reductions (reduce-scatter, HSDP / replicate all-reduce) hide behind the backward of the
+  micro-batch that syncs, except the last unit's reduction.
+* TP/SP collectives sit on the critical path: fully exposed.
+* CP ring K/V transfers hide behind attention compute (forward, backward and recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ndparallel.estimate.comm import Collective
+from ndparallel.estimate.memory import checkpointed_blocks
+from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
+
+__all__ = ["StepTime", "estimate_step_time"]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, and the throughput that follows."""
+
+    compute_s: float
+    """Forward + backward (+ recompute) of all micro-batches at ``peak x mfu``."""
+    comm_s: float
+    """All communication, as if nothing overlapped."""
+    exposed_s: dict[str, float]
+    """Communication compute did not hide, per phase."""
+    tokens_per_step: int
+    model_flops_per_step: float
+    world_size: int
+    peak_flops: float
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(self.exposed_s.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        """Achieved model FLOPs utilisation including exposed communication."""
+        return self.model_flops_per_step / (self.step_s * self.world_size * self.peak_flops)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "step_s": self.step_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s, "exposed_s": dict(self.exposed_s),
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+        }  # fmt: skip
+
+
+def estimate_step_time(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec, comms: list[Collective]
+) -> StepTime:
+    """Compute time and exposed communication of one optimizer step (module docstring: overlap rules)."""
+    micro_steps = train.accumulation_steps(mesh) or 1
+    seq = train.seq_len
+    tokens = train.micro_batch * seq  # per data-parallel rank and micro-batch, shared by its cp x tp ranks
+    flops_per_token = model.flops_per_token(seq)
+    attention_per_token = model.attention_flops_per_token(seq)
+    layer_matmul_per_token = 6 * model.n_layers * model.layer_matmul_params
+    recomputed = checkpointed_blocks(model.n_layers, train.activation_checkpointing)
+    # Recompute = one more forward (1/3 of forward + backward) of the checkpointed blocks.
+    recompute_per_token = recomputed / model.n_layers * (layer_matmul_per_token + attention_per_token) / 3
+
+    rate = cluster.peak_flops * cluster.mfu * mesh.cp * mesh.tp  # one dp rank's cp x tp GPUs share its tokens
+    forward_s = micro_steps * tokens * flops_per_token / 3 / rate
+    backward_s = micro_steps * tokens * (2 * flops_per_token / 3 + recompute_per_token) / rate
+    attention_s = micro_steps * tokens * attention_per_token * (1 + recomputed / model.n_layers / 3) / rate
+
+    by_phase: dict[str, list[Collective]] = {}
+    for row in comms:
+        by_phase.setdefault(row.phase, []).append(row)
+
+    def total(phase: str) -> float:
+        return sum(row.time_s for row in by_phase.get(phase, []))
+
+    def first_calls(phase: str, count: int) -> float:
+        """What cannot overlap: one call per micro-batch (first gather) or per sync (last reduction)."""
+        return sum(row.time_s / row.calls for row in by_phase.get(phase, [])) * count
+
+    # Backward of each micro-batch hides its re-gathers and, on micro-batches that sync, the reductions.
+    sync_steps = micro_steps if train.grad_sync_every_microbatch else 1
+    regather, backward = total("fsdp_backward") / micro_steps, backward_s / micro_steps
+    reduce_per_sync = total("grad_reduce") / sync_steps
+    backward_exposed = (micro_steps - sync_steps) * max(0.0, regather - backward)
+    backward_exposed += sync_steps * max(0.0, regather + reduce_per_sync - backward)
+    exposed = {
+        "fsdp_forward": max(0.0, total("fsdp_forward") - forward_s) + first_calls("fsdp_forward", micro_steps),
+        "backward": backward_exposed + first_calls("grad_reduce", sync_steps),
+        "tp": total("tp"),
+        "cp_ring": max(0.0, total("cp_ring") - attention_s),
+    }
+    tokens_per_step = train.global_batch * seq
+    return StepTime(
+        compute_s=forward_s + backward_s,
+        comm_s=sum(row.time_s for row in comms),
+        exposed_s={k: v for k, v in exposed.items() if v > 0},
+        tokens_per_step=tokens_per_step,
+        model_flops_per_step=tokens_per_step * flops_per_token,
+        world_size=mesh.world_size,
+        peak_flops=cluster.peak_flops,
+    )
