@@ -1,0 +1,88 @@
+"""One benchmark configuration: model shape, mesh shape, sequence length and global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ndparallel.config import ParallelismConfig
+from ndparallel.errors import ConfigError
+from ndparallel.models import Transformer, TransformerConfig
+
+__all__ = ["BenchCase"]
+
+
+@dataclass
+class BenchCase:
+    """One configuration to measure. ``parallelism`` holds :class:`ParallelismConfig` fields (no ``-1``)."""
+
+    sweep: str
+    label: str
+    model: dict[str, Any]
+    parallelism: dict[str, Any]
+    seq_len: int
+    global_batch: int
+    warmup: int = 2
+    steps: int = 5
+    device: str = "cpu"
+    compute_twin: bool = True
+    """Also run the compute-only twin (fake process group) to measure exposed communication."""
+
+    def parallel_config(self) -> ParallelismConfig:
+        cfg = ParallelismConfig.from_dict(self.parallelism)
+        if -1 in cfg.sizes.values():
+            raise ConfigError(f"bench case {self.name}: sizes must be explicit (no -1), got {cfg.sizes}")
+        return cfg.resolve(cfg.world_size)
+
+    def model_config(self) -> TransformerConfig:
+        return TransformerConfig.from_dict(self.model)
+
+    @property
+    def name(self) -> str:
+        return f"{self.sweep}/{self.label}"
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel_config().world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def validate(self) -> None:
+        """Raise ConfigError for a case that cannot run (checked before any process starts)."""
+        cfg, mcfg = self.parallel_config(), self.model_config()
+        for name in ("seq_len", "global_batch", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"bench case {self.name}: {name}={value!r} must be a positive integer")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ConfigError(f"bench case {self.name}: warmup={self.warmup!r} must be an integer >= 0")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"bench case {self.name}: device={self.device!r} must be cpu or cuda")
+        if self.seq_len > mcfg.max_seq_len:
+            raise ConfigError(
+                f"bench case {self.name}: seq_len={self.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}; "
+                f"set model.max_seq_len >= {self.seq_len}"
+            )
+        dp = cfg.dp_replicate_size * cfg.dp_shard_size
+        if self.global_batch % dp:
+            raise ConfigError(
+                f"bench case {self.name}: global_batch={self.global_batch} is not divisible by the data-parallel "
+                f"size {dp} (dp_replicate x dp_shard); use a multiple of {dp}"
+            )
+        if cfg.cp_size > 1:
+            from ndparallel.plans.context_parallel import validate_sequence_length
+
+            validate_sequence_length(self.seq_len, cfg.cp_size, cfg.cp_load_balance, f"bench case {self.name}: seq_len")
+        if cfg.tp_size > 1:
+            from ndparallel.plans.tensor_parallel import check_tp_divisibility
+
+            with torch.device("meta"):
+                check_tp_divisibility(Transformer(mcfg), cfg.tp_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
