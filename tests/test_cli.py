@@ -26,7 +26,7 @@ def _run(*args: str, timeout: float = 120, cwd: Path = REPO) -> subprocess.Compl
 def test_mesh_prints_rank_layout(capsys):
     assert main(["mesh", "configs/demo.yaml", "--world-size", "8", "tp_size=2"]) == 0
     out = capsys.readouterr().out
-    assert "mesh dp_replicate=4 x tp=2  (world size 8" in out
+    assert "mesh dp_shard=4 x tp=2  (world size 8" in out
     assert "tp                                       size 2    groups: [0,1] [2,3] [4,5] [6,7]" in out
 
 
@@ -35,7 +35,7 @@ def test_mesh_errors_are_one_line(capsys):
     assert "pass --world-size N" in capsys.readouterr().err
     assert main(["mesh", "configs/demo.yaml", "--world-size", "4", "tp_size=3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ndparallel: error: dp_replicate_size=-1 cannot fill world size 4")
+    assert err.startswith("ndparallel: error: dp_shard_size=-1 cannot fill world size 4")
     assert "Traceback" not in err
 
 
