@@ -33,7 +33,7 @@ def _train(config: dict) -> dict:
     from ndparallel.train import train
 
     result = train(TrainConfig.from_dict(config))
-    return {"losses": result.losses, "start_step": result.start_step}
+    return {"losses": result.losses, "start_step": result.start_step, "interrupted": result.interrupted}
 
 
 def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
@@ -51,6 +51,35 @@ def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
     single = run_distributed(_train, 1, _config({}, str(tmp_path / "c"), resume=middle))
     for got in (other[0], single[0]):
         assert got["losses"] == pytest.approx(straight["losses"][5:], abs=1e-5)
+
+
+def _train_until_signalled(config: dict, metrics: str) -> dict:
+    """Rank 0 receives SIGINT (as from Ctrl-C) once 3 steps are logged; rank 1 never does."""
+    import threading
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+
+        def interrupt() -> None:
+            while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 3):
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
+    return _train(config)
+
+
+def test_sigint_on_one_rank_stops_all_ranks_together_after_saving(tmp_path):
+    config = _config({"dp_shard_size": 2}, str(tmp_path / "ckpt"))
+    config["train"].update(steps=100_000, metrics_file=str(tmp_path / "m.jsonl"))
+    results = run_distributed(_train_until_signalled, 2, config, str(tmp_path / "m.jsonl"), timeout=180)
+    steps = [len(r["losses"]) for r in results]
+    assert steps[0] == steps[1] and 3 <= steps[0] < 100, steps
+    assert all(r["interrupted"] for r in results)
+    from ndparallel import checkpoint
+
+    assert Path(checkpoint.latest(tmp_path / "ckpt")).name == f"step-{steps[0]:08d}"
 
 
 def _children(pid: int) -> list[int]:
