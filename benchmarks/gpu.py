@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ndparallel.bench.peak import device_peak
 from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.peak import device_peak
 
 BASELINE_TOKENS_PER_S = 86.1e3  # best plain PyTorch on one H200, DESIGN.md
 

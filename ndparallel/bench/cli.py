@@ -37,9 +37,9 @@ def apply_defaults_overrides(data: Mapping[str, Any], overrides: list[str]) -> d
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ndparallel.bench.harness import inside_launcher, run_cases
-    from ndparallel.bench.peak import Peak, device_peak
     from ndparallel.bench.report import format_comm_table, format_table, plot, write_json
     from ndparallel.bench.sweep import cases_from_config
+    from ndparallel.peak import Peak, device_peak
 
     if args.from_json:
         return _replot(args)

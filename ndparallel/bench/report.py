@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ndparallel.bench.peak import Peak
 from ndparallel.bench.result import CaseResult
+from ndparallel.peak import Peak
 
 __all__ = [
     "SCHEMA",

@@ -24,14 +24,12 @@ from torch import nn
 
 from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.models import Transformer
+from ndparallel.peak import device_peak
 from ndparallel.train.config import TrainConfig
 from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.progress import Progress, format_duration, format_rate
 
-__all__ = ["TrainResult", "lr_at", "peak_flops_per_device", "train"]
-
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for the MFU estimate.
-_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
+__all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
 
 
 @dataclass
@@ -86,14 +84,23 @@ def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
     return parallelize(model, mesh.config, mesh=mesh)
 
 
-def peak_flops_per_device(cfg: TrainConfig, device_type: str) -> float | None:
-    """``train.peak_tflops`` if set, else the bf16 dense peak of a known CUDA device, else None (no MFU)."""
+def job_peak_flops(cfg: TrainConfig, mesh: Mesh) -> float | None:
+    """Peak FLOP/s of the whole job, the MFU denominator (rank 0 only; None elsewhere or when unknown).
+
+    ``train.peak_tflops`` per device if set; else the bf16 data-sheet peak of a known GPU times the
+    GPU count, or, on CPU, the measured matmul peak of this machine times the node count (simulated
+    ranks share one machine's cores).
+    """
+    if dist.get_rank() != 0:
+        return None
     if cfg.train.peak_tflops:
-        return cfg.train.peak_tflops * 1e12
-    if device_type == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
-    return None
+        return cfg.train.peak_tflops * 1e12 * mesh.size()
+    peak = device_peak(mesh.device_type, cfg.parallelism.mixed_precision).flops
+    if math.isnan(peak):
+        return None
+    if mesh.device_type == "cuda":
+        return peak * mesh.size()
+    return peak * max(1, mesh.size() // int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size())))
 
 
 class _StopRequest:
@@ -166,7 +173,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     loader = BatchLoader(corpus, t.global_batch, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed)
     device = next(model.parameters()).device
     tokens_per_step = t.global_batch * cfg.data.seq_len
-    peak = peak_flops_per_device(cfg, mesh.device_type)
+    peak = job_peak_flops(cfg, mesh)
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
 
     result = TrainResult()
@@ -217,7 +224,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
             elapsed = time.perf_counter() - start
             rate = tokens_per_step * (step - result.start_step) / elapsed
             fields = {"loss": f"{global_loss:.4f}", "tok/s": format_rate(rate), "lr": f"{lr:.1e}"}
-            mfu = flops_per_token * rate / (peak * mesh.size()) if peak else None
+            mfu = flops_per_token * rate / peak if peak else None
             if mfu is not None:
                 fields["mfu"] = f"{100 * mfu:.1f}%"
             progress.update(step, **fields)

@@ -76,5 +76,5 @@ def device_peak(device_type: str, dtype: str = "fp32") -> Peak:
         for key, flops in GPU_PEAK_BF16.items():
             if key in name:
                 return Peak(flops, f"{key} dense bf16 data sheet ({name})")
-        return Peak(float("nan"), f"unknown GPU {name!r}: add it to ndparallel.bench.peak.GPU_PEAK_BF16")
+        return Peak(float("nan"), f"unknown GPU {name!r}: add it to ndparallel.peak.GPU_PEAK_BF16")
     return cpu_matmul_peak(dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
