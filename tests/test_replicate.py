@@ -187,8 +187,15 @@ def _two_rank_checks() -> dict:
         ("two_backward", "plain", "two_backward", 0.05),
         ("unused", "unused", "plain", 0.05),
         ("after_error", "plain", "plain", 0.05),
+        ("meta_init", "plain", "plain", 0.05),
     ]:
-        model = apply_replicate(_build(kind, seed=rank), dp, bucket_mb=bucket_mb)
+        if name == "meta_init":  # replicated on the meta device, then materialised with the same seed
+            with torch.device("meta"):
+                model = apply_replicate(_build(kind, seed=0), dp, bucket_mb=bucket_mb)
+            model.to_empty(device="cpu")
+            model.init_weights()
+        else:
+            model = apply_replicate(_build(kind, seed=rank), dp, bucket_mb=bucket_mb)
         if name == "after_error":
             _failed_backward(model)
         result = train_replicated(model, kind, mode, dp.get_local_rank(), 2, dp.get_group())
@@ -279,6 +286,7 @@ def test_replicate_two_ranks(refs):
         ("two_backward", "plain"),
         ("unused", "unused"),
         ("after_error", "plain"),
+        ("meta_init", "plain"),
     ]:
         _assert_parity(rank0[label], refs[kind], label)
         _assert_ranks_equal(results, label)

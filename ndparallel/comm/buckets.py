@@ -76,7 +76,6 @@ class GradBucket:
         self.params = list(params)
         locals_ = [local_tensor(p) for p in self.params]
         self.dtype = locals_[0].dtype
-        self.device = locals_[0].device
         self.numels = [t.numel() for t in locals_]
         self.offsets = [0, *itertools.accumulate(self.numels)][:-1]
         self.numel = sum(self.numels)
@@ -98,8 +97,13 @@ class GradBucket:
         return self.n_written == len(self.params)
 
     def _buffer(self) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.empty(self.numel + len(self.params), dtype=self.dtype, device=self.device)
+        # Device and dtype are read now, not when the bucket was built: a model replicated on the
+        # meta device and then materialised (to_empty), or cast after apply_replicate, keeps these
+        # same Parameter objects with new storage.
+        first = local_tensor(self.params[0])
+        if self.buffer is None or self.buffer.device != first.device or self.buffer.dtype != first.dtype:
+            self.dtype = first.dtype
+            self.buffer = torch.empty(self.numel + len(self.params), dtype=first.dtype, device=first.device)
         return self.buffer
 
     @torch.no_grad()

@@ -66,8 +66,8 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: float = 25
     params = [p for p in model.parameters() if p.requires_grad]
     state = ReplicateState(params, group, int(bucket_mb * 2**20))
     setattr(model, _STATE_ATTR, state)
-    if state.hooks:
-        state.hooks.append(model.register_forward_pre_hook(state.on_forward))
+    if state.world_size > 1:
+        state.forward_hook = model.register_forward_pre_hook(state.on_forward)
     return model
 
 
@@ -100,12 +100,22 @@ class ReplicateState:
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, cap_bytes: int):
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self.cap_bytes = cap_bytes
         self.sync = True  # False inside no_sync
+        self.hooks: list[RemovableHandle] = []
+        self.forward_hook: RemovableHandle | None = None
+        self._bind(params)
+
+    def _bind(self, params: list[nn.Parameter]) -> None:
+        """(Re)build buckets and gradient hooks for ``params``."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+        self.params = params
         order = params[::-1]  # reverse registration order ~ the order gradients become ready
-        self.buckets = [GradBucket([order[i] for i in idx]) for idx in assign_buckets(order, cap_bytes)]
+        self.buckets = [GradBucket([order[i] for i in idx]) for idx in assign_buckets(order, self.cap_bytes)]
         self._next_launch = 0  # buckets [0, _next_launch) have been launched this backward
         self._in_backward = False
-        self.hooks: list[RemovableHandle] = []
         if self.world_size > 1:
             for b, bucket in enumerate(self.buckets):
                 for i, param in enumerate(bucket.params):
@@ -124,10 +134,15 @@ class ReplicateState:
             self.buckets[self._next_launch].launch(self.group)
             self._next_launch += 1
 
-    def on_forward(self, _module: nn.Module, _args: tuple) -> None:
-        """A new forward: forget a backward pass that ended without its callback (it raised),
-        so this step's backward queues a fresh one instead of silently skipping the average."""
-        if self._in_backward:
+    def on_forward(self, module: nn.Module, _args: tuple) -> None:
+        """A new forward. If the module's parameters are no longer the objects the hooks sit on
+        (``to_empty`` after building on the meta device, a move to another device), rebind them.
+        Else forget a backward pass that ended without its callback (it raised), so this step's
+        backward queues a fresh one instead of silently skipping the average."""
+        current = [p for p in module.parameters() if p.requires_grad]
+        if len(current) != len(self.params) or any(a is not b for a, b in zip(current, self.params, strict=True)):
+            self._bind(current)
+        elif self._in_backward:
             self._next_launch, self._in_backward = 0, False
             for bucket in self.buckets:
                 bucket.reset()
@@ -142,9 +157,10 @@ class ReplicateState:
 
     def remove(self) -> None:
         """Remove the gradient hooks (the model stops averaging gradients)."""
-        for handle in self.hooks:
+        for handle in [*self.hooks, *([self.forward_hook] if self.forward_hook else [])]:
             handle.remove()
         self.hooks.clear()
+        self.forward_hook = None
 
 
 def _queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -174,11 +190,17 @@ def _check_not_sharded_over(model: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 @torch.no_grad()
 def _broadcast_from_first_rank(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Make every rank's parameters and buffers equal to those of the group's first rank."""
+    """Make every rank's parameters and buffers equal to those of the group's first rank.
+
+    Tensors on the meta device have no values yet: whoever materialises them (``to_empty`` + a
+    seeded init, or a checkpoint load) must make them equal on every rank.
+    """
     if dist.get_world_size(group) == 1:
         return
     for tensor in [*model.parameters(), *model.buffers()]:
         local = local_tensor(tensor).detach()
+        if local.is_meta:
+            continue
         if local.dtype == torch.bool:
             local = local.view(torch.uint8)
         staging = local if local.is_contiguous() else local.contiguous()
