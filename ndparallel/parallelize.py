@@ -28,6 +28,7 @@ from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.plans.activation_checkpoint import apply_activation_checkpointing
 from ndparallel.plans.compile import apply_compile, check_compile
 from ndparallel.plans.fully_shard import apply_fully_shard, fsdp_mesh
+from ndparallel.plans.hf_tensor_parallel import apply_hf_attention, hf_parallelize_kwargs, is_hf_model
 from ndparallel.plans.tensor_parallel import TPPlan, apply_tensor_parallel, check_tp_divisibility, transformer_tp_plan
 
 __all__ = ["find_blocks", "parallelize"]
@@ -102,13 +103,19 @@ def parallelize(
     cfg, mesh = _resolve(cfg, mesh)
     block_list = find_blocks(model, blocks)
     tp, cp = mesh.size("tp"), mesh.size("cp")
+    hf = is_hf_model(model)
+    if hf:  # Hugging Face decoder: its TP table and FSDP units, unless the caller passes them
+        hf_kwargs = hf_parallelize_kwargs(model, cfg, mesh, plan=plan, fsdp_groups=fsdp_groups)
+        plan, fsdp_groups = hf_kwargs["plan"], hf_kwargs["fsdp_groups"]
     if tp > 1:
         check_tp_divisibility(model, tp, transformer_tp_plan() if plan is None else plan)
     check_compile(cfg.compile, tp)  # every refusal happens before the model is touched
 
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], plan)
-    if cp > 1:
+    if hf:
+        model = apply_hf_attention(model, mesh, cfg)  # tp/cp > 1: attention function + position_ids seam
+    elif cp > 1:
         from ndparallel.plans.context_parallel import apply_context_parallel
 
         model = apply_context_parallel(model, mesh, cfg)

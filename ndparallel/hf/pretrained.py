@@ -1,0 +1,232 @@
+"""Load a Hugging Face checkpoint straight into a sharded model, and save one back.
+
+``load_pretrained`` builds the model on the meta device (no memory for weights), parallelises it,
+allocates only each rank's shards, and reads from the safetensors files only the slice each rank
+owns (``safe_open(...).get_slice(name)[region]``). ``save_pretrained`` gathers one full tensor at a
+time onto rank 0, which writes ``model.safetensors`` and ``config.json``: the folder loads with
+``transformers``' ``from_pretrained`` and with ``load_pretrained`` on any mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ndparallel.config import ParallelismConfig
+from ndparallel.errors import ConfigError
+from ndparallel.mesh import Mesh, init_distributed
+from ndparallel.parallelize import parallelize
+from ndparallel.plans.fully_shard import fsdp_mesh
+
+__all__ = ["load_pretrained", "local_region", "save_pretrained"]
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def _require_transformers() -> Any:
+    try:
+        import safetensors  # noqa: F401
+        import transformers
+    except ImportError as err:
+        raise ConfigError(
+            f"Hugging Face support needs transformers and safetensors ({err}): pip install 'ndparallel[hf]'"
+        ) from None
+    return transformers
+
+
+# ------------------------------------------------------------------------------------ shard regions
+
+
+def local_region(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The slice of the full tensor this rank holds: every dim for a plain tensor, the local shard's
+    region for a DTensor (FSDP over TP gives strided shards: torch's own offset rule handles them)."""
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    shape, offset = _local_shape_and_offset(tensor)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _local_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # Private torch API, isolated here: the DTensor's local shape and global offset (what DCP uses;
+    # it knows FSDP's _StridedShard over TP). Present in torch 2.11-2.14; plain Shard/Replicate
+    # placements fall back to torch.chunk arithmetic if it moves.
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return _chunk_shape_and_offset(tensor)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
+
+
+def _chunk_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape, offset = list(tensor.shape), [0] * tensor.ndim
+    coordinate = tensor.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:
+            raise ConfigError(f"cannot locate the local shard of a DTensor placed {placement}")
+        dim, parts = placement.dim % tensor.ndim, tensor.device_mesh.size(mesh_dim)
+        chunk = -(-shape[dim] // parts)
+        start = min(chunk * coordinate[mesh_dim], shape[dim])
+        offset[dim] += start
+        shape[dim] = min(chunk, shape[dim] - start)
+    return tuple(shape), tuple(offset)
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from ``model.safetensors`` or a sharded index."""
+    from safetensors import safe_open
+
+    index = path / SAFE_INDEX
+    if index.is_file():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = path / SAFE_WEIGHTS
+    if not single.is_file():
+        raise ConfigError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}: save it with save_pretrained")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _init_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary ``inv_freq``) that ``to_empty`` left uninitialised."""
+    for module in model.modules():
+        has_buffers = next(module.buffers(recurse=False), None) is not None
+        if has_buffers and next(module.parameters(recurse=False), None) is None:
+            model._init_weights(module)  # HF's per-module init: it recomputes rotary frequencies
+
+
+@torch.no_grad()
+def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
+    from safetensors import safe_open
+
+    wanted = dict(model.named_parameters())
+    wanted.update((n, b) for n, b in model.named_buffers() if n in files)
+    missing = sorted(set(wanted) - set(files))
+    if missing:
+        raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; is it the same model?")
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                target = wanted[name]
+                stored = f.get_slice(name)
+                if tuple(stored.get_shape()) != tuple(target.shape):
+                    raise ConfigError(
+                        f"{name}: checkpoint shape {tuple(stored.get_shape())} != model shape {tuple(target.shape)}"
+                    )
+                local = target.to_local() if isinstance(target, DTensor) else target
+                if local.numel():
+                    local.copy_(stored[local_region(target)])
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    cfg: ParallelismConfig | None = None,
+    mesh: Mesh | None = None,
+    *,
+    model_class: type | None = None,
+    dtype: torch.dtype = torch.float32,
+    **parallelize_kwargs: Any,
+) -> nn.Module:
+    """Build the HF model of the local folder ``path`` on the meta device, parallelise it on ``mesh`` and
+    load its safetensors weights, each rank reading only the shards it holds. Every rank calls it.
+
+    ``model_class`` defaults to ``AutoModelForCausalLM``; ``dtype`` is the parameters' dtype (stored
+    tensors are cast); ``parallelize_kwargs`` go to :func:`ndparallel.parallelize` (``plan``, ...).
+    Nothing is downloaded: ``path`` must be a folder written by ``save_pretrained``.
+    """
+    transformers = _require_transformers()
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{str(path)!r} has no config.json: pass a local folder written by save_pretrained")
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if mesh is None:
+        mesh = init_distributed(cfg or ParallelismConfig())
+    _check_meta_init(mesh)
+    model_class = model_class or transformers.AutoModelForCausalLM
+    files = _weight_files(path)
+    with torch.device("meta"):
+        build = getattr(model_class, "from_config", None) or model_class
+        model = build(config).to(dtype)
+    model = parallelize(model, cfg, mesh, **parallelize_kwargs)
+    device = _device(mesh)
+    model.to_empty(device=device)
+    _init_buffers(model)
+    _fill_from_files(model, files)
+    return model
+
+
+def _check_meta_init(mesh: Mesh) -> None:
+    if fsdp_mesh(mesh) is None and mesh.size("dp_replicate") > 1:
+        # The replicate reducer fixes its bucket device when applied (meta here), so gradients would not be
+        # averaged after to_empty: refuse rather than train replicas apart.
+        raise ConfigError(
+            f"load_pretrained on dp_replicate_size={mesh.size('dp_replicate')} without FSDP is not supported "
+            "(meta-device init): use dp_shard_size instead (HSDP with dp_replicate_size works), or "
+            "from_pretrained + ndparallel.parallelize"
+        )
+
+
+def _device(mesh: Mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+# ------------------------------------------------------------------------------------------- saving
+
+
+def _full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` per parameter and persistent buffer; a collective per DTensor."""
+    persistent = {n for n, _ in model.named_buffers()} - _non_persistent(model)
+    for name, tensor in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]:
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    names = set()
+    for prefix, module in model.named_modules():
+        names.update(f"{prefix}.{b}" if prefix else b for b in getattr(module, "_non_persistent_buffers_set", ()))
+    return names
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike) -> str | None:
+    """Write ``model`` (sharded or not) as a ``save_pretrained`` folder: ``model.safetensors`` + ``config.json``.
+
+    Every rank calls it; full tensors are gathered one at a time and only rank 0 writes. Tied weights
+    are stored once (as ``transformers`` does). Returns the folder on rank 0, ``None`` elsewhere.
+    """
+    _require_transformers()
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tensors = {}
+    for name, full in _full_tensors(model):
+        if rank == 0:
+            tensors[name] = full.detach().to("cpu", copy=True).contiguous()
+    if rank != 0:
+        if dist.is_initialized():
+            dist.barrier()
+        return None
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / SAFE_WEIGHTS), metadata={"format": "pt"})
+    model.config.save_pretrained(str(path))
+    if dist.is_initialized():
+        dist.barrier()
+    return str(path)

@@ -1,0 +1,302 @@
+"""Hugging Face decoders (Llama, Qwen2 with tied embeddings, Mistral) under ndparallel vs the plain HF model.
+
+One spawned group of 4 gloo ranks trains every family on dp_shard 2 x tp 2, dp_shard 2 x cp 2 and tp 2 x cp 2
+with activation checkpointing (5 AdamW steps, fp32: losses, grad norms and step-1 gradients within 1e-5),
+loads a save_pretrained folder straight into a sharded model and writes it back, and checks the
+ConfigErrors that need a mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face tests need the hf extra: pip install 'ndparallel[hf]' (make test does)"
+)
+pytest.importorskip("safetensors", reason="Hugging Face tests need safetensors: pip install 'ndparallel[hf]'")
+
+from ndparallel.errors import ConfigError  # noqa: E402
+from ndparallel.testing import run_distributed  # noqa: E402
+from tests.parity import NO_CLIP, assert_parity, full_grads, make_batches  # noqa: E402
+
+FAMILIES = ("llama", "qwen2", "mistral")
+STEPS, GLOBAL_BATCH, SEQ, LR = 5, 4, 16, 1e-2
+MESHES = {
+    "dp2_tp2": {"dp_shard_size": 2, "tp_size": 2},
+    "dp2_cp2": {"dp_shard_size": 2, "cp_size": 2},
+    "tp2_cp2_ac": {"tp_size": 2, "cp_size": 2, "activation_checkpointing": "full"},  # FSDP over cp, TP, ring, AC
+}
+
+
+def tiny_config(family: str):
+    """A tiny random config per family: GQA (8 heads, 4 kv heads); Qwen2 ties its word embeddings."""
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=64, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def build(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="sdpa")
+    return model.float()
+
+
+def hf_loss(model, tokens, labels, mesh, explicit_positions: bool = False) -> torch.Tensor:
+    """Forward + ndparallel's loss; under cp the tokens/labels (and positions, if given) are sequence-sharded."""
+    from ndparallel.metrics import cross_entropy_loss
+    from ndparallel.plans.context_parallel import context_parallel
+
+    if mesh is None or mesh.size("cp") == 1:
+        return cross_entropy_loss(model(input_ids=tokens).logits, labels)
+    buffers = [tokens.clone(), labels.clone()]
+    if explicit_positions:
+        buffers.append(torch.arange(tokens.shape[1])[None])
+    with context_parallel(mesh, buffers, seq_dims=[1] * len(buffers), no_restore=buffers):
+        positions = buffers[2] if explicit_positions else None
+        return cross_entropy_loss(model(input_ids=buffers[0], position_ids=positions).logits, buffers[1])
+
+
+def train(family: str, parallel: dict | None, steps: int = STEPS) -> dict:
+    """``steps`` AdamW steps on the family's tiny model; ``parallel=None``: one process, plain HF model."""
+    import ndparallel as ndp
+    from ndparallel.clip import clip_grad_norm_
+    from ndparallel.metrics import average_over
+
+    model, mesh, dp, dp_rank = build(family), None, 1, 0
+    if parallel is not None:
+        mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
+        model = ndp.parallelize(model, mesh.config, mesh)
+        dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    per_rank = GLOBAL_BATCH // dp
+    result = {"losses": [], "grad_norms": []}
+    for step, (tokens, labels) in enumerate(make_batches(steps, GLOBAL_BATCH, SEQ, model.config.vocab_size)):
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        loss = hf_loss(model, tokens[rows], labels[rows], mesh, explicit_positions=family == "mistral")
+        loss.backward()
+        result["losses"].append(average_over(mesh["dp_cp"] if mesh else None, loss))
+        if step == 0:
+            result["grads"] = full_grads(model)
+        result["grad_norms"].append(clip_grad_norm_(model.parameters(), NO_CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return result
+
+
+@functools.cache
+def reference(family: str) -> dict:
+    return train(family, None)
+
+
+# -------------------------------------------------------------------------------- load / save
+
+
+def write_checkpoints(root: Path) -> dict[str, str]:
+    """``save_pretrained`` folders of tiny random models (the sources that ranks load)."""
+    paths = {}
+    for family in ("llama", "qwen2"):
+        paths[family] = str(root / family)
+        build(family, seed=3).save_pretrained(paths[family])
+    return paths
+
+
+def source_tensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def load_and_save(paths: dict[str, str], out_root: str) -> dict:
+    """On every rank: load each folder into dp_shard 2 x tp 2, compare every full parameter with the file,
+    take one forward loss, check the rank's shards are smaller than the tensors, and save back."""
+    import ndparallel as ndp
+    from ndparallel.hf import load_pretrained, save_pretrained
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=2, tp_size=2))
+    report = {}
+    for family, path in paths.items():
+        model = load_pretrained(path, mesh.config, mesh)
+        stored = source_tensors(path)
+        diffs, sharded = {}, 0
+        for name, param in model.named_parameters():
+            full = param.full_tensor().detach().numpy()
+            diffs[name] = float(np.abs(full - stored[name]).max())
+            sharded += param.to_local().numel() < param.numel()
+        tokens, labels = make_batches(1, GLOBAL_BATCH, SEQ, model.config.vocab_size)[0]
+        rows = slice(mesh.local_rank("dp") * 2, mesh.local_rank("dp") * 2 + 2)
+        with torch.no_grad():
+            loss = hf_loss(model, tokens[rows], labels[rows], mesh)
+        report[family] = {
+            "diffs": diffs,
+            "sharded": sharded,
+            "n_params": len(diffs),
+            "loss": ndp.average_over(mesh["dp_cp"], loss),
+            "saved": save_pretrained(model, f"{out_root}/{family}"),
+        }
+    return report
+
+
+def mesh_errors(path: str) -> dict[str, str]:
+    """ConfigErrors raised by a parallelised HF model's forward (tp 2 x cp 2)."""
+    import ndparallel as ndp
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(tp_size=2, cp_size=2))
+    model = ndp.parallelize(build("llama"), mesh.config, mesh)
+    tokens = torch.randint(0, 256, (1, 8))
+    errors = {}
+    calls = {
+        "padding": lambda: model(input_ids=tokens, attention_mask=torch.tensor([[1] * 6 + [0] * 2])),
+        "use_cache": lambda: model(input_ids=tokens, use_cache=True),
+        "embeds": lambda: model(inputs_embeds=torch.zeros(1, 8, 64)),
+        "labels": lambda: model(input_ids=tokens, labels=tokens),
+    }
+    for key, call in calls.items():
+        try:
+            call()
+            errors[key] = "no error"
+        except ConfigError as err:
+            errors[key] = str(err)
+    from ndparallel.hf import load_pretrained
+
+    try:
+        load_pretrained(path, ndp.ParallelismConfig(dp_replicate_size=2, tp_size=2))
+        errors["replicate"] = "no error"
+    except ConfigError as err:
+        errors["replicate"] = str(err)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
+    try:
+        ndp.parallelize(gpt2, mesh.config, mesh)
+        errors["gpt2"] = "no error"
+    except ConfigError as err:
+        errors["gpt2"] = str(err)
+    errors["gpt2_untouched"] = str(type(gpt2.lm_head.weight).__name__)
+    short = ndp.parallelize(build("mistral"), mesh.config, mesh)
+    short.config.sliding_window = 4
+    try:
+        short(input_ids=tokens)
+        errors["window"] = "no error"
+    except ConfigError as err:
+        errors["window"] = str(err)
+    return errors
+
+
+def run_group(paths: dict[str, str], out_root: str) -> dict:
+    """Everything that needs 4 ranks, in one spawned group."""
+    runs = {(family, name): train(family, parallel) for family in FAMILIES for name, parallel in MESHES.items()}
+    return {"runs": runs, "load_save": load_and_save(paths, out_root), "errors": mesh_errors(paths["llama"])}
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    paths = write_checkpoints(root / "src")
+    results = run_distributed(run_group, 4, paths, str(root / "out"), timeout=600)
+    return {"paths": paths, "out": root / "out", "ranks": results}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_with_unparallelised_model(group, family, mesh_name):
+    ref = reference(family)
+    assert max(ref["losses"]) - min(ref["losses"]) > 1e-3, "the reference does not train: the test could not fail"
+    for rank, result in enumerate(group["ranks"]):
+        assert_parity(result["runs"][(family, mesh_name)], ref, label=f"{family} {mesh_name} rank {rank}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_load_pretrained_reads_shards_and_save_round_trips(group, family):
+    path = group["paths"][family]
+    original = transformers.AutoModelForCausalLM.from_pretrained(path).float()
+    tokens, labels = make_batches(1, GLOBAL_BATCH, SEQ, original.config.vocab_size)[0]
+    with torch.no_grad():
+        ref_loss = torch.nn.functional.cross_entropy(original(input_ids=tokens).logits.flatten(0, 1), labels.flatten())
+    for rank, result in enumerate(group["ranks"]):
+        report = result["load_save"][family]
+        assert max(report["diffs"].values()) == 0.0, f"rank {rank}: loaded weights differ: {report['diffs']}"
+        assert report["sharded"] == report["n_params"], f"rank {rank}: some parameter is held whole on a rank"
+        assert abs(report["loss"] - ref_loss.item()) <= 1e-5, f"rank {rank}: {report['loss']} vs {ref_loss.item()}"
+        assert (report["saved"] is not None) == (rank == 0)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(group["out"] / family).float()
+    assert saved.config.tie_word_embeddings == original.config.tie_word_embeddings
+    assert "ndparallel" not in (group["out"] / family / "config.json").read_text()  # no attention override saved
+    original_state, saved_state = original.state_dict(), saved.state_dict()
+    assert original_state.keys() == saved_state.keys()
+    for name, tensor in original_state.items():
+        assert torch.equal(tensor, saved_state[name]), f"{name} changed in the save round trip"
+
+
+def test_forward_errors_under_tp_and_cp(group):
+    errors = group["ranks"][0]["errors"]
+    assert "padding" in errors["padding"], errors
+    assert "use_cache" in errors["use_cache"], errors
+    assert "input_ids" in errors["embeds"], errors
+    assert "cross_entropy_loss" in errors["labels"], errors
+    assert "sliding_window=4" in errors["window"], errors
+    assert "dp_replicate_size=2 without FSDP" in errors["replicate"], errors
+    assert "model_type='gpt2'" in errors["gpt2"] and "plan=" in errors["gpt2"], errors
+    assert errors["gpt2_untouched"] == "Parameter", "the refusal must come before the model is sharded"
+
+
+# ------------------------------------------------------------------------------ single process
+
+
+def test_plan_names_and_fsdp_units():
+    from ndparallel.plans.hf_tensor_parallel import GatherSequence, TiedColwiseParallel, hf_fsdp_groups, hf_tp_plan
+
+    plan = hf_tp_plan(build("llama"))
+    assert isinstance(plan["model.layers.*.self_attn"], GatherSequence)
+    assert {"model.embed_tokens", "model.norm", "lm_head", "model.layers.*.mlp.down_proj"} <= plan.keys()
+    assert "model.layers.*.input_layernorm" in plan and "model.layers.*.post_attention_layernorm" in plan
+    assert hf_fsdp_groups(build("llama")) == [["model.embed_tokens"], ["model.norm", "lm_head"]]
+    qwen = build("qwen2")
+    assert isinstance(hf_tp_plan(qwen)["lm_head"], TiedColwiseParallel)
+    assert hf_fsdp_groups(qwen) == []  # tied: embedding, norm and lm_head stay in the root unit
+
+
+def test_unsupported_architecture_is_a_config_error():
+    from ndparallel.plans.hf_tensor_parallel import hf_tp_plan
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
+    with pytest.raises(ConfigError, match=r"model_type='gpt2'.*plan=\{fqn_pattern: ParallelStyle\}"):
+        hf_tp_plan(gpt2)
+    with pytest.raises(ConfigError, match="unsharded"):
+        hf_tp_plan(gpt2, untested=True)  # GPT-2's fused c_attn / LayerNorm biases are not in the derived table
+    with pytest.raises(ConfigError, match="not a Hugging Face"):
+        hf_tp_plan(torch.nn.Linear(2, 2))
+
+
+def test_load_pretrained_needs_a_local_folder(tmp_path):
+    from ndparallel.hf import load_pretrained
+
+    with pytest.raises(ConfigError, match="config.json"):
+        load_pretrained(tmp_path)
+
+
+def test_save_pretrained_in_one_process_round_trips(tmp_path):
+    from ndparallel.hf import save_pretrained
+
+    model = build("qwen2", seed=5)
+    assert save_pretrained(model, tmp_path / "out") == str(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
