@@ -89,6 +89,8 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm={max_norm} must be >= 0 (a negative value would flip the gradients' sign)")
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type, foreach=foreach)
     if error_if_nonfinite and not torch.isfinite(total):

@@ -15,6 +15,8 @@ import dataclasses
 import difflib
 import math
 import os
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import yaml
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["MESH_DIMS", "ConfigError", "ParallelismConfig", "load_yaml_mapping", "parse_overrides"]
+__all__ = ["MESH_DIMS", "ConfigError", "ParallelismConfig", "coerce_fields", "load_yaml_mapping", "parse_overrides"]
 
 # Mesh dimensions, outer -> inner, and the size field of each.
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -249,6 +251,59 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. tp_size=2)")
         result[key.strip()] = _parse_scalar(value.strip())
     return result
+
+
+def coerce_fields(cls: type, values: Mapping[str, Any], section: str) -> dict[str, Any]:
+    """Check ``values`` against the dataclass ``cls``'s field annotations, naming ``section.field`` on error.
+
+    YAML's safe loader reads ``3e-4`` (no dot) as the string ``'3e-4'``: numeric strings become
+    floats for float fields; lists become tuples for tuple fields. Unknown keys raise with a
+    did-you-mean suggestion.
+    """
+    hints = typing.get_type_hints(cls)
+    result = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown field {section}.{key}; known: {sorted(hints)}{_did_you_mean(key, hints)}")
+        result[key] = _coerce(value, hints[key], f"{section}.{key}")
+    return result
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and not isinstance(value, bool):
+            if isinstance(value, (int, float)):
+                return float(value)
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+        if option is str and isinstance(value, str):
+            return value
+        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+            inner = typing.get_args(option)
+            if len(value) == len(inner):
+                return tuple(_coerce(v, t, f"{name}[{i}]") for i, (v, t) in enumerate(zip(value, inner, strict=True)))
+    wanted = " or ".join(_type_name(o) for o in options)
+    raise ConfigError(f"{name}={value!r} must be {wanted}")
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is type(None):
+        return "null"
+    if typing.get_origin(annotation) is tuple:
+        return f"a list of {len(typing.get_args(annotation))} numbers"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        annotation, str(annotation)
+    )
 
 
 def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:

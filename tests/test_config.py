@@ -96,6 +96,20 @@ BAD_CONFIGS = [
         "data.seq_len=4096 exceeds model.max_seq_len=256",
     ),
     ("unknown preset", lambda tmp: TrainConfig.from_dict({"model": {"preset": "huge"}}), "unknown model preset 'huge'"),
+    ("train lr text", lambda tmp: TrainConfig.from_dict({"train": {"lr": "abc"}}), "train.lr='abc' must be a number"),
+    ("train betas", lambda tmp: TrainConfig.from_dict({"train": {"betas": [0.9]}}), "train.betas=[0.9] must be a list"),
+    (
+        "train negative clip",
+        lambda tmp: TrainConfig.from_dict({"train": {"max_grad_norm": -1}}),
+        "train.max_grad_norm=-1.0 must be >= 0",
+    ),
+    ("train lr ratio", lambda tmp: TrainConfig.from_dict({"train": {"min_lr_ratio": 2}}), "must be between 0 and 1"),
+    (
+        "data seq text",
+        lambda tmp: TrainConfig.from_dict({"data": {"seq_len": "abc"}}),
+        "data.seq_len='abc' must be an integer",
+    ),
+    ("model unknown field", lambda tmp: TrainConfig.from_dict({"model": {"nlayers": 2}}), "did you mean 'n_layers'?"),
 ]
 
 
@@ -156,6 +170,14 @@ def test_env_and_overrides():
     over = cfg.with_overrides(["tp_size=4", "reshard_after_forward=false", "cp_size=1"])
     assert (over.tp_size, over.reshard_after_forward, over.cp_size) == (4, False, 1)
     assert cfg.with_overrides({"cp_size": 1}).cp_size == 1
+
+
+def test_yaml_exponent_without_dot_is_a_number(tmp_path):
+    # YAML's safe loader reads 3e-4 (no dot) as a string; float fields accept it as the number.
+    path = tmp_path / "train.yaml"
+    path.write_text("train:\n  lr: 3e-4\nmodel:\n  preset: tiny\n  norm_eps: 1e-6\n")
+    cfg = TrainConfig.from_yaml(path, ["train.weight_decay=1e-2"])
+    assert (cfg.train.lr, cfg.model.norm_eps, cfg.train.weight_decay) == (3e-4, 1e-6, 1e-2)
 
 
 def test_train_config_overrides(tmp_path):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ndparallel.config import coerce_fields
 from ndparallel.errors import ConfigError
 
 __all__ = ["PRESETS", "TransformerConfig"]
@@ -56,11 +56,8 @@ class TransformerConfig:
         """From a YAML ``model:`` section: ``{preset: tiny, n_layers: 4, ...}`` or plain fields."""
         data = dict(data)
         preset = data.pop("preset", None)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown model field(s) {unknown}; known fields: {sorted(known)}")
-        return cls.from_preset(preset, **data) if preset else cls(**data)
+        fields = coerce_fields(cls, data, "model")
+        return cls.from_preset(preset, **fields) if preset else cls(**fields)
 
     def num_params(self) -> int:
         """Parameter count (untied embedding and output)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from ndparallel.config import ParallelismConfig, load_yaml_mapping, parse_overrides
+from ndparallel.config import ParallelismConfig, coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.errors import ConfigError
 from ndparallel.models import TransformerConfig
 
@@ -120,23 +120,38 @@ class TrainConfig:
         return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False)
 
     def validate(self) -> None:
-        t = self.train
-        for name in ("steps", "global_batch", "log_every"):
-            if not isinstance(getattr(t, name), int) or getattr(t, name) < 1:
-                raise ConfigError(f"train.{name}={getattr(t, name)!r} must be a positive integer")
-        if t.micro_batch is not None and (not isinstance(t.micro_batch, int) or t.micro_batch < 1):
-            raise ConfigError(f"train.micro_batch={t.micro_batch!r} must be a positive integer (or null)")
-        if self.data.seq_len > self.model.max_seq_len:
+        """Ranges and cross-field rules (types were checked when the sections were built)."""
+        t, d, c = self.train, self.data, self.checkpoint
+        rules = [
+            ("train.steps", t.steps >= 1, "must be >= 1"),
+            ("train.global_batch", t.global_batch >= 1, "must be >= 1"),
+            ("train.micro_batch", t.micro_batch is None or t.micro_batch >= 1, "must be >= 1 (or null)"),
+            ("train.log_every", t.log_every >= 1, "must be >= 1"),
+            ("train.lr", t.lr > 0, "must be > 0"),
+            ("train.min_lr_ratio", 0 <= t.min_lr_ratio <= 1, "must be between 0 and 1"),
+            ("train.warmup_steps", t.warmup_steps >= 0, "must be >= 0"),
+            ("train.weight_decay", t.weight_decay >= 0, "must be >= 0"),
+            ("train.betas", all(0 <= b < 1 for b in t.betas), "must be two numbers in [0, 1)"),
+            ("train.max_grad_norm", t.max_grad_norm >= 0, "must be >= 0 (0 disables clipping)"),
+            ("train.device", t.device in (None, "cpu", "cuda"), "must be cpu, cuda or null"),
+            ("train.peak_tflops", t.peak_tflops is None or t.peak_tflops > 0, "must be > 0 (or null)"),
+            ("data.seq_len", d.seq_len >= 1, "must be >= 1"),
+            ("data.max_bytes", d.max_bytes >= 1, "must be >= 1"),
+            ("checkpoint.every", c.every >= 0, "must be >= 0 (0: only at the end)"),
+            ("checkpoint.keep_last", c.keep_last >= 1, "must be >= 1"),
+        ]
+        for name, ok, message in rules:
+            if not ok:
+                section, field_name = name.split(".")
+                raise ConfigError(f"{name}={getattr(getattr(self, section), field_name)!r} {message}")
+        if d.seq_len > self.model.max_seq_len:
             raise ConfigError(
-                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 f"raise model.max_seq_len or shorten data.seq_len"
             )
-        c = self.checkpoint
-        if c.every < 0 or c.keep_last < 1:
-            raise ConfigError(f"checkpoint.every={c.every} must be >= 0 and checkpoint.keep_last={c.keep_last} >= 1")
         if (c.every or c.resume is True) and not c.dir:
             raise ConfigError("checkpoint.every / checkpoint.resume=true need checkpoint.dir (where to save and look)")
-        if self.data.path is None and self.model.vocab_size < 256:
+        if d.path is None and self.model.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for byte-level data")
 
     def accumulation_steps(self, dp_size: int) -> int:
@@ -158,14 +173,7 @@ class TrainConfig:
 
 
 def _build(section_cls: type, name: str, values: Mapping[str, Any]) -> Any:
-    known = {f.name for f in dataclasses.fields(section_cls)}
-    for key in values:
-        if key not in known:
-            hint = difflib.get_close_matches(key, sorted(known), n=1)
-            raise ConfigError(
-                f"unknown field {name}.{key}; known: {sorted(known)}" + (f"; did you mean {hint[0]!r}?" if hint else "")
-            )
-    return section_cls(**values)
+    return section_cls(**coerce_fields(section_cls, values, name))
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
