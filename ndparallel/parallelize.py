@@ -73,6 +73,15 @@ def _resolve(cfg: ParallelismConfig | None, mesh: Mesh | None) -> tuple[Parallel
             f"cfg sizes ({resolved.describe()}) differ from the mesh's ({mesh.config.describe()}); "
             "pass the config the mesh was built from, or mesh=None"
         )
+    if mesh.size("cp") > 1:
+        # context_parallel() shards the inputs by the mesh's config; the attention must agree.
+        for name in ("cp_load_balance", "cp_rotate_method", "cp_backend"):
+            if getattr(resolved, name) != getattr(mesh.config, name):
+                raise ConfigError(
+                    f"cfg.{name}={getattr(resolved, name)!r} differs from the mesh's {getattr(mesh.config, name)!r}: "
+                    "ndparallel.context_parallel shards inputs by the mesh's settings; build the mesh from this "
+                    "cfg (init_distributed(cfg)) or pass mesh=None"
+                )
     return resolved, mesh
 
 

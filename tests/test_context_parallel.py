@@ -138,6 +138,8 @@ def api_checks() -> dict:
     torch_cfg = mesh.config.with_overrides({"cp_backend": "torch"})
     error("torch_backend_model", lambda: apply_context_parallel(build_model(), mesh, torch_cfg))
     error("torch_backend_buffers", lambda: enter(_mesh(cp_size=2, cp_backend="torch"), [torch.zeros(2, 8)], [1]))
+    unbalanced = mesh.config.with_overrides({"cp_load_balance": False})
+    error("cfg_vs_mesh", lambda: ndp.parallelize(build_model(), unbalanced, mesh))
     named = apply_context_parallel(build_model(), mesh, mesh.config, targets=["layers.0.attention.core_attention"])
     out["swapped"] = [type(layer.attention.core_attention).__name__ for layer in named.layers]
     return out
@@ -180,6 +182,7 @@ def test_context_manager_and_module_swap():
     assert "1 buffers but 2 seq_dims" in errors["dims_count"]
     assert "mask='sliding_window'" in errors["mask"] and "attn_mask" in errors["attn_mask"]
     assert "no CoreAttention" in errors["no_attention"]
+    assert "cfg.cp_load_balance=False differs from the mesh's True" in errors["cfg_vs_mesh"]
     for key in ("torch_backend_model", "torch_backend_buffers"):
         assert "cp_backend='torch' needs CUDA" in errors[key]
 
