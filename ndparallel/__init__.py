@@ -1,6 +1,6 @@
 """ndparallel: N-dimensional parallelism (data replicate, FSDP shard, tensor, context) for PyTorch."""
 
-from ndparallel import checkpoint, models
+from ndparallel import checkpoint, models, train
 from ndparallel.clip import clip_grad_norm_
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
@@ -28,4 +28,5 @@ __all__ = [
     "models",
     "no_sync",
     "parallelize",
+    "train",
 ]

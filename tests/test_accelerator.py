@@ -1,7 +1,9 @@
-"""Accelerator: a hand-written loop on dp_shard 2 x tp 2 with accumulation equals one process."""
+"""Accelerator: a hand-written loop with accumulation on dp_shard 2 x tp 2 and on pure data parallel
+equals one process (losses, clipped grad norms, step-1 gradients), and save_state/load_state resumes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ndparallel.testing import run_distributed
@@ -41,6 +43,8 @@ def _loop(sizes: dict, accumulation: int, batch_size: int, ckpt_dir: str | None)
                 total += loss.detach() / accumulation
         assert acc.sync_gradients
         norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+        if step == 0:
+            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(acc.reduce(total)))
@@ -68,7 +72,13 @@ def _loop(sizes: dict, accumulation: int, batch_size: int, ckpt_dir: str | None)
             optimizer.step()
             optimizer.zero_grad()
             resumed.append(float(acc.reduce(total)))
-    return {"losses": losses, "norms": norms, "seen": torch.cat(seen).tolist(), "resumed": resumed}
+    return {"losses": losses, "norms": norms, "grads": grads, "seen": torch.cat(seen).tolist(), "resumed": resumed}
+
+
+def _full(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().numpy().copy()
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +87,16 @@ def reference():
     return run_distributed(_loop, 1, {}, 1, 8, None)[0]
 
 
-def test_accelerator_2d_with_accumulation_matches_one_process(reference, tmp_path):
-    results = run_distributed(_loop, 4, {"dp_shard_size": 2, "tp_size": 2}, 2, 2, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize(
+    "world, sizes", [(4, {"dp_shard_size": 2, "tp_size": 2}), (2, {"dp_replicate_size": 2})], ids=["2d", "replicate"]
+)
+def test_accelerator_with_accumulation_matches_one_process(reference, tmp_path, world, sizes):
+    results = run_distributed(_loop, world, sizes, 2, 2, str(tmp_path / "ckpt"))
     for rank, got in enumerate(results):
         assert max(abs(a - b) for a, b in zip(got["losses"], reference["losses"], strict=True)) <= 1e-5, rank
         assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        for name, grad in reference["grads"].items():
+            assert np.abs(got["grads"][name] - grad).max() <= 1e-5, (rank, name)
         # Resumed from the step-3 checkpoint, steps 4-5 repeat the uninterrupted run.
         assert got["resumed"] == pytest.approx(got["losses"][3:], abs=1e-6)
     assert reference["norms"][0] > 0.5, "clipping must be active for the test to mean anything"

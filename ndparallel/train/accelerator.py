@@ -8,8 +8,8 @@ Users of 🤗 Accelerate know the shape::
         with acc.accumulate(model):
             loss = ndp.cross_entropy_loss(model(tokens.to(acc.device)), labels.to(acc.device))
             acc.backward(loss)
-            if acc.sync_gradients:
-                acc.clip_grad_norm_(model.parameters(), 1.0)
+        if acc.sync_gradients:  # the optimizer is yours: step it once per accumulated batch
+            acc.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
     acc.save_state("ckpt/step-100")
@@ -130,7 +130,10 @@ class Accelerator:
             shuffle=not isinstance(loader.sampler, torch.utils.data.SequentialSampler),
             drop_last=True,
         )
-        return DataLoader(
+        options = {}
+        if loader.num_workers > 0:
+            options = dict(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)
+        return _EpochLoader(
             loader.dataset,
             batch_size=loader.batch_size,
             sampler=sampler,
@@ -138,6 +141,10 @@ class Accelerator:
             collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory,
             drop_last=loader.drop_last,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            generator=loader.generator,
+            **options,
         )
 
     # ------------------------------------------------------------------ gradients
@@ -216,6 +223,18 @@ class Accelerator:
         from ndparallel.mesh import destroy_distributed
 
         destroy_distributed()
+
+
+class _EpochLoader(DataLoader):
+    """A DataLoader over a DistributedSampler that advances the sampler's epoch on every pass,
+    so shuffling differs between epochs (the same on every rank)."""
+
+    _epoch = 0
+
+    def __iter__(self):
+        self.sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        return super().__iter__()
 
 
 def _repoint(optimizer: torch.optim.Optimizer, old: dict[int, tuple[int, str]], new: list[dict[str, Any]]) -> None:
