@@ -35,6 +35,8 @@ RUNS_4 = {
     # HSDP over a (dp_replicate, dp_shard_cp) mesh whose shard dim is the flattened cp dim (ring attention).
     "hsdp2_cp2": ({"dp_replicate_size": 2, "cp_size": 2}, {"loss_fn": context_parallel_loss_fn}),
     "dp_shard4_bf16": ({"dp_shard_size": 4, "mixed_precision": "bf16", "reshard_after_forward": False}, {}),
+    # Pure replicate composed with TP DTensors, with accumulation and clipping.
+    "dp_replicate2_tp2_accum2_clip": ({"dp_replicate_size": 2, "tp_size": 2}, {"grad_accum": 2, "max_norm": CLIP}),
 }
 RUNS_2 = {
     "tp2": ({"tp_size": 2}, {}),

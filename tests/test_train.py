@@ -36,6 +36,32 @@ def _train(config: dict) -> dict:
     return {"losses": result.losses, "start_step": result.start_step, "interrupted": result.interrupted}
 
 
+def _train_many(configs: list[dict]) -> list[dict]:
+    from ndparallel.train import train
+
+    results = []
+    for config in configs:
+        result = train(TrainConfig.from_dict(config))
+        results.append({"losses": result.losses, "grad_norms": result.grad_norms})
+    return results
+
+
+def test_train_loop_on_4_ranks_matches_one_process(tmp_path):
+    """The whole job (data slicing, accumulation, cp sharding, clipping, loss averaging, lr schedule)."""
+    configs = []
+    for parallelism in ({"dp_shard_size": 2, "cp_size": 2}, {"dp_replicate_size": 2, "dp_shard_size": 2}):
+        config = _config(parallelism, None)
+        config["train"].update(steps=5, micro_batch=2, max_grad_norm=0.5)  # 8 / dp 2 / 2 = 2 micro-batches
+        configs.append(config)
+    single = _config({}, None)
+    single["train"].update(steps=5, max_grad_norm=0.5)
+    [reference] = run_distributed(_train_many, 1, [single])[0]
+    assert reference["grad_norms"][0] > 0.5, "clipping must be active"
+    for got in run_distributed(_train_many, 4, configs)[0]:
+        assert got["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
+
+
 def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     straight = run_distributed(_train, 2, _config({"dp_shard_size": 2}, ckpt, every=5, keep_last=5))[0]
