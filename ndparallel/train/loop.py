@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.models import Transformer
 from ndparallel.peak import device_peak
@@ -128,6 +129,24 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+def _open_metrics_file(path: str | None, rank0: bool, device: torch.device):
+    """Rank 0 opens the JSONL file; every rank learns whether that worked, so a bad path fails
+    the whole job at once instead of leaving the other ranks waiting in the first collective."""
+    if not path:
+        return None
+    handle, error = None, ""
+    if rank0:
+        try:
+            handle = open(path, "a")  # noqa: SIM115  (closed at the end of train())
+        except OSError as err:
+            error = str(err)
+    failed = torch.tensor([1 if error else 0], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise ConfigError(f"train.metrics_file={path!r} cannot be written on rank 0{': ' + error if error else ''}")
+    return handle
+
+
 def _resume_path(cfg: TrainConfig) -> str | None:
     """The checkpoint to start from: an explicit path, the newest under ``checkpoint.dir`` when
     ``resume`` is true or torchrun restarted the job (``--max-restarts``), else None."""
@@ -190,7 +209,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
             + (f" | resumed from {resume} at step {result.start_step}" if resume else ""),
             flush=True,
         )
-    metrics_file = open(t.metrics_file, "a") if (rank0 and t.metrics_file) else None  # noqa: SIM115
+    metrics_file = _open_metrics_file(t.metrics_file, rank0, device)
     progress = Progress(t.steps, enabled=rank0, every=t.log_every, start_step=result.start_step)
     stop = _StopRequest()
     start = time.perf_counter()
