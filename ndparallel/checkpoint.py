@@ -3,7 +3,7 @@
 ::
 
     ndp.checkpoint.save("ckpt/step-100", model, opt, step=100, scheduler=sched.state_dict(), keep_last=3)
-    extra = ndp.checkpoint.load(ndp.checkpoint.latest("ckpt"), model, opt)   # any mesh, or one process
+    extra = ndp.checkpoint.load(ndp.checkpoint.resolve_latest("ckpt"), model, opt)   # any mesh, or one process
     sched.load_state_dict(extra["scheduler"])
 
 A checkpoint is a directory. Model and optimizer tensors (DTensor shards included) go through DCP,
@@ -12,7 +12,9 @@ hyper-parameters, scheduler state, the data position, ``step``) is written by ra
 per-rank RNG states are saved as tensors: loading never unpickles an object of ours. The directory
 is written as ``<path>.tmp-<id>``, completed by a JSON marker written last, then renamed into place,
 so a save that dies half-way leaves the previous checkpoint intact. ``load`` checks the marker and
-every file before DCP touches the model. Layout and guarantees: docs/checkpointing.md.
+every file on every rank, and the ranks agree, before DCP touches the model: a failure seen by one
+rank raises the same error on all of them instead of hanging. "Latest" means most recently
+committed (not highest step), so a rollback's new branch wins. Layout and guarantees: docs/checkpointing.md.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "latest",
     "load",
     "prune",
+    "resolve_latest",
     "save",
     "save_async",
     "validate",
@@ -197,32 +200,63 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_int(value: int) -> int:
-    """Rank 0's ``value`` on every rank (a tensor broadcast: nothing is pickled)."""
+def _device() -> torch.device:
+    # NCCL moves only CUDA tensors; gloo (and the rest) take CPU tensors.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_text(text: str, src: int = 0) -> str:
+    """Rank ``src``'s ``text`` on every rank, sent as UTF-8 bytes in a tensor (nothing is pickled)."""
     if not _distributed() or dist.get_world_size() == 1:
-        return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.broadcast(t, src=0)
-    return int(t.item())
+        return text
+    data = text.encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=_device())
+    dist.broadcast(size, src=src)
+    n = int(size.item())
+    if n == 0:
+        return ""
+    if dist.get_rank() == src:
+        buf = torch.tensor(list(data), dtype=torch.uint8, device=_device())
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=_device())
+    dist.broadcast(buf, src=src)
+    return bytes(buf.cpu().tolist()).decode()
 
 
-def _all_ok(ok: bool) -> bool:
-    """True when ``ok`` on every rank; lets rank-0-only work fail on every rank instead of hanging."""
+def _failed_ranks(failed: bool) -> list[int]:
+    """Collective: the ranks on which ``failed`` is true (one all_reduce of a one-hot vector)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
+    flags[dist.get_rank()] = int(failed)
+    dist.all_reduce(flags)
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    return text if len(text) <= 4000 else text[:4000] + "..."
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Collective: if any rank has an ``error``, every rank raises, before any rank reaches the next collective.
+
+    A rank-local failure (a file one node cannot see, one reader's corrupt view, a bad argument on
+    one rank) must not leave the other ranks waiting in a collective until the process-group
+    timeout. Every rank raises the same :class:`CheckpointError`, naming the first failing rank and
+    its reason (on that rank chained from ``error``). Without a process group, ``error`` itself is raised.
+    """
     if not _distributed() or dist.get_world_size() == 1:
-        return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(t)
-    return int(t.item()) == 0
-
-
-def _raise_if_failed(error: BaseException | None, message: str) -> None:
-    """Collective: if any rank has an ``error``, raise on every rank (the error itself where it happened)."""
-    if not _all_ok(error is None):
         if error is not None:
             raise error
-        raise CheckpointError(f"{message}; see that rank's error")
+        return
+    failed = _failed_ranks(error is not None)
+    if not failed:
+        return
+    src = failed[0]
+    reason = _broadcast_text(_reason(error) if dist.get_rank() == src else "", src)
+    others = f" (ranks {failed[1:]} failed too)" if len(failed) > 1 else ""
+    raise CheckpointError(f"{what}: rank {src} of {dist.get_world_size()}: {reason}{others}") from error
 
 
 # ----------------------------------------------------------------------------- files: fsync, rename, marker
@@ -307,12 +341,15 @@ def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, An
     _crash_hook("before_marker")
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     now = datetime.datetime.now(datetime.timezone.utc)
+    # The commit order decides latest() and prune(): the checkpoint committed now must come last
+    # even if this host's clock is behind the one that wrote the newest sibling.
+    created_unix = max(now.timestamp(), _newest_commit_time(path.parent) + 1e-3)
     marker = dict(
         format=FORMAT,
         format_version=FORMAT_VERSION,
         **info,
         created=now.isoformat(timespec="seconds"),
-        created_unix=now.timestamp(),
+        created_unix=created_unix,
         torch_version=torch.__version__,
         files=files,
         sha256={name: _sha256(tmp / name) for name in (".metadata", STATE_FILE)},
@@ -333,25 +370,40 @@ def _remove_stale_tmp(path: Path) -> None:
 
 
 def _prepare(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, save_rng: bool, state: dict
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    save_rng: bool,
+    keep_last: int | None,
+    state: dict,
 ) -> tuple[Path, Path, str, dict[str, torch.Tensor], Any, dict[str, Any]]:
     path = Path(path).absolute()
-    if _TMP_RE.search(path.name):
-        raise CheckpointError(f"checkpoint path {str(path)!r} must not end in .tmp-<hex> or .old-<hex>: reserved")
     rank = _rank()
-    # Rank 0 picks the temporary name; a broadcast int keeps every rank on the same directory.
-    token = f"{_broadcast_int(time.time_ns() & (2**62 - 1) if rank == 0 else 0):x}"
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
-    tree: dict[str, Any] = {}
-    if optimizer is not None:
-        tree["model"], tree["optimizer"] = get_state_dict(model, optimizer)
-    else:
-        tree["model"] = get_model_state_dict(model)
-    tree["extra"] = state
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split(tree, "", tensors)
-    if save_rng:
-        tensors.update(_rng_tensors(rank))
+    # Rank 0 picks the temporary name and sends it with its path: every rank writes the same directory.
+    sent = f"{time.time_ns() & (2**62 - 1):x} {path}" if rank == 0 else ""
+    token, _, path0 = _broadcast_text(sent).partition(" ")
+    error: BaseException | None = None
+    try:  # everything here is rank-local: agreed below before the next collective
+        if str(path) != path0:
+            raise CheckpointError(
+                f"rank {rank} saves to {str(path)!r}, rank 0 to {path0!r}: every rank must pass the same path"
+            )
+        _check_keep_last(keep_last)
+        if _TMP_RE.search(path.name):
+            raise CheckpointError(f"checkpoint path {str(path)!r} must not end in .tmp-<hex> or .old-<hex>: reserved")
+        tree: dict[str, Any] = {}
+        if optimizer is not None:
+            tree["model"], tree["optimizer"] = get_state_dict(model, optimizer)
+        else:
+            tree["model"] = get_model_state_dict(model)
+        tree["extra"] = state
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = _split(tree, "", tensors)
+        if save_rng:
+            tensors.update(_rng_tensors(rank))
+    except Exception as e:  # raised on every rank by _agree
+        error = e
+    _agree(error, f"checkpoint {path0!r} not saved (nothing written)")
     step = state.get("step")
     info = dict(
         step=step if isinstance(step, int) and not isinstance(step, bool) else None,
@@ -360,7 +412,7 @@ def _prepare(
         has_optimizer=optimizer is not None,
         rng_ranks=_world_size() if save_rng else 0,
     )
-    error: BaseException | None = None
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
     if rank == 0:
         try:
             if path.exists() and not path.is_dir():
@@ -368,10 +420,16 @@ def _prepare(
             path.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_tmp(path)
             tmp.mkdir()
-        except (OSError, CheckpointError) as e:
+        except Exception as e:  # raised on every rank by _agree
             error = e
-    _raise_if_failed(error, f"rank 0 could not create checkpoint directory {str(tmp)!r}")
+    _agree(error, f"could not create checkpoint directory {str(tmp)!r}")
     return path, tmp, token, tensors, skeleton, info
+
+
+def _discard(tmp: Path) -> None:
+    """Rank 0 removes the temporary directory of a save that failed on some rank (nothing was committed)."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _finish(path: Path, tmp: Path, token: str, skeleton: Any, info: dict, keep_last: int | None) -> str:
@@ -381,10 +439,10 @@ def _finish(path: Path, tmp: Path, token: str, skeleton: Any, info: dict, keep_l
         try:
             _commit(tmp, path, token, skeleton, info)
             if keep_last is not None:
-                prune(path.parent, keep_last)
-        except Exception as e:  # reported on every rank below
+                _prune(path.parent, keep_last, protect=path)
+        except Exception as e:  # raised on every rank by _agree
             error = e
-    _raise_if_failed(error, f"rank 0 failed to commit checkpoint {str(path)!r}")
+    _agree(error, f"could not commit checkpoint {str(path)!r}")
     return str(path)
 
 
@@ -402,22 +460,27 @@ def save(
     ``state``: tensors and JSON values, e.g. ``step=100, scheduler=sched.state_dict(), data={"pos": 1234}``
     (rank 0's values are kept). Per-rank RNG states are saved unless ``save_rng=False``. The
     directory appears complete or not at all; an existing one is replaced. ``keep_last=k`` then
-    deletes all but the newest ``k`` checkpoints in ``path``'s parent (see :func:`prune`).
-    Returns the absolute path.
+    deletes all but the ``k`` most recently committed checkpoints in ``path``'s parent, never the
+    one just written (see :func:`prune`). Every rank must pass the same ``path``; a rank-local
+    failure (e.g. extra state only one rank cannot store) raises on every rank. Returns the absolute path.
     """
-    _check_keep_last(keep_last)
-    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, state)
-    with _quiet_single_process():
-        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, keep_last, state)
+    try:
+        with _quiet_single_process():
+            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+    except Exception:  # DCP reports a failed write on every rank
+        _discard(tmp)
+        raise
     return _finish(path, tmp, token, skeleton, info, keep_last)
 
 
 class AsyncSave:
     """Handle of :func:`save_async`. ``wait()`` (every rank) finishes the write and commits the checkpoint."""
 
-    def __init__(self, future: Any, finalize: Callable[[], str]):
+    def __init__(self, future: Any, finalize: Callable[[], str], discard: Callable[[], None]):
         self._future = future
         self._finalize = finalize
+        self._discard = discard
         self._path: str | None = None
 
     def done(self) -> bool:
@@ -427,7 +490,16 @@ class AsyncSave:
     def wait(self) -> str:
         """Block until the files are written, then commit (collective: every rank must call it)."""
         if self._path is None:
-            self._future.result()
+            error: BaseException | None = None
+            try:
+                self._future.result()
+            except Exception as e:  # a write that failed on some ranks only must not strand the others
+                error = e
+            try:
+                _agree(error, "asynchronous checkpoint write failed (nothing committed)")
+            except CheckpointError:
+                self._discard()
+                raise
             self._path = self._finalize()
         return self._path
 
@@ -460,15 +532,14 @@ def save_async(
     Training may continue at once; call ``handle.wait()`` on every rank (before the next save)
     to commit. Until then ``path`` is untouched (its previous checkpoint, if any, stays valid).
     """
-    _check_keep_last(keep_last)
-    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, state)
+    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, keep_last, state)
     group = _async_group()
     kwargs = {"process_group": group} if _distributed() else {"no_dist": True}
     with _quiet_single_process():
         future = dcp.async_save(tensors, checkpoint_id=str(tmp), **kwargs)
     # Newer torch may return an AsyncSaveResponse (staging + upload futures) instead of a Future.
     future = getattr(future, "upload_completion", future)
-    return AsyncSave(future, lambda: _finish(path, tmp, token, skeleton, info, keep_last))
+    return AsyncSave(future, lambda: _finish(path, tmp, token, skeleton, info, keep_last), lambda: _discard(tmp))
 
 
 def _check_keep_last(keep_last: int | None) -> None:
@@ -491,7 +562,7 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"no checkpoint directory at {str(path)!r}")
     marker_path = path / MARKER
     if not marker_path.is_file():
-        hint = "; it holds checkpoints: pass latest(root) instead" if _candidates(path) else ""
+        hint = "; it holds checkpoints: pass resolve_latest(root) instead" if _candidates(path) else ""
         raise CheckpointError(
             f"{str(path)!r} has no {MARKER}: the save did not complete (crashed or still running) or this "
             f"is not an ndparallel checkpoint{hint}"
@@ -529,8 +600,28 @@ def _candidates(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir() and not _TMP_RE.search(p.name) and (p / MARKER).is_file()]
 
 
-def _complete(root: str | os.PathLike) -> list[tuple[tuple, Path]]:
-    """Complete checkpoints under ``root``, oldest first, ordered by (step, creation time)."""
+def _commit_key(marker: dict[str, Any], path: Path) -> tuple[float, int, str]:
+    """Commit order: the marker's ``created_unix`` (rank 0's commit time), then the step, then the name."""
+    created, step = marker.get("created_unix"), marker.get("step")
+    created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0
+    return created, step if isinstance(step, int) and not isinstance(step, bool) else -1, path.name
+
+
+def _newest_commit_time(root: Path) -> float:
+    """The newest ``created_unix`` among the markers under ``root``; markers are only parsed, not validated."""
+    newest = 0.0
+    for p in _candidates(root):
+        try:
+            marker = json.loads((p / MARKER).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(marker, dict):
+            newest = max(newest, _commit_key(marker, p)[0])
+    return newest
+
+
+def _complete(root: str | os.PathLike) -> list[tuple[tuple[float, int, str], Path]]:
+    """Complete checkpoints under ``root``, in commit order (oldest first); corrupt ones skipped with a warning."""
     found = []
     for p in _candidates(Path(root)):
         try:
@@ -538,33 +629,59 @@ def _complete(root: str | os.PathLike) -> list[tuple[tuple, Path]]:
         except CheckpointError as e:
             warnings.warn(f"skipping corrupt checkpoint: {e}", stacklevel=3)
             continue
-        step = marker.get("step")
-        found.append(((step if isinstance(step, int) else -1, marker.get("created_unix", 0.0)), p))
+        found.append((_commit_key(marker, p), p))
     return sorted(found)
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint directly under ``root`` (highest step, then newest), or None.
+    """The most recently committed complete checkpoint directly under ``root``, or None.
 
-    Partial directories (no marker, e.g. ``step-200.tmp-<id>`` left by a crash) are ignored;
-    corrupt ones are skipped with a warning.
+    Commit order, not step order: after a rollback (resume from ``step-500``, save ``step-600``)
+    the new branch's ``step-600`` is the latest even though an abandoned ``step-1000`` exists.
+    Ties are broken by the higher step. Partial directories (no marker, e.g. ``step-200.tmp-<id>``
+    left by a crash) are ignored; corrupt ones are skipped with a warning. Reads only, in this
+    process: under a process group use :func:`resolve_latest` so every rank gets the same answer.
     """
     found = _complete(root)
     return str(found[-1][1]) if found else None
 
 
-def prune(root: str | os.PathLike, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints under ``root`` (one process only, e.g. rank 0).
+def resolve_latest(root: str | os.PathLike) -> str | None:
+    """:func:`latest` as rank 0 sees it, on every rank; every rank calls it (collective).
 
-    Also removes leftovers of crashed saves (``*.tmp-<id>`` / ``*.old-<id>`` directories) older than
-    the newest checkpoint. Returns the deleted paths.
+    Rank 0 alone scans ``root`` and broadcasts the path (or None), so ranks never pick different
+    checkpoints (a node that does not see a file yet, a save committed between two ranks' scans).
+    :func:`load` then validates the chosen checkpoint on every rank. Without a process group (or
+    with one rank) it is exactly ``latest(root)``.
     """
+    found, error = "", None
+    if _rank() == 0:
+        try:
+            found = latest(root) or ""
+        except Exception as e:  # raised on every rank by _agree
+            error = e
+    _agree(error, f"could not look for checkpoints under {str(root)!r}")
+    return _broadcast_text(found) or None
+
+
+def prune(root: str | os.PathLike, keep: int) -> list[str]:
+    """Delete all but the ``keep`` most recently committed checkpoints under ``root`` (one process, e.g. rank 0).
+
+    The order is :func:`latest`'s: commit time, so after a rollback the abandoned branch's
+    checkpoints age out like any older commit. Also removes leftovers of crashed saves
+    (``*.tmp-<id>`` / ``*.old-<id>`` directories) older than the newest checkpoint. Returns the deleted paths.
+    """
+    return _prune(root, keep, protect=None)
+
+
+def _prune(root: str | os.PathLike, keep: int, protect: Path | None) -> list[str]:
+    """:func:`prune`, never deleting ``protect`` (the checkpoint ``save(keep_last=...)`` just committed)."""
     _check_keep_last(keep)
     root = Path(root)
     found = _complete(root)
-    deleted = [p for _, p in found[:-keep]]
+    deleted = [p for _, p in found[:-keep] if p != protect]
     if found:
-        newest = found[-1][0][1]
+        newest = found[-1][0][0]
         deleted += [
             p for p in root.iterdir() if p.is_dir() and _TMP_RE.search(p.name) and p.stat().st_mtime < newest - 1.0
         ]
@@ -611,6 +728,41 @@ def _empty_like_placeholder(p: dict) -> torch.Tensor:
     return torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
 
 
+def _model_targets(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, restore_rng: bool
+) -> tuple[dict[str, Any], Any, dict[str, Any], dict[str, torch.Tensor], list[str]]:
+    """Validate ``path`` and check it against the model; the tensors to read (all but the optimizer's)."""
+    marker, skeleton, stored = _read(path)
+    if optimizer is not None and "optimizer" not in skeleton:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; call load without the optimizer")
+    targets: dict[str, torch.Tensor] = {}
+    _split(get_model_state_dict(model), "model", targets)
+    _check_fits(targets, stored, path, "model", skeleton["model"])
+    for p in _placeholders(skeleton.get("extra", {})):
+        targets[p[_TENSOR]] = _empty_like_placeholder(p)
+    rank = _rank()
+    rng_keys = [k for k in stored if k.startswith(f"rng.rank{rank}.")] if restore_rng else []
+    for k in rng_keys:
+        meta = stored[k]
+        targets[k] = torch.empty(list(meta.size), dtype=meta.properties.dtype)
+    return marker, skeleton, stored, targets, rng_keys
+
+
+def _optimizer_targets(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, skeleton: Any, stored: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    # torch's get_state_dict initialises the state of an optimizer that has none (a step with
+    # lr 0), so it runs only once every rank knows the files and the model fit.
+    _, optim_sd = get_state_dict(model, optimizer)
+    targets: dict[str, torch.Tensor] = {}
+    _split(optim_sd, "optimizer", targets)
+    _check_fits(targets, stored, path, "optimizer", skeleton["optimizer"])
+    # Tensors among the saved hyper-parameters (e.g. a tensor lr) are not in the live state.
+    for p in _placeholders(skeleton["optimizer"]):
+        targets.setdefault(p[_TENSOR], _empty_like_placeholder(p))
+    return targets
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module,
@@ -620,38 +772,34 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), on any mesh; return the extra state.
 
-    Every rank calls it (or one process without a process group). The checkpoint is validated and
-    checked against the model before anything is read into it: a :class:`CheckpointError` means
-    the model and optimizer are untouched. RNG states are restored for ranks that saved one
-    (rank ``r`` gets rank ``r``'s) unless ``restore_rng=False``.
+    Every rank calls it with the same ``path`` (or one process without a process group; pick the
+    path with :func:`resolve_latest`). Every rank validates the checkpoint and checks it against
+    the model, and the ranks agree, before anything is read into it: a :class:`CheckpointError`
+    (the same on every rank, naming the rank that failed) means the model and optimizer are
+    untouched. RNG states are restored for ranks that saved one (rank ``r`` gets rank ``r``'s)
+    unless ``restore_rng=False``.
     """
     path = Path(path).absolute()
-    marker, skeleton, stored = _read(path)
-    if optimizer is not None and "optimizer" not in skeleton:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; call load without the optimizer")
-
-    live_model: dict[str, torch.Tensor] = {}
-    _split(get_model_state_dict(model), "model", live_model)
-    _check_fits(live_model, stored, path, "model", skeleton["model"])
-    targets = dict(live_model)
+    path0 = _broadcast_text(str(path))
+    failed = f"checkpoint {path0!r} not loaded (model and optimizer untouched)"
+    error: BaseException | None = None
+    try:  # rank-local checks, agreed below before DCP's collectives
+        if str(path) != path0:
+            raise CheckpointError(
+                f"rank {_rank()} loads {str(path)!r}, rank 0 {path0!r}: every rank must load the same "
+                "checkpoint (pick it with resolve_latest(root))"
+            )
+        marker, skeleton, stored, targets, rng_keys = _model_targets(path, model, optimizer, restore_rng)
+    except Exception as e:  # raised on every rank by _agree
+        error = e
+    _agree(error, failed)
     if optimizer is not None:
-        # torch's get_state_dict initialises the state of an optimizer that has none (a step with
-        # lr 0), so it runs only once the files and the model are known to fit.
-        _, optim_sd = get_state_dict(model, optimizer)
-        live_optim: dict[str, torch.Tensor] = {}
-        _split(optim_sd, "optimizer", live_optim)
-        _check_fits(live_optim, stored, path, "optimizer", skeleton["optimizer"])
-        targets.update(live_optim)
-        # Tensors among the saved hyper-parameters (e.g. a tensor lr) are not in the live state.
-        for p in _placeholders(skeleton["optimizer"]):
-            targets.setdefault(p[_TENSOR], _empty_like_placeholder(p))
-    for p in _placeholders(skeleton.get("extra", {})):
-        targets[p[_TENSOR]] = _empty_like_placeholder(p)
+        try:
+            targets.update(_optimizer_targets(path, model, optimizer, skeleton, stored))
+        except Exception as e:  # raised on every rank by _agree
+            error = e
+        _agree(error, failed)
     rank = _rank()
-    rng_keys = [k for k in stored if k.startswith(f"rng.rank{rank}.")] if restore_rng else []
-    for k in rng_keys:
-        meta = stored[k]
-        targets[k] = torch.empty(list(meta.size), dtype=meta.properties.dtype)
 
     with _quiet_single_process():
         dcp.load(targets, checkpoint_id=str(path), no_dist=not _distributed())
@@ -710,26 +858,29 @@ def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.Pat
     writes), or a checkpoint directory, and then it runs in one process without a process group
     (with one, rank 0 does the work and the others wait). Keys are the model's parameter names.
     """
-    _safetensors()  # fail early, on every rank, before any collective
+    error: BaseException | None = None
+    try:
+        _safetensors()
+    except ImportError as e:  # fail early, on every rank, before any collective
+        error = e
+    _agree(error, "safetensors export needs the safetensors package")
     file = Path(file).absolute()
     if isinstance(source, nn.Module):
         full = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        error: BaseException | None = None
         if _rank() == 0:
             try:
                 _write_safetensors(full, file)
-            except Exception as e:  # reported on every rank below
+            except Exception as e:  # raised on every rank by _agree
                 error = e
-        _raise_if_failed(error, f"rank 0 failed to write {str(file)!r}")
+        _agree(error, f"could not write {str(file)!r}")
         return str(file)
     path = Path(source).absolute()
-    error: BaseException | None = None
     if _rank() == 0:
         try:
             _export_checkpoint(path, file)
-        except Exception as e:  # reported on every rank below
+        except Exception as e:  # raised on every rank by _agree
             error = e
-    _raise_if_failed(error, f"rank 0 failed to export {str(path)!r}")
+    _agree(error, f"could not export {str(path)!r}")
     return str(file)
 
 
@@ -751,10 +902,25 @@ def import_safetensors(file: str | os.PathLike, model: nn.Module) -> None:
     Every rank checks the file's names and shapes against the model first (a mismatch raises
     :class:`CheckpointError`, model untouched); rank 0 reads the tensors and broadcasts them.
     """
-    st = _safetensors()
+    broadcast = _world_size() > 1
+    full: dict[str, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:  # rank-local checks, agreed below before the broadcast
+        st = _safetensors()
+        _check_safetensors_fit(Path(file), model)
+        if _rank() == 0 or not broadcast:
+            full = st.load_file(str(file))
+    except Exception as e:  # raised on every rank by _agree
+        error = e
+    _agree(error, f"{str(file)!r} not imported (model untouched)")
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=True)
+    )
+
+
+def _check_safetensors_fit(file: Path, model: nn.Module) -> None:
     from safetensors import safe_open
 
-    file = Path(file)
     if not file.is_file():
         raise CheckpointError(f"no safetensors file at {str(file)!r}")
     try:
@@ -773,8 +939,3 @@ def import_safetensors(file: str | os.PathLike, model: nn.Module) -> None:
     bad = [f"{k}: file {shapes[k]} vs model {list(t.shape)}" for k, t in live.items() if shapes[k] != list(t.shape)]
     if bad:
         raise CheckpointError(f"{str(file)!r} does not fit the model: shapes differ: {bad[:5]}")
-    broadcast = _world_size() > 1
-    full = st.load_file(str(file)) if _rank() == 0 or not broadcast else {}
-    set_model_state_dict(
-        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=True)
-    )

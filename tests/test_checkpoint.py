@@ -1,5 +1,6 @@
 """Checkpoints: resharding (FSDP2 x4 -> dp_shard 2 x tp 2 -> one process), exact resume, async save,
-atomic commit under a crash, corrupt-checkpoint detection, keep-last-k, safetensors export/import.
+atomic commit under a crash, corrupt-checkpoint detection, keep-last-k and commit order after a
+rollback, rank-local failures agreed by every rank (no hang), safetensors export/import.
 
 Every multi-rank check runs on real gloo ranks and writes real DCP directories under ``tmp_path``.
 The three 4-rank jobs (save, resume on the same mesh, resume on another mesh) form one test so the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -355,7 +357,7 @@ def test_corrupt_checkpoints_raise_before_touching_the_model(tmp_path):
     model_only = Path(ckpt.save(tmp_path / "model-only", target))
     with pytest.raises(CheckpointError, match="no optimizer state"):
         ckpt.load(model_only, target, target_opt)
-    with pytest.raises(CheckpointError, match="pass latest"):
+    with pytest.raises(CheckpointError, match=r"pass resolve_latest\(root\)"):
         ckpt.load(tmp_path, target)
     with pytest.raises(CheckpointError, match="no checkpoint directory"):
         ckpt.load(tmp_path / "absent", target)
@@ -387,6 +389,105 @@ def test_extra_state_must_be_tensors_or_json(tmp_path):
     assert torch.equal(got["t"], extra["t"]) and torch.equal(got["nested"]["b"][0], torch.ones(2, 2))
 
 
+# ----------------------------------------------------------------------------- rollback + rank-local failures, 2 ranks
+
+
+def _caught(fn, *args, **kwargs) -> str | None:
+    """``fn``'s CheckpointError message, or None if it returned."""
+    try:
+        fn(*args, **kwargs)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def job_rollback_and_agreement(root: str) -> dict[str, Any]:
+    """FSDP2 x2. Rollback: save step-5, step-10 (keep_last=2), resume from step-5, save step-6
+    (keep_last=1). Then failures seen by rank 1 only (a corrupt view of the files, another path, bad
+    extra state, a failed async write): both ranks must raise the same CheckpointError, no hang."""
+    import warnings
+    from concurrent.futures import Future
+
+    rank = dist.get_rank()
+    run = Path(root) / "run"
+    _seed_all(0)
+    net, opt, sched, mesh = _setup(FSDP2)
+    out: dict[str, Any] = {}
+    _train(net, opt, sched, mesh, 5)
+    ckpt.save(run / "step-5", net, opt, step=5, keep_last=2)
+    _train(net, opt, sched, mesh, 5)
+    ckpt.save(run / "step-10", net, opt, step=10, keep_last=2)
+    out["before_rollback"] = _names(run)
+    assert ckpt.load(run / "step-5", net, opt)["step"] == 5  # the rollback
+    _train(net, opt, sched, mesh, 1)
+    out["state6"] = _full_state(net, opt)
+    ckpt.save(run / "step-6", net, opt, step=6, keep_last=1)
+    out["after_rollback"] = _names(run)
+    out["resolved"] = ckpt.resolve_latest(run)
+    _train(net, opt, sched, mesh, 1)  # move away from step 6, so loading it back is visible
+
+    # Rank 1 sees every checkpoint as corrupt (its reads hash to something else).
+    real_sha256 = ckpt._sha256
+    if rank == 1:
+        ckpt._sha256 = lambda path: "0" * 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["own_latest"] = ckpt.latest(run)  # rank 1 alone would resume from nothing
+        out["resolved_corrupt_view"] = ckpt.resolve_latest(run)
+    before = _full_state(net, opt)
+    start = time.monotonic()
+    out["corrupt"] = _caught(ckpt.load, out["resolved"], net, opt)
+    out["corrupt_s"] = time.monotonic() - start
+    ckpt._sha256 = real_sha256
+    after = _full_state(net, opt)  # a collective: every rank calls it
+    out["untouched"] = before is None or all(np.array_equal(v, before[k]) for k, v in after.items())
+
+    # Another path on rank 1 (e.g. each rank called latest() and saw different directories).
+    out["other_path"] = _caught(ckpt.load, run / "step-5" if rank == 1 else out["resolved"], net, opt)
+    # Extra state that only rank 1 cannot store.
+    out["bad_extra"] = _caught(ckpt.save, run / "step-7", net, opt, step=7 if rank == 0 else np.int64(7))
+    # An asynchronous write that failed on rank 1 only: nothing is committed, on any rank.
+    handle = ckpt.save_async(run / "step-8", net, opt, step=8)
+    if rank == 1:
+        handle._future.result()  # the real write finishes (its collectives need this rank)
+        handle._future = Future()
+        handle._future.set_exception(OSError(28, "No space left on device"))
+    out["async"] = _caught(handle.wait)
+    dist.barrier()
+    out["after_failures"] = _names(run)
+
+    # The process group is still in step: load step-6 back and compare with the state saved.
+    ckpt.load(out["resolved"], net, opt)
+    out["loaded6"] = _full_state(net, opt)
+    return out
+
+
+def test_rollback_newest_commit_wins_and_rank_local_failures_raise_everywhere(tmp_path):
+    results = run_distributed(job_rollback_and_agreement, 2, str(tmp_path), timeout=120)
+    r0, r1 = results
+    step6 = str(tmp_path / "run" / "step-6")
+    # Defect 1: the new branch's step-6 survives keep_last=1 and is the latest; step-10 is pruned.
+    assert r0["before_rollback"] == ["step-10", "step-5"]
+    assert r0["after_rollback"] == r1["after_rollback"] == ["step-6"]
+    assert r0["resolved"] == r1["resolved"] == step6 == ckpt.latest(tmp_path / "run")
+    _assert_same_state(r0["loaded6"], r0["state6"])
+    # resolve_latest: rank 0 decides, even where rank 1's own scan disagrees.
+    assert r0["own_latest"] == step6 and r1["own_latest"] is None
+    assert r0["resolved_corrupt_view"] == r1["resolved_corrupt_view"] == step6
+    # Defect 2: rank 1's corrupt view stops both ranks before DCP, with the same error naming rank 1.
+    for key, reason in [
+        ("corrupt", "rank 1 of 2: checkpoint .* is corrupt: '.metadata' does not match its SHA-256"),
+        ("other_path", "rank 1 of 2: rank 1 loads .*step-5', rank 0 .*step-6': every rank must load the same"),
+        ("bad_extra", r"not saved \(nothing written\): rank 1 of 2: checkpoint state 'step' is a int64"),
+        ("async", r"nothing committed\): rank 1 of 2: OSError: \[Errno 28\] No space left on device"),
+    ]:
+        assert r0[key] is not None and r0[key] == r1[key], (key, r0[key], r1[key])
+        assert re.search(reason, r0[key]), (key, r0[key])
+    assert r0["untouched"]
+    assert r0["after_failures"] == ["step-6"]  # no step-7, no step-8, no temporary directories
+    print(f"agreed failure of a corrupt view on rank 1 took {max(r0['corrupt_s'], r1['corrupt_s']):.2f}s")
+
+
 # ----------------------------------------------------------------------------- keep-last-k, safetensors
 
 
@@ -397,28 +498,55 @@ def test_keep_last_prune_replace_and_async(tmp_path, monkeypatch):
         ckpt.save(tmp_path / f"step-{step}", net, step=step, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
     assert ckpt.latest(tmp_path) == str(tmp_path / "step-4")
-    # Ordered by step, not by name: step-10 is newer than step-9.
+    # Ordered by commit, not by name or step: step-9 committed after step-10 (a rollback) is the latest.
     ckpt.save(tmp_path / "step-10", net, step=10)
     ckpt.save(tmp_path / "step-9", net, step=9)
-    assert ckpt.latest(tmp_path) == str(tmp_path / "step-10")
-    assert sorted(Path(p).name for p in ckpt.prune(tmp_path, 1)) == ["step-3", "step-4", "step-9"]
-    assert [p.name for p in tmp_path.iterdir()] == ["step-10"]
-    assert ckpt.latest(tmp_path / "empty") is None
+    assert ckpt.latest(tmp_path) == ckpt.resolve_latest(tmp_path) == str(tmp_path / "step-9")
+    assert sorted(Path(p).name for p in ckpt.prune(tmp_path, 1)) == ["step-10", "step-3", "step-4"]
+    assert [p.name for p in tmp_path.iterdir()] == ["step-9"]
+    assert ckpt.latest(tmp_path / "empty") is None and ckpt.resolve_latest(tmp_path / "empty") is None
     # Replacing an existing checkpoint: atomic exchange (Linux), and the two-rename fallback.
     for exchange in (True, False):
         if not exchange:
             monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
         net = Transformer(TransformerConfig.from_preset("tiny", seed=20 + exchange))
-        ckpt.save(tmp_path / "step-10", net, step=10)
-        assert [p.name for p in tmp_path.iterdir()] == ["step-10"]
+        ckpt.save(tmp_path / "step-9", net, step=9)
+        assert [p.name for p in tmp_path.iterdir()] == ["step-9"]
         loaded = Transformer(TransformerConfig.from_preset("tiny", seed=1))
-        ckpt.load(tmp_path / "step-10", loaded)
+        ckpt.load(tmp_path / "step-9", loaded)
         assert _same_weights(net, loaded)
     # Asynchronous save in one process: nothing at the path until wait() commits.
     handle = ckpt.save_async(tmp_path / "step-11", net, step=11, keep_last=1)
     assert isinstance(handle, ckpt.AsyncSave)
     assert handle.wait() == str(tmp_path / "step-11") == ckpt.latest(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["step-11"]
+
+
+def _names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_rollback_keep_last_two_and_clock_behind(tmp_path):
+    """keep_last=2 across a rollback, and a commit whose clock is behind a sibling's marker."""
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    for step in (5, 10):
+        ckpt.save(tmp_path / f"step-{step}", net, step=step, keep_last=2)
+    # Resumed from step-5: the new branch's saves are the newest commits; the abandoned step-10
+    # ages out like any older commit (here it is the second most recent, so it is kept once).
+    ckpt.save(tmp_path / "step-6", net, step=6, keep_last=2)
+    assert _names(tmp_path) == ["step-10", "step-6"] and ckpt.latest(tmp_path) == str(tmp_path / "step-6")
+    ckpt.save(tmp_path / "step-7", net, step=7, keep_last=2)
+    assert _names(tmp_path) == ["step-6", "step-7"] and ckpt.latest(tmp_path) == str(tmp_path / "step-7")
+    # A sibling committed "in the future" (another host's clock ahead, a copied-in checkpoint):
+    # the checkpoint committed now still comes last, so keep_last=1 keeps it, not the sibling.
+    marker = json.loads((tmp_path / "step-7" / ckpt.MARKER).read_text())
+    marker["created_unix"] = time.time() + 3600
+    (tmp_path / "step-7" / ckpt.MARKER).write_text(json.dumps(marker))
+    ckpt.validate(tmp_path / "step-7")  # the marker itself is not hashed: still a valid checkpoint
+    ckpt.save(tmp_path / "step-8", net, step=8, keep_last=1)
+    assert _names(tmp_path) == ["step-8"] and ckpt.latest(tmp_path) == str(tmp_path / "step-8")
+    committed = json.loads((tmp_path / "step-8" / ckpt.MARKER).read_text())["created_unix"]
+    assert committed > marker["created_unix"]
 
 
 def test_safetensors_import_checks_and_missing_package(tmp_path, monkeypatch):

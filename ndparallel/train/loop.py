@@ -157,7 +157,7 @@ def _resume_path(cfg: TrainConfig) -> str | None:
         return c.resume
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if c.dir and (c.resume or restarted):
-        return checkpoint.latest(c.dir)
+        return checkpoint.resolve_latest(c.dir)
     return None
 
 
