@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,10 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
     from ndparallel.parallelize import parallelize
 
+    # Under TP the embedding's output is DTensor.to_local(), a view; FSDP2 then warns on every rank
+    # that an in-place op on it would skip its backward hook. The reference Transformer only adds
+    # to it out of place, so for this job the warning is noise.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else None
     model = Transformer(cfg.model)
     if device is not None:
