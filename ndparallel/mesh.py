@@ -187,6 +187,11 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group (safe to call twice)."""
+    """Tear down the default process group (safe to call twice).
+
+    A barrier first: a rank that destroys its gloo group while a peer is still finishing the last
+    collective can make that peer abort at exit ("terminate called without an active exception").
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
