@@ -18,7 +18,22 @@ def test_readme_usage_example_runs(tmp_path):
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run(
-        [sys.executable, "-m", "ndparallel", "launch", "--cpu-ranks", "4", "--", str(script)],
+        # Each rank's stdout to its own file (torchrun's --log-dir/--redirects): 4 ranks printing to one
+        # pipe at once can interleave within a line.
+        [
+            sys.executable,
+            "-m",
+            "ndparallel",
+            "launch",
+            "--cpu-ranks",
+            "4",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--redirects",
+            "1",
+            "--",
+            str(script),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -26,5 +41,9 @@ def test_readme_usage_example_runs(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [float(line.split()[1]) for line in result.stdout.splitlines() if re.match(r"^19 \d", line)]
-    assert len(losses) == 4 and len(set(losses)) == 1, result.stdout[-2000:]  # every rank prints the global loss
+    outputs = sorted((tmp_path / "logs").rglob("stdout.log"))
+    assert len(outputs) == 4, outputs
+    losses = [
+        float(line.split()[1]) for out in outputs for line in out.read_text().splitlines() if line.startswith("19 ")
+    ]
+    assert len(losses) == 4 and len(set(losses)) == 1, losses  # every rank prints the same global loss
