@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from ndparallel.cli import _torchrun_argv, main
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(*args: str, timeout: float = 120, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "ndparallel", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
-    )
+from tests.command import run_ndparallel
 
 
 def test_mesh_prints_rank_layout(capsys):
@@ -77,7 +66,7 @@ def test_launch_runs_a_script_on_real_ranks(tmp_path):
         dist.destroy_process_group()
     """)
     )
-    result = _run("launch", "--cpu-ranks", "3", "--", str(script))
+    result = run_ndparallel("launch", "--cpu-ranks", "3", "--", str(script))
     assert result.returncode == 0, result.stderr
     for rank in range(3):
         assert f"rank {rank} of 3 sum 6" in result.stdout
@@ -95,7 +84,7 @@ def test_launch_crashing_rank_takes_the_job_down(tmp_path):
     """)
     )
     start = time.monotonic()
-    result = _run("launch", "--cpu-ranks", "3", "--", str(script), timeout=90)
+    result = run_ndparallel("launch", "--cpu-ranks", "3", "--", str(script), timeout=90)
     assert result.returncode != 0
     assert time.monotonic() - start < 60
     combined = result.stdout + result.stderr

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,8 +14,7 @@ import pytest
 
 from ndparallel.testing import run_distributed
 from ndparallel.train.config import TrainConfig
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.command import run_ndparallel, start_ndparallel
 
 
 def _config(parallelism: dict, ckpt_dir: str, **checkpoint) -> dict:
@@ -150,26 +148,17 @@ def _launch(tmp_path: Path, *extra: str) -> subprocess.Popen:
     steps["train"]["steps"] = 100_000  # far more than the test waits for
     steps["train"]["metrics_file"] = str(tmp_path / "metrics.jsonl")
     config.write_text(json.dumps(steps))  # JSON is YAML
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ndparallel",
-            "launch",
-            "--cpu-ranks",
-            "2",
-            *extra,
-            "--",
-            "train",
-            "--config",
-            str(config),
-        ],
-        cwd=REPO,
-        env=env,
+    return start_ndparallel(
+        "launch",
+        "--cpu-ranks",
+        "2",
+        *extra,
+        "--",
+        "train",
+        "--config",
+        str(config),
         stdout=open(tmp_path / "out.txt", "w"),  # noqa: SIM115  (closed with the process)
         stderr=open(tmp_path / "err.txt", "w"),  # noqa: SIM115
-        text=True,
     )
 
 
@@ -227,24 +216,14 @@ def _wait_for_line_after(path: Path, marker: str, prefix: str, timeout: float = 
 
 
 def test_demo_config_trains_on_four_cpu_ranks():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ndparallel",
-            "train",
-            "--config",
-            "configs/demo.yaml",
-            "--cpu-ranks",
-            "4",
-            "train.steps=30",
-            "train.log_every=10",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+    result = run_ndparallel(
+        "train",
+        "--config",
+        "configs/demo.yaml",
+        "--cpu-ranks",
+        "4",
+        "train.steps=30",
+        "train.log_every=10",
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
