@@ -39,6 +39,7 @@ def _inside_launcher() -> bool:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.cpu_ranks and not _inside_launcher():
+        _check_train_config(args, args.cpu_ranks)  # one clear error here, not one per rank after spawning
         return launch(["--cpu-ranks", str(args.cpu_ranks), "--", *_without_option(args.argv, "--cpu-ranks")])
     if args.cpu_ranks or args.device == "cpu":
         os.environ["NDP_DEVICE"] = "cpu"
@@ -55,6 +56,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     destroy_distributed()
     return 130 if result.interrupted else 0
+
+
+def _check_train_config(args: argparse.Namespace, world_size: int) -> None:
+    from ndparallel.train.config import TrainConfig
+
+    cfg = TrainConfig.from_yaml(args.config, args.overrides) if args.config else _default_train_config(args.overrides)
+    sizes = cfg.parallelism.resolve(world_size)
+    cfg.accumulation_steps(sizes.dp_replicate_size * sizes.dp_shard_size)
 
 
 def _without_option(argv: Sequence[str], option: str) -> list[str]:

@@ -83,6 +83,8 @@ class ParallelismConfig:
     """Context parallel: ``ndparallel`` (own ring attention, CPU and CUDA) or ``torch`` (CUDA only)."""
 
     def __post_init__(self) -> None:
+        if self.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
+            self.mixed_precision = "no"
         self.validate()
 
     # ------------------------------------------------------------------ construction

@@ -28,6 +28,13 @@ def test_mesh_errors_are_one_line(capsys):
     assert "Traceback" not in err
 
 
+def test_train_with_cpu_ranks_checks_the_config_before_spawning():
+    result = run_ndparallel("train", "--config", "configs/demo.yaml", "--cpu-ranks", "4", "dp_shard_size=1", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("ndparallel: error: mesh sizes multiply to 2 (tp_size=2) but the world size is 4") == 1
+    assert "torchelastic" not in result.stderr, "no process was started"
+
+
 def test_launch_translates_to_torchrun_arguments(monkeypatch):
     monkeypatch.delenv("NDP_DEVICE", raising=False)
     argv = _torchrun_argv(["--cpu-ranks", "4", "--max-restarts", "1", "--", "train", "--config", "x.yaml"])

@@ -135,7 +135,7 @@ def test_yaml_dict_round_trip(tmp_path):
     assert ParallelismConfig.from_yaml(path) == cfg
     assert ParallelismConfig.from_dict(cfg.to_dict()) == cfg
     # A bare mapping (no section) reads the same.
-    path.write_text("tp_size: 4\ndp_shard_size: -1\n")
+    path.write_text("tp_size: 4\ndp_shard_size: -1\nmixed_precision: no\n")  # YAML 1.1 reads `no` as false
     assert ParallelismConfig.from_yaml(path) == ParallelismConfig(tp_size=4, dp_shard_size=-1)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh, init_distributed
@@ -76,6 +77,20 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def _autocast_unless_fsdp(cfg: TrainConfig, model: nn.Module, device_type: str) -> contextlib.AbstractContextManager:
+    """Mixed precision on every mesh: FSDP2 applies it through its policy (bf16 parameters, fp32
+    gradient reduction); without FSDP the forward runs under autocast instead (bf16 only: fp16
+    without FSDP would need a loss scaler)."""
+    precision = cfg.parallelism.mixed_precision
+    if precision == "no" or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return contextlib.nullcontext()
+    if precision == "fp16":
+        raise ConfigError(
+            "mixed_precision=fp16 without FSDP (dp_shard x cp == 1) would need a loss scaler; use bf16, or shard"
+        )
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
 def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
     from ndparallel.parallelize import parallelize
 
@@ -83,6 +98,8 @@ def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
     # that an in-place op on it would skip its backward hook. The reference Transformer only adds
     # to it out of place, so for this job the warning is noise.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    # parallelize warns that mixed precision without FSDP needs autocast: this loop provides it.
+    warnings.filterwarnings("ignore", message=r"mixed_precision=.* is applied by FSDP")
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else None
     model = Transformer(cfg.model)
     if device is not None:
@@ -190,6 +207,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     torch.manual_seed(t.seed)
 
     model = build_model(cfg, mesh)
+    autocast = _autocast_unless_fsdp(cfg, model, mesh.device_type)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True
     )
@@ -233,7 +251,9 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                     _gradient_sync(model, enabled=micro == accumulation - 1),
                     context_parallel(mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]),
                 ):
-                    loss = cross_entropy_loss(model(x, positions), y) / accumulation
+                    with autocast:
+                        logits = model(x, positions)
+                    loss = cross_entropy_loss(logits.float(), y) / accumulation
                     loss.backward()
                 step_loss += loss.detach()
             grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
