@@ -38,32 +38,43 @@ def _inside_launcher() -> bool:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = _train_config(args)
     if args.cpu_ranks and not _inside_launcher():
-        _check_train_config(args, args.cpu_ranks)  # one clear error here, not one per rank after spawning
+        # One clear error here, before any rank starts, instead of one per rank after spawning.
+        cfg.check_mesh(cfg.parallelism.resolve(args.cpu_ranks))
         return launch(["--cpu-ranks", str(args.cpu_ranks), "--", *_without_option(args.argv, "--cpu-ranks")])
     if args.cpu_ranks or args.device == "cpu":
         os.environ["NDP_DEVICE"] = "cpu"
-    from ndparallel.train import TrainConfig, train
+    from ndparallel.mesh import destroy_distributed
+    from ndparallel.train import train
+
+    result = train(cfg)
+    destroy_distributed()
+    return 130 if result.interrupted else 0
+
+
+def _train_config(args: argparse.Namespace):
+    """The TrainConfig of ``ndparallel train``: the YAML (or defaults), overrides, --steps, --resume."""
+    from ndparallel.train.config import TrainConfig, apply_overrides
 
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.resume:
         overrides.append("checkpoint.resume=true")
-    cfg = TrainConfig.from_yaml(args.config, overrides) if args.config else _default_train_config(overrides)
-    result = train(cfg)
-    from ndparallel.mesh import destroy_distributed
-
-    destroy_distributed()
-    return 130 if result.interrupted else 0
+    if args.config:
+        return TrainConfig.from_yaml(args.config, overrides)
+    return TrainConfig.from_dict(apply_overrides({}, overrides))
 
 
-def _check_train_config(args: argparse.Namespace, world_size: int) -> None:
-    from ndparallel.train.config import TrainConfig
-
-    cfg = TrainConfig.from_yaml(args.config, args.overrides) if args.config else _default_train_config(args.overrides)
-    sizes = cfg.parallelism.resolve(world_size)
-    cfg.accumulation_steps(sizes.dp_replicate_size * sizes.dp_shard_size)
+def _option_value(argv: Sequence[str], option: str) -> str | None:
+    """The value of ``option VALUE`` / ``option=VALUE`` in ``argv`` ("" when the value is missing)."""
+    for i, arg in enumerate(argv):
+        if arg == option:
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _without_option(argv: Sequence[str], option: str) -> list[str]:
@@ -79,12 +90,6 @@ def _without_option(argv: Sequence[str], option: str) -> list[str]:
     return result
 
 
-def _default_train_config(overrides: Sequence[str]):
-    from ndparallel.train.config import TrainConfig, apply_overrides
-
-    return TrainConfig.from_dict(apply_overrides({}, overrides))
-
-
 def _torchrun_argv(argv: Sequence[str]) -> list[str]:
     """Translate ``[torchrun options] [--cpu-ranks N] -- SUBCOMMAND|SCRIPT args`` into torchrun's argv."""
     argv = list(argv)
@@ -96,15 +101,15 @@ def _torchrun_argv(argv: Sequence[str]) -> list[str]:
     options, program = argv[:split], argv[split + 1 :]
     if not program:
         raise ConfigError("launch: nothing to run after `--` (an ndparallel subcommand or a script)")
-    if "--cpu-ranks" in options:
-        i = options.index("--cpu-ranks")
+    cpu_ranks = _option_value(options, "--cpu-ranks")
+    if cpu_ranks is not None:
         try:
-            ranks = int(options[i + 1])
-        except (IndexError, ValueError):
+            ranks = int(cpu_ranks)
+        except ValueError:
             raise ConfigError("--cpu-ranks needs a positive integer, e.g. --cpu-ranks 4") from None
         if ranks < 1:
             raise ConfigError(f"--cpu-ranks={ranks} must be >= 1")
-        del options[i : i + 2]
+        options = _without_option(options, "--cpu-ranks")
         if not any(o.startswith(("--nproc-per-node", "--nproc_per_node")) for o in options):
             options += ["--nproc-per-node", str(ranks)]
         if not any(o.startswith(("--nnodes", "--rdzv", "--standalone", "--master")) for o in options):

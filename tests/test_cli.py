@@ -33,6 +33,13 @@ def test_train_with_cpu_ranks_checks_the_config_before_spawning():
     assert result.returncode == 2
     assert result.stderr.count("ndparallel: error: mesh sizes multiply to 2 (tp_size=2) but the world size is 4") == 1
     assert "torchelastic" not in result.stderr, "no process was started"
+    # --resume without checkpoint.dir, and --steps 0: also caught before spawning, once.
+    for extra, message in [
+        (["--resume"], "checkpoint.resume=true need checkpoint.dir"),
+        (["--steps", "0"], "train.steps=0"),
+    ]:
+        result = run_ndparallel("train", "--config", "configs/demo.yaml", "--cpu-ranks", "4", *extra, timeout=60)
+        assert result.returncode == 2 and result.stderr.count(message) == 1, result.stderr[-2000:]
 
 
 def test_launch_translates_to_torchrun_arguments(monkeypatch):
@@ -51,6 +58,7 @@ def test_launch_translates_to_torchrun_arguments(monkeypatch):
         "x.yaml",
     ]
     assert os.environ["NDP_DEVICE"] == "cpu"
+    assert _torchrun_argv(["--cpu-ranks=2", "--", "s.py"]) == ["--nproc-per-node", "2", "--standalone", "s.py"]
     multi = _torchrun_argv(["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-endpoint", "h:29400", "--", "s.py"])
     assert multi == ["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-endpoint", "h:29400", "s.py"]
     from ndparallel import ConfigError

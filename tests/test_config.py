@@ -109,6 +109,27 @@ BAD_CONFIGS = [
         lambda tmp: TrainConfig.from_dict({"data": {"seq_len": "abc"}}),
         "data.seq_len='abc' must be an integer",
     ),
+    (
+        "seq vs cp chunks",
+        lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 126}}).check_mesh(
+            ParallelismConfig(cp_size=2).resolve(2)
+        ),
+        "data.seq_len=126 must be divisible by 4 (cp_size=2, x2 for cp_load",
+    ),
+    (
+        "seq vs tp",
+        lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 63}}).check_mesh(
+            ParallelismConfig(tp_size=2).resolve(2)
+        ),
+        "leaves 63 tokens per rank, not divisible by tp_size=2",
+    ),
+    (
+        "fp16 without fsdp",
+        lambda tmp: TrainConfig.from_dict({}).check_mesh(
+            ParallelismConfig(dp_replicate_size=2, mixed_precision="fp16").resolve(2)
+        ),
+        "fp16 without FSDP",
+    ),
     ("model unknown field", lambda tmp: TrainConfig.from_dict({"model": {"nlayers": 2}}), "did you mean 'n_layers'?"),
 ]
 

@@ -27,6 +27,19 @@ def _config(parallelism: dict, ckpt_dir: str, **checkpoint) -> dict:
     }
 
 
+def test_learning_rate_schedule():
+    from ndparallel.train.loop import lr_at
+
+    cfg = TrainConfig.from_dict({"train": {"steps": 10, "lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1}})
+    lrs = [lr_at(step, cfg) for step in range(10)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]), "linear warmup, never 0 at step 0"
+    assert lrs[4] == pytest.approx(1.0), "cosine starts at the peak"
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:], strict=False)), "then decays monotonically"
+    assert lr_at(10, cfg) == pytest.approx(0.1), "reaching lr x min_lr_ratio at train.steps"
+    no_warmup = TrainConfig.from_dict({"train": {"steps": 4, "lr": 1.0, "warmup_steps": 0}})
+    assert lr_at(0, no_warmup) == pytest.approx(1.0)
+
+
 def _train(config: dict) -> dict:
     from ndparallel.train import train
 

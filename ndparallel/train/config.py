@@ -171,6 +171,31 @@ class TrainConfig:
             )
         return per_rank // micro
 
+    def check_mesh(self, sizes: ParallelismConfig) -> int:
+        """Everything that depends on the resolved mesh sizes; returns the accumulation steps.
+
+        Called before any rank starts (``ndparallel train --cpu-ranks``) and again inside ``train``.
+        """
+        p, seq = sizes, self.data.seq_len
+        cp_chunks = 2 * p.cp_size if (p.cp_size > 1 and p.cp_load_balance) else p.cp_size
+        if seq % cp_chunks:
+            raise ConfigError(
+                f"data.seq_len={seq} must be divisible by {cp_chunks} (cp_size={p.cp_size}"
+                + (", x2 for cp_load_balance" if cp_chunks != p.cp_size else "")
+                + ")"
+            )
+        if (seq // p.cp_size) % p.tp_size:
+            raise ConfigError(
+                f"data.seq_len={seq} split over cp_size={p.cp_size} leaves {seq // p.cp_size} tokens per rank, "
+                f"not divisible by tp_size={p.tp_size} (sequence parallel shards them); use a multiple of "
+                f"{p.cp_size * p.tp_size * (2 if cp_chunks != p.cp_size else 1)}"
+            )
+        if p.mixed_precision == "fp16" and p.dp_shard_size * p.cp_size == 1:
+            raise ConfigError(
+                "mixed_precision=fp16 without FSDP (dp_shard x cp == 1) would need a loss scaler; use bf16, or shard"
+            )
+        return self.accumulation_steps(p.dp_replicate_size * p.dp_shard_size)
+
 
 def _build(section_cls: type, name: str, values: Mapping[str, Any]) -> Any:
     return section_cls(**coerce_fields(section_cls, values, name))

@@ -81,13 +81,9 @@ def _autocast_unless_fsdp(cfg: TrainConfig, model: nn.Module, device_type: str) 
     """Mixed precision on every mesh: FSDP2 applies it through its policy (bf16 parameters, fp32
     gradient reduction); without FSDP the forward runs under autocast instead (bf16 only: fp16
     without FSDP would need a loss scaler)."""
-    precision = cfg.parallelism.mixed_precision
+    precision = cfg.parallelism.mixed_precision  # fp16 without FSDP was refused by TrainConfig.check_mesh
     if precision == "no" or any(isinstance(m, FSDPModule) for m in model.modules()):
         return contextlib.nullcontext()
-    if precision == "fp16":
-        raise ConfigError(
-            "mixed_precision=fp16 without FSDP (dp_shard x cp == 1) would need a loss scaler; use bf16, or shard"
-        )
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
@@ -203,7 +199,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     rank0 = dist.get_rank() == 0
     t = cfg.train
     dp_size, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
-    accumulation = cfg.accumulation_steps(dp_size)
+    accumulation = cfg.check_mesh(mesh.config)
     torch.manual_seed(t.seed)
 
     model = build_model(cfg, mesh)
