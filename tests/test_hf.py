@@ -2,8 +2,8 @@
 
 One spawned group of 4 gloo ranks trains every family on dp_shard 2 x tp 2, dp_shard 2 x cp 2 and tp 2 x cp 2
 with activation checkpointing (5 AdamW steps, fp32: losses, grad norms and step-1 gradients within 1e-5),
-loads a save_pretrained folder straight into a sharded model and writes it back, and checks the
-ConfigErrors that need a mesh.
+loads a save_pretrained folder straight into a sharded model (fp32 and bf16) and writes it back, and checks
+the ConfigErrors that need a mesh, including refusals that must be raised on every rank alike.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ MESHES = {
 }
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, **overrides):
     """A tiny random config per family: GQA (8 heads, 4 kv heads); Qwen2 ties its word embeddings."""
     common = dict(
         hidden_size=64,
@@ -45,6 +45,7 @@ def tiny_config(family: str):
         max_position_embeddings=128,
         initializer_range=0.1,
     )
+    common.update(overrides)
     if family == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=False)
     if family == "qwen2":
@@ -54,9 +55,9 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa")
     return model.float()
 
 
@@ -152,7 +153,29 @@ def load_and_save(paths: dict[str, str], out_root: str) -> dict:
             "loss": ndp.average_over(mesh["dp_cp"], loss),
             "saved": save_pretrained(model, f"{out_root}/{family}"),
         }
+    report["unwritable"] = raised(lambda: save_pretrained(model, f"{out_root}/llama/config.json/sub"))
+    fsdp = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=4))  # no TP: HF's own bf16 arithmetic
+    bf16 = load_pretrained(paths["llama"], fsdp.config, fsdp, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = bf16(input_ids=BF16_TOKENS).logits
+    report["bf16"] = {
+        "param_dtypes": sorted({str(p.dtype) for p in bf16.parameters()}),
+        "inv_freq": bf16.model.rotary_emb.inv_freq.clone(),
+        "logits": logits.float(),
+    }
     return report
+
+
+BF16_TOKENS = torch.arange(SEQ)[None] * 7 % 256
+
+
+def raised(call) -> str:
+    """The ConfigError message of ``call()``, or "no error"."""
+    try:
+        call()
+    except ConfigError as err:
+        return str(err)
+    return "no error"
 
 
 def mesh_errors(path: str) -> dict[str, str]:
@@ -196,13 +219,42 @@ def mesh_errors(path: str) -> dict[str, str]:
         errors["window"] = "no error"
     except ConfigError as err:
         errors["window"] = str(err)
+    errors["odd_seq"] = raised(lambda: model(input_ids=tokens[:, :5]))  # 5 tokens per cp rank, tp=2
+    errors["positions"] = raised(lambda: model(input_ids=tokens, position_ids=torch.arange(16)[None]))
+    for rope in ({"rope_type": "dynamic", "factor": 2.0}, LONGROPE):
+        scaled = build("llama", rope_scaling=rope)
+        errors[rope["rope_type"]] = raised(lambda m=scaled: ndp.parallelize(m, mesh.config, mesh))
+    return errors
+
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4, "factor": 8.0}
+
+
+def dp_errors() -> dict[str, str]:
+    """dp_shard 2 x tp 2: data-dependent refusals seen by one dp rank only must raise on every rank."""
+    import ndparallel as ndp
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=2, tp_size=2))
+    model = ndp.parallelize(build("llama"), mesh.config, mesh)
+    tokens, mask = torch.randint(0, 256, (1, 16)), torch.ones(1, 16, dtype=torch.long)
+    if mesh.local_rank("dp") == 1:
+        mask[0, -2:] = 0  # padding on this dp rank's rows only
+    errors = {"padding_one_rank": raised(lambda: model(input_ids=tokens, attention_mask=mask))}
+    errors["odd_seq"] = raised(lambda: model(input_ids=tokens[:, :15]))
+    with torch.no_grad():
+        errors["after"] = raised(lambda: model(input_ids=tokens))  # still usable after the refusals
     return errors
 
 
 def run_group(paths: dict[str, str], out_root: str) -> dict:
     """Everything that needs 4 ranks, in one spawned group."""
     runs = {(family, name): train(family, parallel) for family in FAMILIES for name, parallel in MESHES.items()}
-    return {"runs": runs, "load_save": load_and_save(paths, out_root), "errors": mesh_errors(paths["llama"])}
+    return {
+        "runs": runs,
+        "load_save": load_and_save(paths, out_root),
+        "errors": mesh_errors(paths["llama"]),
+        "dp_errors": dp_errors(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +294,43 @@ def test_load_pretrained_reads_shards_and_save_round_trips(group, family):
     assert original_state.keys() == saved_state.keys()
     for name, tensor in original_state.items():
         assert torch.equal(tensor, saved_state[name]), f"{name} changed in the save round trip"
+
+
+def test_load_pretrained_bf16_keeps_fp32_rotary_table(group):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(group["paths"]["llama"], dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref_logits = hf(input_ids=BF16_TOKENS).logits.float()
+    ref_inv_freq = hf.model.rotary_emb.inv_freq
+    for rank, result in enumerate(group["ranks"]):
+        report = result["load_save"]["bf16"]
+        assert report["param_dtypes"] == ["torch.bfloat16"], f"rank {rank}: {report['param_dtypes']}"
+        assert report["inv_freq"].dtype == ref_inv_freq.dtype == torch.float32, f"rank {rank}"
+        assert torch.equal(report["inv_freq"], ref_inv_freq), f"rank {rank}: inv_freq differs from from_pretrained"
+        # FSDP alone runs HF's own bf16 arithmetic; a bf16 rotary table moved such logits by ~4e-2
+        diff = (report["logits"] - ref_logits).abs().max().item()
+        assert diff <= BF16_LOGITS_TOL, f"rank {rank}: bf16 logits differ from from_pretrained by {diff}"
+
+
+BF16_LOGITS_TOL = 4e-3  # measured: 0.0 (FSDP on gloo); a bf16 inv_freq gave 3.9e-2
+
+
+def test_save_pretrained_failure_raises_on_every_rank(group):
+    for rank, result in enumerate(group["ranks"]):
+        message = result["load_save"]["unwritable"]
+        assert "could not write" in message and "config.json/sub" in message, f"rank {rank}: {message}"
+
+
+def test_refusals_are_collective_and_name_the_fix(group):
+    for rank, result in enumerate(group["ranks"]):
+        errors, dp = result["errors"], result["dp_errors"]
+        assert "padding" in dp["padding_one_rank"] and "refused on rank" in dp["padding_one_rank"], (rank, dp)
+        assert "tp_size=2" in dp["odd_seq"] and "sequence length 15" in dp["odd_seq"], (rank, dp)
+        assert dp["after"] == "no error", (rank, dp)
+        assert "sequence length 10" in errors["odd_seq"] and "cp_size=2" in errors["odd_seq"], (rank, errors)
+        assert "2 * cp_size" in errors["odd_seq"], (rank, errors)
+        assert "position_ids" in errors["positions"] and "context_parallel" in errors["positions"], (rank, errors)
+        for kind in ("dynamic", "longrope"):
+            assert f"rope_type={kind!r}" in errors[kind] and "cp_size=1" in errors[kind], (rank, errors)
 
 
 def test_forward_errors_under_tp_and_cp(group):

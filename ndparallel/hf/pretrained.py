@@ -147,7 +147,8 @@ def load_pretrained(
     load its safetensors weights, each rank reading only the shards it holds. Every rank calls it.
 
     ``model_class`` defaults to ``AutoModelForCausalLM``; ``dtype`` is the parameters' dtype (stored
-    tensors are cast); ``parallelize_kwargs`` go to :func:`ndparallel.parallelize` (``plan``, ...).
+    tensors are cast); buffers keep the dtype the model builds them in (fp32 rotary ``inv_freq``, as
+    ``from_pretrained`` keeps them); ``parallelize_kwargs`` go to :func:`ndparallel.parallelize` (``plan``, ...).
     Nothing is downloaded: ``path`` must be a folder written by ``save_pretrained``.
     """
     transformers = _require_transformers()
@@ -162,13 +163,26 @@ def load_pretrained(
     files = _weight_files(path)
     with torch.device("meta"):
         build = getattr(model_class, "from_config", None) or model_class
-        model = build(config).to(dtype)
+        model = build(config)
+    _cast_parameters(model, dtype)
     model = parallelize(model, cfg, mesh, **parallelize_kwargs)
     device = _device(mesh)
     model.to_empty(device=device)
     _init_buffers(model)
     _fill_from_files(model, files)
     return model
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters to ``dtype``; buffers untouched (a bf16 rotary table changes the logits).
+    Tied parameters stay one parameter."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+                setattr(module, name, cast[id(param)])
 
 
 def _check_meta_init(mesh: Mesh) -> None:
@@ -219,14 +233,19 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> str | None:
     for name, full in _full_tensors(model):
         if rank == 0:
             tensors[name] = full.detach().to("cpu", copy=True).contiguous()
-    if rank != 0:
-        if dist.is_initialized():
-            dist.barrier()
-        return None
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / SAFE_WEIGHTS), metadata={"format": "pt"})
-    model.config.save_pretrained(str(path))
+    failure = None
+    if rank == 0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path / SAFE_WEIGHTS), metadata={"format": "pt"})
+            model.config.save_pretrained(str(path))
+        except Exception as err:  # every rank must learn of it, or the others wait forever
+            failure = f"{type(err).__name__}: {err}"
     if dist.is_initialized():
-        dist.barrier()
-    return str(path)
+        status = [failure]
+        dist.broadcast_object_list(status, src=0)  # also the barrier: rank 0 has finished writing
+        failure = status[0]
+    if failure is not None:
+        raise ConfigError(f"save_pretrained could not write {str(path)!r} on rank 0 ({failure}); pass a writable path")
+    return str(path) if rank == 0 else None

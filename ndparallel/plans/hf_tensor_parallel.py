@@ -25,7 +25,10 @@ HF attention modules call a function from ``transformers``' attention registry. 
 ``"ndparallel_ring"`` (:func:`ndparallel.comm.ring.ring_attention` over ``mesh["cp"]``), and a
 forward pre-hook on the model supplies global ``position_ids`` (the rank's shard under CP;
 the local sequence under SP would otherwise number tokens ``0..seq/tp``), turns the KV cache off and
-refuses padding masks. ``transformers`` is imported only when an HF model is parallelised.
+refuses what the sharded attention cannot honour. Input refusals are collective (one all-reduce of a flag
+per forward): a rank that sees padding and one that does not raise the same ConfigError instead of
+one rank raising while the others block in the next collective. ``transformers`` is imported only when
+an HF model is parallelised.
 """
 
 from __future__ import annotations
@@ -281,6 +284,8 @@ class _AttentionSpec:
     cp_size: int
     rotate: str
     load_balance: bool
+    tp_size: int = 1
+    device: torch.device = torch.device("cpu")  # where the refusal flag is all-reduced (cuda under NCCL)
 
 
 def _is_hf_attention(module: nn.Module) -> bool:
@@ -343,20 +348,77 @@ def _register_attention(model: nn.Module, name: str) -> None:
         model.config._attn_implementation = name
 
 
+def _input_problem(spec: _AttentionSpec, args: tuple, kwargs: dict) -> str | None:
+    """Why this rank's forward inputs cannot run under tp/cp, or None."""
+    if len(args) > 1:
+        return "pass attention_mask / position_ids as keywords to a model parallelised by ndparallel"
+    tokens = args[0] if args else kwargs.get("input_ids")
+    if tokens is None:
+        return "tp/cp need input_ids (inputs_embeds bypass the sharded embedding); pass input_ids"
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
+        return (
+            "attention_mask with padding is not supported under tp/cp (the attention is full causal): "
+            "pack sequences without padding and pass attention_mask=None"
+        )
+    if kwargs.get("labels") is not None:
+        return (
+            "labels= under tp/cp: HF's loss would shift labels inside each sequence shard and cannot take "
+            "vocab-sharded logits; compute ndparallel.cross_entropy_loss(model(input_ids).logits, next_tokens)"
+        )
+    if kwargs.get("use_cache"):
+        return "use_cache=True (KV cache, generation) is not supported on a model with tp/cp > 1"
+    local = tokens.shape[1]
+    if local % spec.tp_size:
+        return _sequence_problem(spec, local)
+    positions = kwargs.get("position_ids")
+    if positions is not None and positions.shape[-1] != local:
+        return (
+            f"position_ids has {positions.shape[-1]} positions but this rank holds {local} tokens "
+            f"(cp_size={spec.cp_size}): pass position_ids as a context_parallel buffer with the tokens "
+            "(seq dim 1) so they are sharded alike, or omit them (ndparallel fills the rank's global positions)"
+        )
+    return None
+
+
+def _sequence_problem(spec: _AttentionSpec, local: int) -> str:
+    tp, cp = spec.tp_size, spec.cp_size
+    if cp == 1:
+        return (
+            f"sequence length {local} is not divisible by tp_size={tp}: sequence parallel splits the tokens "
+            f"over tp; use a sequence length that is a multiple of {tp}"
+        )
+    chunks = 2 * cp if spec.load_balance else cp
+    return (
+        f"sequence length {local * cp} (cp_size={cp}: {local} tokens per rank) is not divisible by tp_size={tp} "
+        f"per rank: sequence parallel splits each rank's tokens over tp; use a sequence length that is a multiple "
+        f"of tp_size * {'2 * cp_size' if spec.load_balance else 'cp_size'} = {tp * chunks}"
+        + (" (cp_load_balance cuts the sequence into 2 * cp_size chunks)" if spec.load_balance else "")
+    )
+
+
+def _agree(problem: str | None, device: torch.device) -> None:
+    """Raise the same ConfigError on every rank when any rank has a problem (an all-reduce of a flag, and an
+    all-gather of the messages only on failure), so no rank is left waiting in FSDP's next collective."""
+    if not dist.is_initialized():
+        if problem:
+            raise ConfigError(problem)
+        return
+    flag = torch.tensor([int(problem is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, problem)
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise ConfigError(f"{message} (input refused on rank {rank})")
+
+
 def _input_hook(spec: _AttentionSpec, cp_rank: int):
     def hook(_module, args, kwargs):
-        if len(args) > 1:
-            raise ConfigError("pass attention_mask / position_ids as keywords to a model parallelised by ndparallel")
-        tokens = args[0] if args else kwargs.get("input_ids")
-        if tokens is None:
-            raise ConfigError("tp/cp need input_ids (inputs_embeds bypass the sharded embedding); pass input_ids")
-        mask = kwargs.get("attention_mask")
-        if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
-            raise ConfigError(
-                "attention_mask with padding is not supported under tp/cp (the attention is full causal): "
-                "pack sequences without padding and pass attention_mask=None"
-            )
-        kwargs = {**kwargs, "attention_mask": None}
+        _agree(_input_problem(spec, args, kwargs), spec.device)
+        tokens = args[0] if args else kwargs["input_ids"]
+        kwargs = {**kwargs, "attention_mask": None, "use_cache": False}
         if kwargs.get("position_ids") is None:
             seq = tokens.shape[1] * spec.cp_size
             if spec.cp_size > 1:
@@ -364,14 +426,6 @@ def _input_hook(spec: _AttentionSpec, cp_rank: int):
             else:
                 positions = torch.arange(seq, device=tokens.device)
             kwargs["position_ids"] = positions.unsqueeze(0)
-        if kwargs.get("labels") is not None:
-            raise ConfigError(
-                "labels= under tp/cp: HF's loss would shift labels inside each sequence shard and cannot take "
-                "vocab-sharded logits; compute ndparallel.cross_entropy_loss(model(input_ids).logits, next_tokens)"
-            )
-        if kwargs.get("use_cache"):
-            raise ConfigError("use_cache=True (KV cache, generation) is not supported on a model with tp/cp > 1")
-        kwargs["use_cache"] = False
         return args, kwargs
 
     return hook
@@ -382,13 +436,22 @@ def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | No
 
     Sets ``attn_implementation`` to ``"ndparallel_ring"`` (cp > 1) or ``"ndparallel_sdpa"``, and hooks the
     model's inputs: ``position_ids`` default to this rank's global positions (the layout of
-    :func:`ndparallel.context_parallel`), the KV cache is off, padding masks and ``labels=`` are refused.
+    :func:`ndparallel.context_parallel`), the KV cache is off; padding masks, ``labels=``, a sequence not
+    divisible by tp and unsharded ``position_ids`` are refused on every rank alike.
     """
     cfg = cfg or mesh.config
     if not _check_attention(model, cfg, mesh):
         return model
     cp, cp_mesh = mesh.size("cp"), mesh["cp"]
-    spec = _AttentionSpec(cp_mesh.get_group() if cp > 1 else None, cp, cfg.cp_rotate_method, cfg.cp_load_balance)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    spec = _AttentionSpec(
+        cp_mesh.get_group() if cp > 1 else None,
+        cp,
+        cfg.cp_rotate_method,
+        cfg.cp_load_balance,
+        tp_size=mesh.size("tp"),
+        device=device,
+    )
     for module in model.modules():
         if _is_hf_attention(module):
             module._ndparallel_attention = spec
@@ -404,9 +467,30 @@ def _check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> bo
         return False
     if mesh.size("cp") > 1 and cfg.cp_backend != "ndparallel":
         raise ConfigError(f"cp_backend={cfg.cp_backend!r} is not supported for Hugging Face models; use 'ndparallel'")
+    if mesh.size("cp") > 1:
+        _check_rope(model, mesh.size("cp"))
     if not any(_is_hf_attention(m) for m in model.modules()):
         raise ConfigError(
             f"{type(model).__name__} has no HF attention module (with is_causal, layer_idx, config) calling the "
             "attention registry: tensor/context parallel cannot route its attention; use tp_size=cp_size=1"
         )
     return True
+
+
+def _is_dynamic_rope(kind: object) -> bool:
+    """The rope types HF's ``dynamic_rope_update`` recomputes from max(position_ids) (its own test)."""
+    return isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")
+
+
+def _check_rope(model: nn.Module, cp: int) -> None:
+    """Under CP each rank sees a shard of the positions: a rotary table recomputed from max(position_ids) + 1
+    would differ between ranks (silently wrong attention), so such rope types are refused."""
+    for module in model.modules():
+        rope = getattr(module, "rope_type", None)
+        for kind in rope.values() if isinstance(rope, Mapping) else [rope]:
+            if _is_dynamic_rope(kind):
+                raise ConfigError(
+                    f"rope_type={kind!r} (config.rope_parameters, rope_scaling in older transformers) recomputes "
+                    f"the rotary table from each rank's max(position_ids) under cp_size={cp}, so ranks would "
+                    "rotate differently; use cp_size=1 or the default rope"
+                )
