@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +23,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ndparallel import checkpoint
+from ndparallel.clip import clip_grad_norm_
 from ndparallel.errors import ConfigError
+from ndparallel.grad_sync import no_sync
 from ndparallel.mesh import Mesh, init_distributed
+from ndparallel.metrics import average_over, cross_entropy_loss
 from ndparallel.models import Transformer
+from ndparallel.parallelize import parallelize
 from ndparallel.peak import device_peak
+from ndparallel.plans.context_parallel import context_parallel
 from ndparallel.train.config import TrainConfig
 from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.progress import Progress, format_duration, format_rate
@@ -65,18 +70,6 @@ def _device_type(cfg: TrainConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@contextlib.contextmanager
-def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip gradient communication inside the block when ``enabled`` is False (accumulation)."""
-    if enabled:
-        yield
-        return
-    from ndparallel.grad_sync import no_sync
-
-    with no_sync(model):
-        yield
-
-
 def _autocast_unless_fsdp(cfg: TrainConfig, model: nn.Module, device_type: str) -> contextlib.AbstractContextManager:
     """Mixed precision on every mesh: FSDP2 applies it through its policy (bf16 parameters, fp32
     gradient reduction); without FSDP the forward runs under autocast instead (bf16 only: fp16
@@ -88,8 +81,6 @@ def _autocast_unless_fsdp(cfg: TrainConfig, model: nn.Module, device_type: str) 
 
 
 def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
-    from ndparallel.parallelize import parallelize
-
     # Under TP the embedding's output is DTensor.to_local(), a view; FSDP2 then warns on every rank
     # that an in-place op on it would skip its backward hook. The reference Transformer only adds
     # to it out of place, so for this job the warning is noise.
@@ -168,8 +159,6 @@ def _open_metrics_file(path: str | None, rank0: bool, device: torch.device):
 def _resume_path(cfg: TrainConfig) -> str | None:
     """The checkpoint to start from: an explicit path, the newest under ``checkpoint.dir`` when
     ``resume`` is true or torchrun restarted the job (``--max-restarts``), else None."""
-    from ndparallel import checkpoint
-
     c = cfg.checkpoint
     if isinstance(c.resume, str):
         return c.resume
@@ -180,8 +169,6 @@ def _resume_path(cfg: TrainConfig) -> str | None:
 
 
 def _save(cfg: TrainConfig, step: int, model: nn.Module, optimizer, loader: BatchLoader, rank0: bool) -> None:
-    from ndparallel import checkpoint
-
     path = Path(cfg.checkpoint.dir) / f"step-{step:08d}"
     checkpoint.save(path, model, optimizer, keep_last=cfg.checkpoint.keep_last, step=step, data=loader.state_dict())
     if rank0:
@@ -190,11 +177,6 @@ def _save(cfg: TrainConfig, step: int, model: nn.Module, optimizer, loader: Batc
 
 def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     """Train ``cfg.model`` on ``cfg.data`` for ``cfg.train.steps`` steps; returns losses and throughput."""
-    from ndparallel import checkpoint
-    from ndparallel.clip import clip_grad_norm_
-    from ndparallel.metrics import average_over, cross_entropy_loss
-    from ndparallel.plans.context_parallel import context_parallel
-
     mesh = mesh or init_distributed(cfg.parallelism, device_type=_device_type(cfg))
     rank0 = dist.get_rank() == 0
     t = cfg.train
@@ -244,7 +226,8 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                 x, y = x.to(device), y.to(device)
                 positions = torch.arange(x.shape[1], device=device)
                 with (
-                    _gradient_sync(model, enabled=micro == accumulation - 1),
+                    # gradients are communicated on the last micro-batch only
+                    contextlib.nullcontext() if micro == accumulation - 1 else no_sync(model),
                     context_parallel(mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]),
                 ):
                     with autocast:
