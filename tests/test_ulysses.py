@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel.comm.ulysses import chunk_positions, kv_heads_sent
 from ndparallel.errors import ConfigError
+from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
 from tests.parity import build_model, make_batches
 from tests.test_ring_attention import _Gather, _inputs, _Shard, full_attention
@@ -48,16 +49,13 @@ RUNS = {
     },
     4: {
         "cp4": ({"cp_size": 4, **ALLTOALL}, None),
-        "cp2_tp2": ({"cp_size": 2, "tp_size": 2, **ALLTOALL}, None),
-        "cp2_tp2_kv2_repeated": ({"cp_size": 2, "tp_size": 2, **ALLTOALL}, {"n_kv_heads": 2}),
+        "cp2_tp2_kv_repeated": ({"cp_size": 2, "tp_size": 2, **ALLTOALL}, {"n_kv_heads": 2}),  # 1 kv head per tp rank
         "dp_shard2_cp2_ac": ({"dp_shard_size": 2, "cp_size": 2, "activation_checkpointing": "full", **ALLTOALL}, None),
     },
 }
-# Estimator check: (mesh sizes, method, activation checkpointing, model overrides), by world size.
-BYTES_RUNS = {
-    2: [({"cp_size": 2}, method, "none", {}) for method in ("ring", "allgather", "alltoall")],
-    4: [({"cp_size": 2, "tp_size": 2}, "alltoall", "full", {"n_kv_heads": 2})],  # kv heads repeated, recompute
-}
+# Estimator check in fp32 on 2 ranks: (mesh sizes, method, activation checkpointing, model overrides). The
+# float64 runs above also count their all-to-all bytes (tp, repeated kv heads, recompute, dp_shard).
+BYTES_RUNS = [({"cp_size": 2}, method, "none", {}) for method in ("ring", "allgather", "alltoall")]
 
 
 # ------------------------------------------------------------------------------------------ the op
@@ -192,8 +190,10 @@ def train64(parallel: dict | None, model: dict | str | None) -> dict:
                     loss = _loss(_logits(net, buffers[0], buffers[2]), buffers[1])
                 loss.backward()
             if counter is not None:
-                cp_group = mesh["cp"].get_group().group_name
-                result["cp_kinds"] = sorted({c.kind for c in counter.calls if c.group == cp_group})
+                cp_ranks = tuple(dist.get_process_group_ranks(mesh["cp"].get_group()))
+                on_cp = [c for c in counter.calls if c.ranks == cp_ranks]
+                result["cp_kinds"] = sorted({c.kind for c in on_cp})
+                result["all_to_all_bytes"] = sum(c.payload_bytes for c in on_cp if c.kind == "all_to_all")
             total = loss.detach().clone()
             dist.all_reduce(total, group=mesh["dp_cp"].get_group())
             result["losses"].append(total.item() / mesh.size("dp_cp"))
@@ -264,21 +264,40 @@ def count_cp_bytes(sizes: dict, method: str, checkpointing: str, model: dict) ->
 
 
 def predicted_cp_bytes(sizes: dict, method: str, checkpointing: str, model: dict) -> dict[str, float]:
-    """The estimator's payload bytes by kind on the cp ranks (context parallel, and FSDP over the same ranks)."""
+    """The estimator's fp32 payload bytes by kind on the cp ranks (context parallel, and FSDP's over the same
+    ranks when dp_shard is 1); ``sizes`` by dim name or ``*_size`` field."""
     from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, collectives, model_spec
-    from ndparallel.models import TransformerConfig
 
-    mesh = MeshShape(cp=sizes.get("cp_size", 1), tp=sizes.get("tp_size", 1))
+    dims = {dim: sizes.get(dim, sizes.get(f"{dim}_size", 1)) for dim in ("dp_shard", "cp", "tp")}
+    mesh = MeshShape(**dims)
     spec = model_spec(TransformerConfig.from_preset("tiny", **model))
+    groups = ("cp", "dp_shard_cp") if mesh.dp_shard == 1 else ("cp",)
     train = TrainingSpec(
-        global_batch=BATCH, seq_len=SEQ, micro_batch=BATCH, precision="fp32",
+        global_batch=BATCH, seq_len=SEQ, micro_batch=BATCH // mesh.dp, precision="fp32",
         activation_checkpointing=checkpointing, cp_rotate_method=method,
     )  # fmt: skip
     totals: dict[str, float] = {}
     for row in collectives(spec, train, mesh, ClusterSpec(num_gpus=mesh.world_size)):
-        if row.group in ("cp", "dp_shard_cp"):  # dp_shard is 1 here: FSDP's group holds the cp ranks
+        if row.group in groups:
             totals[row.kind] = totals.get(row.kind, 0) + row.payload_bytes
     return totals
+
+
+def saved_activations() -> dict[int, int]:
+    """Bytes one block saves for backward under alltoall on cp 2 (this rank's half of the sequence), by kv heads."""
+    import ndparallel as ndp
+    from ndparallel.plans.context_parallel import apply_context_parallel
+    from tests.test_estimate import SEQ as EST_SEQ
+    from tests.test_estimate import VALIDATION_MODEL, measure_activations
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(cp_size=2, **ALLTOALL))
+    saved = {}
+    for kv_heads in (4, 1):  # cp divides 4; 1 kv head is repeated to 2
+        model = Transformer(TransformerConfig(**{**VALIDATION_MODEL, "n_kv_heads": kv_heads}))
+        saved[kv_heads] = measure_activations(apply_context_parallel(model, mesh, mesh.config), seq=EST_SEQ // 2)[
+            "block"
+        ]
+    return saved
 
 
 # ------------------------------------------------------------------------------------- refusals
@@ -335,7 +354,8 @@ def rank_job(world: int) -> dict:
             for label, (parallel, model) in RUNS[world].items()
             if model != "hf_llama" or _hf_available()
         },
-        "bytes": [count_cp_bytes(*run) for run in BYTES_RUNS[world]],
+        "bytes": [count_cp_bytes(*run) for run in BYTES_RUNS] if world == 2 else [],
+        "saved": saved_activations() if world == 2 else {},
     }
 
 
@@ -390,13 +410,40 @@ def test_hf_llama_float64_matches_one_process():
     _check_runs(2, ["hf_llama_cp2"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_estimator_matches_counted_bytes(world):
-    for run, counted in zip(BYTES_RUNS[world], _results(world)[0]["bytes"], strict=True):
+def test_estimator_matches_counted_bytes():
+    """fp32, one step on cp 2: every kind on the cp ranks (context parallel and FSDP), for the three methods."""
+    for run, counted in zip(BYTES_RUNS, _results(2)[0]["bytes"], strict=True):
         want = predicted_cp_bytes(*run)
         assert counted.keys() == want.keys(), (run, counted, want)
         for kind, value in want.items():
             assert counted[kind] == pytest.approx(value, rel=1e-9), (run, kind, counted, want)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_estimator_matches_all_to_all_bytes_of_the_float64_runs(world):
+    """The all-to-all bytes of each float64 run's first step: twice the estimator's fp32 figure (8-byte elements)."""
+    for label, (parallel, model) in RUNS[world].items():
+        if model == "hf_llama":
+            continue
+        checkpointing = parallel.get("activation_checkpointing", "none")
+        want = 2 * predicted_cp_bytes(parallel, "alltoall", checkpointing, model or {})["all_to_all"]
+        for rank, result in enumerate(_results(world)):
+            assert result["runs"][label]["all_to_all_bytes"] == want, (label, rank, want)
+
+
+def test_estimator_matches_saved_activations():
+    from ndparallel.estimate import TrainingSpec, model_spec
+    from ndparallel.estimate.memory import layer_activation_bytes_per_token
+    from tests.test_estimate import BATCH as EST_BATCH
+    from tests.test_estimate import SEQ as EST_SEQ
+    from tests.test_estimate import VALIDATION_MODEL
+
+    train = TrainingSpec(precision="fp32", fused_norm=False, cp_rotate_method="alltoall")  # CPU: composite RMSNorm
+    for rank, result in enumerate(_results(2)):
+        for kv_heads, measured in result["saved"].items():
+            spec = model_spec(TransformerConfig(**{**VALIDATION_MODEL, "n_kv_heads": kv_heads}))
+            want = layer_activation_bytes_per_token(spec, train, tp=1, cp=2) * EST_BATCH * EST_SEQ // 2
+            assert measured == want, (rank, kv_heads, measured, want)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -454,3 +501,29 @@ def test_config_values_names_and_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"model.n_heads=8 / tp_size=4 = 2 query heads per tp rank.*cp_size=4"):
         job.check_mesh(sizes)
     job.check_mesh(ParallelismConfig(cp_size=4, tp_size=4).resolve(16))  # ring: no rule on heads
+
+
+def test_planner_knows_the_method_and_its_rule(capsys):
+    from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, model_spec, shape_problems
+    from ndparallel.plan_cli import main as plan_main
+
+    model = model_spec("8b")  # 32 heads, 8 kv heads
+    cluster = ClusterSpec.from_gpu("h100", num_gpus=16)
+    train = {"global_batch": 64, "seq_len": 32768}
+    ulysses = TrainingSpec(**train, cp_rotate_method="alltoall")
+    assert any(
+        "cp=8 does not divide n_heads / tp = 4" in p for p in shape_problems(model, ulysses, MeshShape(cp=8, tp=8))
+    )
+    assert not shape_problems(model, TrainingSpec(**train), MeshShape(cp=8, tp=8))  # ring: no rule on heads
+    by_method = {}
+    for method in ("ring", "allgather", "alltoall"):
+        e = estimate(model, TrainingSpec(**train, cp_rotate_method=method), MeshShape(dp_shard=2, cp=8), cluster)
+        cp_rows = [row for row in e.comms if row.group == "cp"]
+        by_method[method] = sum(row.bus_bytes for row in cp_rows)
+        assert {row.phase for row in cp_rows} == {"cp_ring" if method == "ring" else "cp"}, method
+    assert by_method["alltoall"] < by_method["allgather"] < by_method["ring"], by_method  # cp 8: Ulysses sends least
+    argv = ["plan", "--model", "8b", "--gpus", "16", "--seq", "32768", "--global-batch", "64", "--cp", "4"]
+    assert plan_main([*argv, "--cp-rotate-method", "alltoall"]) == 0
+    assert "CP all-to-all" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_main([*argv, "--cp-rotate-method", "ulysses"])
