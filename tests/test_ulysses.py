@@ -32,7 +32,6 @@ from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
 from tests.parity import build_model, make_batches
-from tests.test_ring_attention import _Gather, _inputs, _Shard, full_attention
 
 STEPS, BATCH, SEQ, LR = 5, 4, 16, 1e-2
 ALLTOALL = {"cp_rotate_method": "alltoall"}
@@ -59,6 +58,60 @@ BYTES_RUNS = [({"cp_size": 2}, method, "none", {}) for method in ("ring", "allga
 
 
 # ------------------------------------------------------------------------------------------ the op
+
+
+def full_attention(q, k, v, causal: bool):
+    """The reference: CoreAttention's math on the whole sequence (``[batch, seq, heads, dim]``), one process."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    repeats = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+
+
+def _inputs(seq: int, kv_heads: int, dtype: torch.dtype, batch: int = 2, heads: int = 4, dim: int = 8):
+    """q, k, v, dout of the full sequence, equal on every rank (a fixed generator)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, seq, heads, dim, generator=gen, dtype=dtype)
+    k = torch.randn(batch, seq, kv_heads, dim, generator=gen, dtype=dtype)
+    v = torch.randn(batch, seq, kv_heads, dim, generator=gen, dtype=dtype)
+    return q, k, v, torch.randn(batch, seq, heads, dim, generator=gen, dtype=dtype)
+
+
+class _Shard(torch.autograd.Function):
+    """Full tensor (equal on every rank) -> this rank's rows; backward: the sum of every rank's row gradients."""
+
+    @staticmethod
+    def forward(ctx, x, balanced):
+        from ndparallel.plans.context_parallel import shard_sequence
+
+        ctx.shape, ctx.balanced = x.shape, balanced
+        return shard_sequence(x, 1, dist.get_world_size(), dist.get_rank(), balanced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ndparallel.plans.context_parallel import sequence_indices
+
+        idx = sequence_indices(ctx.shape[1], dist.get_world_size(), dist.get_rank(), ctx.balanced)
+        full = grad.new_zeros(ctx.shape).index_copy(1, idx, grad)
+        dist.all_reduce(full)
+        return full, None
+
+
+class _Gather(torch.autograd.Function):
+    """Local rows -> the full tensor on every rank; backward (upstream gradient equal on every rank): own rows."""
+
+    @staticmethod
+    def forward(ctx, x, balanced):
+        from ndparallel.plans.context_parallel import gather_sequence
+
+        ctx.balanced = balanced
+        return gather_sequence(x, 1, dist.group.WORLD, balanced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ndparallel.plans.context_parallel import shard_sequence
+
+        return shard_sequence(grad, 1, dist.get_world_size(), dist.get_rank(), ctx.balanced), None
 
 
 def _op_errors(group, shard_balanced: bool, op_balanced: bool, causal: bool, kv_heads: int, dtype, seq: int):
@@ -104,7 +157,7 @@ def op_checks() -> dict[str, float]:
 
 def gradcheck_alltoall() -> list[str]:
     """``gradcheck`` of q, k, v -> gather(alltoall(shard(q), shard(k), shard(v))), every rank perturbing the same
-    element in lockstep (tests/test_ring_attention.py's harness); 2 query heads, 1 kv head: repeated for cp 2.
+    element in lockstep (as tests/test_ring_attention.py does); 2 query heads, 1 kv head: repeated for cp 2.
     The full Jacobian for the load-balanced causal case; fast mode (random projections, the same seed on every
     rank so every rank perturbs alike) for the others."""
     from ndparallel.comm.ring import ring_attention
