@@ -36,7 +36,7 @@ SIZE_FIELDS: tuple[str, ...] = tuple(f"{d}_size" for d in MESH_DIMS)
 CHOICES: dict[str, tuple[str, ...]] = {
     "mixed_precision": ("no", "bf16", "fp16"),
     "activation_checkpointing": ("none", "full", "selective"),
-    "cp_rotate_method": ("ring", "allgather"),
+    "cp_rotate_method": ("ring", "allgather", "alltoall"),
     "cp_backend": ("ndparallel", "torch"),
     "compile": ("none", "model", "blocks"),
 }
@@ -76,7 +76,8 @@ class ParallelismConfig:
     dp_bucket_mb: float = 25.0
     """Pure data parallel: gradient all-reduce bucket cap, MB."""
     cp_rotate_method: str = "ring"
-    """Context parallel: ``ring`` (send/recv K/V around the ring) or ``allgather`` (gather all K/V)."""
+    """Context parallel: ``ring`` (send/recv K/V around the ring), ``allgather`` (gather all K/V) or ``alltoall``
+    (Ulysses: two all-to-alls swap sequence shards for head shards; query heads / tp must divide by cp)."""
     cp_load_balance: bool = True
     """Context parallel: head-tail (zig-zag) sequence split so causal attention costs the same on each rank."""
     cp_backend: str = "ndparallel"
@@ -167,6 +168,12 @@ class ParallelismConfig:
             if value not in choices:
                 hint = _did_you_mean(str(value), choices)
                 raise ConfigError(f"{name}={value!r} is not one of {list(choices)}{hint}")
+        if self.cp_backend == "torch" and self.cp_rotate_method == "alltoall":
+            raise ConfigError(
+                "cp_rotate_method='alltoall' (Ulysses) needs cp_backend='ndparallel': torch's experimental context "
+                "parallel only has ring attention (its own 'alltoall' rotate method passes K/V around a ring); use "
+                "cp_backend='ndparallel', or cp_rotate_method='ring' with cp_backend='torch'"
+            )
         for name in ("reshard_after_forward", "cpu_offload", "cp_load_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from ndparallel.comm.ulysses import check_alltoall_heads
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh, init_distributed
@@ -85,6 +86,16 @@ def _resolve(cfg: ParallelismConfig | None, mesh: Mesh | None) -> tuple[Parallel
     return resolved, mesh
 
 
+def _check_alltoall_heads(model: nn.Module, tp: int, cp: int) -> None:
+    """Ulysses splits each tp rank's query heads over cp: refuse a model config whose heads do not divide."""
+    config = getattr(model, "config", None)
+    for name in ("n_heads", "num_attention_heads"):  # ours, Hugging Face's
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and not isinstance(heads, bool):
+            check_alltoall_heads(heads, tp, cp, what=name)
+            return
+
+
 def parallelize(
     model: nn.Module,
     cfg: ParallelismConfig | None = None,
@@ -118,6 +129,8 @@ def parallelize(
         plan, fsdp_groups = hf_kwargs["plan"], hf_kwargs["fsdp_groups"]
     if tp > 1:
         check_tp_divisibility(model, tp, transformer_tp_plan() if plan is None else plan)
+    if cp > 1 and cfg.cp_rotate_method == "alltoall":
+        _check_alltoall_heads(model, tp, cp)
     check_compile(cfg.compile, tp)  # every refusal happens before the model is touched
 
     if tp > 1:

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from ndparallel.config import CHOICES
 from ndparallel.errors import ConfigError
 from ndparallel.estimate import (
     GPU_PRESETS,
@@ -70,6 +71,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     train.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     train.add_argument("--ac", default="none", choices=list(ACTIVATION_CHECKPOINTING), help="activation ckpt")
     train.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP keeps units gathered")
+    train.add_argument(
+        "--cp-rotate-method", default="ring", choices=list(CHOICES["cp_rotate_method"]),
+        help="context-parallel attention: ring (default), allgather, alltoall (Ulysses; heads / tp must divide by cp)",
+    )  # fmt: skip
     train.add_argument(
         "--grad-sync-every-microbatch", action="store_true",
         help="reduce gradients after every micro-batch (default: once per step, as ndparallel train does)",
@@ -127,6 +132,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingSpec:
         precision=args.precision,
         activation_checkpointing=args.ac,
         reshard_after_forward=not args.no_reshard_after_forward,
+        cp_rotate_method=args.cp_rotate_method,
         grad_sync_every_microbatch=args.grad_sync_every_microbatch,
     )
 

@@ -63,8 +63,8 @@ BAD_CONFIGS = [
     ),
     (
         "bad rotate method",
-        lambda tmp: ParallelismConfig(cp_rotate_method="alltoall"),
-        "cp_rotate_method='alltoall' is not one of ['ring', 'allgather']",
+        lambda tmp: ParallelismConfig(cp_rotate_method="ulysses"),
+        "cp_rotate_method='ulysses' is not one of ['ring', 'allgather', 'alltoall']",
     ),
     (
         "bad bool",

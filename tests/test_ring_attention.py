@@ -200,7 +200,7 @@ def test_sequence_length_validation_names_the_fix():
 def bad_inputs() -> list[str]:
     messages = []
     q, k, v, _ = _inputs(seq=6, kv_heads=3, dtype=torch.float32)
-    for kwargs in ({"rotate": "alltoall"}, {}):
+    for kwargs in ({"rotate": "ulysses"}, {}):
         with pytest.raises(ConfigError) as err:
             ring_attention(q, k, v, None, **kwargs)  # 4 query heads, 3 kv heads
         messages.append(str(err.value))
@@ -213,7 +213,7 @@ def bad_inputs() -> list[str]:
 
 def test_bad_inputs_raise_config_error():
     messages = run_distributed(bad_inputs, 2)[0]
-    assert "cp_rotate_method='alltoall'" in messages[0]
+    assert "cp_rotate_method='ulysses'" in messages[0]
     assert "kv heads=3 must divide query heads=4" in messages[1]
     assert "local sequence length 3 must be even" in messages[2]
 

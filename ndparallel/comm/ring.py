@@ -2,7 +2,8 @@
 
 Each rank keeps its block of queries. Key/value blocks travel around the ring by point-to-point
 send/recv (``rotate="ring"``; the next transfer runs while the current block computes) or are
-all-gathered once (``rotate="allgather"``). Every block yields a partial output and its
+all-gathered once (``rotate="allgather"``); ``rotate="alltoall"`` hands the call to
+``ndparallel.comm.ulysses`` (heads, not K/V blocks, are exchanged). Every block yields a partial output and its
 log-sum-exp (LSE); partial outputs merge exactly::
 
     lse = logaddexp(lse_a, lse_b)
@@ -30,11 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ndparallel.comm.ulysses import ulysses_attention
 from ndparallel.errors import ConfigError
 
 __all__ = ["ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
 
-ROTATE_METHODS = ("ring", "allgather")
+ROTATE_METHODS = ("ring", "allgather", "alltoall")  # alltoall: comm/ulysses.py
 _TAG_KV, _TAG_DKV = 11, 12  # distinct P2P tags: K/V and dK/dV transfers between one pair never mix up
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.11/2.12 only have the old ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -388,6 +390,7 @@ def ring_attention(
     ``load_balanced`` (head-tail chunks ``r`` and ``2*cp-1-r``, else contiguous block ``r``);
     ``ndparallel.plans.context_parallel.shard_sequence`` produces it. Returns the local output rows.
     ``kernel`` forces one attention kernel (``math``, ``cpu_flash``, ``cuda_flash``, ``cuda_efficient``).
+    ``rotate="alltoall"`` runs :func:`ndparallel.comm.ulysses.ulysses_attention` (query heads must divide by cp).
     """
     if rotate not in ROTATE_METHODS:
         raise ConfigError(f"cp_rotate_method={rotate!r} is not one of {list(ROTATE_METHODS)}")
@@ -405,6 +408,12 @@ def ring_attention(
             f"local sequence length {q.shape[1]} must be even with cp_load_balance=true (two chunks per rank): "
             f"make the global sequence length divisible by 2 x cp_size = {2 * cp}"
         )
+    if rotate == "alltoall":
+        if kernel is not None:
+            raise ConfigError(
+                f"kernel={kernel!r} picks a ring block kernel; cp_rotate_method='alltoall' runs torch's SDPA"
+            )
+        return ulysses_attention(q, k, v, group, causal, load_balanced, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chosen = attention_kernel(q.device, q.dtype, q.shape[-1], kernel)
     return _RingAttention.apply(q, k, v, group, causal, rotate, load_balanced, scale, chosen)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from ndparallel.comm.ulysses import kv_heads_sent
 from ndparallel.estimate.memory import DDP_BUCKET_BYTES, checkpointed_blocks, fsdp_units
 from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
 
@@ -26,6 +27,7 @@ BUS_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "send_recv": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
 
 
@@ -35,12 +37,13 @@ class Collective:
 
     name: str
     kind: str
-    """all_gather, reduce_scatter, all_reduce or send_recv."""
+    """all_gather, reduce_scatter, all_reduce, send_recv or all_to_all."""
     group: str
     """Mesh dim or view it runs over: dp_shard_cp, dp_replicate, tp, cp."""
     group_size: int
     phase: str
-    """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp (on the critical path), cp_ring."""
+    """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp and cp (on the critical path),
+    cp_ring (hidden behind attention)."""
     calls: int
     """Calls per optimizer step."""
     payload_bytes: float
@@ -134,15 +137,45 @@ def collectives(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster:
     add("TP all-reduce (loss-parallel stats)", "all_reduce", ("tp",), "tp",
         3 * micro_steps, 3 * tokens * 4 * micro_steps)  # fmt: skip
 
-    # Context parallel, ring attention (comm/ring.py): per block forward, cp-1 hops of the local K and V
-    # (un-repeated heads, compute dtype); backward recirculates K/V (cp-1 hops) and sends the fp32 dK/dV
-    # partial sums cp hops; a recomputed block repeats its forward ring.
-    kv = 2 * tokens * model.kv_dim / mesh.tp
-    hops = mesh.cp - 1
-    forward_hops = (layers + recomputed) * hops
-    add("CP ring K/V send/recv", "send_recv", ("cp",), "cp_ring",
-        (forward_hops + layers * hops) * micro_steps,
-        (forward_hops + layers * hops) * kv * precision.compute * micro_steps)  # fmt: skip
-    add("CP ring dK/dV send/recv", "send_recv", ("cp",), "cp_ring",
-        layers * mesh.cp * micro_steps, layers * mesh.cp * kv * 4 * micro_steps)  # fmt: skip
+    for row in _context_parallel(model, train, mesh, tokens, recomputed):
+        add(*row[:3], "cp_ring" if train.cp_rotate_method == "ring" else "cp", *row[3:])
     return rows
+
+
+def _context_parallel(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tokens: float, recomputed: int
+) -> list[tuple[str, str, tuple[str, ...], int, float]]:
+    """(name, kind, dims, calls, payload) of the cp collectives of one micro-batch x micro-batches, per method.
+
+    ``tokens``: this rank's tokens per micro-batch. Per block: ``ring`` (comm/ring.py) sends the local K and V
+    (kv heads, compute dtype) cp-1 hops forward and again in backward, and the fp32 dK/dV partial sums cp hops;
+    ``allgather`` gathers K/V forward and again in backward and reduce-scatters the fp32 dK/dV; ``alltoall``
+    (comm/ulysses.py) sends q/k/v in and the output back forward, the output's gradient in and dq/dk/dv back
+    in backward, with kv heads repeated to ``lcm(kv heads, cp)`` when cp does not divide them. A recomputed
+    (checkpointed) block repeats its forward communication.
+    """
+    micro_steps = train.accumulation_steps(mesh) or 1
+    e, layers, cp = train.bytes.compute, model.n_layers, mesh.cp
+    kv = 2 * tokens * model.kv_dim / mesh.tp  # K and V elements of this rank's tokens
+    forward_passes = layers + recomputed
+    if train.cp_rotate_method == "ring":
+        hops = (forward_passes + layers) * (cp - 1)
+        return [
+            ("CP ring K/V send/recv", "send_recv", ("cp",), hops * micro_steps, hops * kv * e * micro_steps),
+            ("CP ring dK/dV send/recv", "send_recv", ("cp",), layers * cp * micro_steps,
+             layers * cp * kv * 4 * micro_steps),
+        ]  # fmt: skip
+    if train.cp_rotate_method == "allgather":
+        gathers = forward_passes + layers
+        return [
+            ("CP all-gather K/V", "all_gather", ("cp",), gathers * micro_steps, gathers * cp * kv * e * micro_steps),
+            ("CP reduce-scatter dK/dV", "reduce_scatter", ("cp",), layers * micro_steps,
+             layers * cp * kv * 4 * micro_steps),
+        ]  # fmt: skip
+    q = tokens * model.q_dim / mesh.tp
+    kv_sent = 2 * tokens * kv_heads_sent(model.n_kv_heads // mesh.tp, cp) * model.head_dim
+    passes = forward_passes + layers  # each pass: one all-to-all of q/k/v-sized data, one of q-sized data
+    return [
+        ("CP all-to-all (q/k/v and output)", "all_to_all", ("cp",), 2 * passes * micro_steps,
+         passes * (2 * q + kv_sent) * e * micro_steps),
+    ]  # fmt: skip

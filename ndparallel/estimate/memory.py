@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ndparallel.comm.ulysses import kv_heads_sent
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
 
 __all__ = [
@@ -74,12 +75,18 @@ def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: 
     (``norm_activation_bytes_per_token``); attention's q, k, v and output (``2 q_dim/t + 2 kv'/t``) with
     its fp32 log-sum-exp (``heads/t``), where ``kv' = q_dim`` when SDPA gets k/v repeated for grouped-query
     attention and ``kv_dim`` otherwise (and under context parallel: ring attention keeps the kv heads);
-    SwiGLU's w1 out, silu out, w3 out and product (``4f/t``), in the compute dtype.
+    SwiGLU's w1 out, silu out, w3 out and product (``4f/t``), in the compute dtype. All-to-all (Ulysses)
+    context parallel keeps the kv heads it sent (``lcm(kv heads, cp)`` when cp does not divide them) and, besides
+    the output the projection saves, SDPA's own head-sharded output (one more ``q_dim/t``).
     """
     e, t = train.bytes.compute, tp
     repeated = model.n_kv_heads < model.n_heads and cp == 1  # CoreAttention's repeat_interleave for GQA
     kv_saved = model.q_dim if repeated else model.kv_dim
-    attention = e * (2 * model.q_dim + 2 * kv_saved) / t + 4 * model.n_heads / t
+    ulysses_output = 0.0
+    if cp > 1 and train.cp_rotate_method == "alltoall":
+        kv_saved = kv_heads_sent(model.n_kv_heads // t, cp) * model.head_dim * t
+        ulysses_output = e * model.q_dim / t
+    attention = e * (2 * model.q_dim + 2 * kv_saved) / t + 4 * model.n_heads / t + ulysses_output
     mlp = e * 4 * model.ffn_dim / t
     return 2 * norm_activation_bytes_per_token(model, train, tp) + attention + mlp
 

@@ -93,6 +93,10 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
         if getattr(model, name) % mesh.tp:
             problems.append(f"tp={mesh.tp} does not divide {name}={getattr(model, name)}")
             break
+    if mesh.cp > 1 and train.cp_rotate_method == "alltoall" and (model.n_heads // mesh.tp) % mesh.cp:
+        problems.append(
+            f"cp={mesh.cp} does not divide n_heads / tp = {model.n_heads // mesh.tp} (alltoall splits heads)"
+        )
     if mesh.cp > 1 and train.seq_len % (2 * mesh.cp):
         problems.append(f"seq_len={train.seq_len} is not divisible by 2 x cp={2 * mesh.cp} (load-balanced ring)")
     per_step = mesh.dp * train.micro_batch

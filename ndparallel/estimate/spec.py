@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ndparallel.config import CHOICES
 from ndparallel.errors import ConfigError
 from ndparallel.models.config import PRESETS, TransformerConfig
 
@@ -329,6 +330,8 @@ class TrainingSpec:
     """FSDP: free gathered units after forward and all-gather them again in backward."""
     fused_norm: bool = True
     """RMSNorm saves only its input and rstd (CUDA fused kernel); False: the composite CPU op's fp32 copies."""
+    cp_rotate_method: str = "ring"
+    """Context parallel: ``ring``, ``allgather`` or ``alltoall`` (Ulysses): ``ParallelismConfig.cp_rotate_method``."""
     grad_sync_every_microbatch: bool = False
     """Reduce gradients after every micro-batch (FSDP2's default). False (ndparallel's training loop,
     ``ndparallel.grad_sync.no_sync``): once per optimizer step; FSDP then keeps unsharded gradients
@@ -345,6 +348,10 @@ class TrainingSpec:
             raise ConfigError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
                 f"{list(ACTIVATION_CHECKPOINTING)}"
+            )
+        if self.cp_rotate_method not in CHOICES["cp_rotate_method"]:
+            raise ConfigError(
+                f"cp_rotate_method={self.cp_rotate_method!r} is not one of {list(CHOICES['cp_rotate_method'])}"
             )
         if self.optimizer != "adamw":
             raise ConfigError(f"optimizer={self.optimizer!r}: only 'adamw' is modelled")

@@ -7,7 +7,9 @@ Overlap assumptions (FSDP2 prefetching, overlapped gradient reduction, no async 
   reductions (reduce-scatter, HSDP / replicate all-reduce) hide behind the backward of the
   micro-batch that syncs, except the last unit's reduction.
 * TP/SP collectives sit on the critical path: fully exposed.
-* CP ring K/V transfers hide behind attention compute (forward, backward and recompute).
+* CP ring K/V transfers hide behind attention compute (forward, backward and recompute); the
+  allgather and alltoall (Ulysses) collectives run before or after the attention that needs them:
+  fully exposed.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def estimate_step_time(
         "backward": backward_exposed + first_calls("grad_reduce", sync_steps),
         "tp": total("tp"),
         "cp_ring": max(0.0, total("cp_ring") - attention_s),
+        "cp": total("cp"),
     }
     tokens_per_step = train.global_batch * seq
     return StepTime(

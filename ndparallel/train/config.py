@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from ndparallel.comm.ulysses import check_alltoall_heads
 from ndparallel.config import ParallelismConfig, coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.errors import ConfigError
 from ndparallel.models import TransformerConfig
@@ -190,6 +191,8 @@ class TrainConfig:
                 f"not divisible by tp_size={p.tp_size} (sequence parallel shards them); use a multiple of "
                 f"{p.cp_size * p.tp_size * (2 if cp_chunks != p.cp_size else 1)}"
             )
+        if p.cp_size > 1 and p.cp_rotate_method == "alltoall":
+            check_alltoall_heads(self.model.n_heads, p.tp_size, p.cp_size, what="model.n_heads")
         if p.mixed_precision == "fp16" and p.dp_shard_size * p.cp_size == 1:
             raise ConfigError(
                 "mixed_precision=fp16 without FSDP (dp_shard x cp == 1) would need a loss scaler; use bf16, or shard"
