@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -38,6 +39,7 @@ from ndparallel.mesh import job_store
 __all__ = ["Beat", "Watchdog", "heartbeat_interval", "judge", "process_group_timeout"]
 
 _VERDICT = "verdict"
+_LEAVING = "exiting:"  # the phase of a rank that has explained its failure and is about to exit
 _SILENT_AFTER = 3  # intervals without a new heartbeat before a rank counts as silent
 
 
@@ -101,6 +103,39 @@ def main_thread_position() -> tuple[str, str]:
             where = f"{code.co_name} ({_short(code.co_filename)}:{frame.f_lineno})"
         frame = frame.f_back
     return where, collective
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket on ``port`` (Linux /proc; False elsewhere)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.read().splitlines()[1:]]
+        except OSError:
+            continue
+        inodes |= {r[9] for r in rows if len(r) > 9 and r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port}
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:[") : -1] in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def hosts_the_store() -> bool:
+    """Whether this rank's node hosts the job's rendezvous store: its launcher (torchrun's agent
+    store), or rank 0 itself when the ranks keep their own store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
+        return _listens_on(os.getppid(), int(os.environ["MASTER_PORT"]))
+    return os.environ.get("RANK") == "0"
 
 
 # ----------------------------------------------------------------------------- the verdict
@@ -203,12 +238,15 @@ class Watchdog:
         self._count = 0
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (count, when this rank first saw it)
         self._parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self._store_host = ""  # "node N (ranks ..., host H)", learned once from the store
         self._node = int(os.environ.get("GROUP_RANK", "0"))
         self._host = socket.gethostname()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ndparallel-watchdog", daemon=True)
         if store is not None:
             self._post()
+            if os.environ.get("LOCAL_RANK", "0") == "0" and hosts_the_store():
+                self._announce_store_host()
             self._thread.start()
 
     @classmethod
@@ -237,6 +275,10 @@ class Watchdog:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         seen: dict[int, tuple[int, float]] = {}
         silent: dict[int, float] = {}
+        # torchrun signals the ranks that are left once one exits: finish this explanation first
+        # (a few heartbeats; torchrun waits 30 s before SIGKILL).
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
         try:
             self._end_if_judged()
             deadline = time.monotonic() + (_SILENT_AFTER + 0.5) * self.interval
@@ -247,16 +289,27 @@ class Watchdog:
             beats = self._read_beats()
         except Exception as store_err:  # the store went with the node that hosted it
             return JobError(f"{self._store_lost(store_err)}; this rank's collective failed with: {first_line}")
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
         silent.update({r: _SILENT_AFTER * self.interval for r in range(self.world_size) if r not in beats})
         silent.pop(self.rank, None)
+        for rank in [r for r in silent if r in beats and beats[r].phase.startswith(_LEAVING)]:
+            del silent[rank]  # a peer that explained its own failure and left: not lost
         if not silent:
             return None
         last = beats.get(min(silent))
-        return JobError(
+        lost = JobError(
             f"lost {describe(sorted(silent), beats)}: no heartbeat for {max(silent.values()):.0f}s"
             + (f" (last at '{last.phase}')" if last else "")
             + f"; this rank's collective failed as a consequence: {first_line}"
         )
+        self.phase(f"{_LEAVING} {str(lost)[:200]}")
+        try:
+            self._post()  # so that the peers still explaining do not count this rank as lost too
+        except Exception:
+            pass
+        return lost
 
     # -------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -283,6 +336,8 @@ class Watchdog:
             self.rank, self._node, self._host, seq, phase, time.monotonic() - since, self._count, where, collective
         )
         self.store.set(f"beat/{self.rank}", json.dumps(asdict(beat)))
+        if not self._store_host and self.store.check(["store-host"]):
+            self._store_host = self.store.get("store-host").decode()
 
     def _watch(self) -> None:
         seq, phase, since = self._position
@@ -309,12 +364,16 @@ class Watchdog:
         beats = [Beat(**json.loads(v)) for v in values]
         return {b.rank: b for b in beats}
 
+    def _announce_store_host(self) -> None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
+        ranks = _ranks(list(range(first, first + local)))
+        self.store.set("store-host", f"node {self._node} ({ranks}, host {self._host})")
+
     def _store_lost(self, err: Exception) -> str:
         address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        return (
-            f"rank {self.rank} lost the job's rendezvous store at {address} ({str(err).strip()[:120]}): "
-            "the process that hosts it is gone (the launcher on the --rdzv-endpoint node, or rank 0)"
-        )
+        host = self._store_host or "the node that hosted it"
+        return f"lost {host}, which hosted the job's rendezvous store at {address} ({str(err).strip()[:100]})"
 
     def _end(self, verdict: str) -> None:
         self._exit(EXIT_HUNG, f"the job hung: {verdict}", record=verdict)
