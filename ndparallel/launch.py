@@ -110,19 +110,36 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
 
 # ----------------------------------------------------------------------------- exit times
 def _child_pids() -> set[int]:
-    """This process's children (Linux: /proc/self/task/*/children); empty elsewhere."""
+    """This process's children (Linux: /proc/self/task/*/children, else a scan of /proc/*/stat);
+    empty where there is no /proc."""
     pids: set[int] = set()
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return pids
+    listed = False
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/children") as f:
                 pids.update(int(p) for p in f.read().split())
+            listed = True
         except OSError:
             continue
-    return pids
+    return pids if listed else _children_by_scan()
+
+
+def _children_by_scan() -> set[int]:
+    """Children found through every process's parent pid (kernels without CONFIG_PROC_CHILDREN)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.add(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
 
 
 class ExitClock:
@@ -147,8 +164,11 @@ class ExitClock:
 
     def _run(self) -> None:
         live: set[int] = set()
+        ticks = 0
         while not self._stop.wait(self.period):
-            live.update(p for p in _child_pids() if p not in self._exits)
+            if ticks % 10 == 0:  # new workers appear rarely (start, restart): look for them every 0.2 s
+                live.update(p for p in _child_pids() if p not in self._exits)
+            ticks += 1
             for pid in list(live):
                 try:
                     exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None

@@ -5,7 +5,8 @@ cannot forward anything) used to leave its ranks running under PID 1. ``ndparall
 therefore makes each worker run ``python -I worker_guard.py MODE PROGRAM...`` first, which:
 
 1. asks Linux to SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``; it
-   survives the ``exec`` below, and the pid stays the one torchrun watches);
+   survives the ``exec`` below, and the pid stays the one torchrun watches). Strictly, when the
+   parent *thread* that forked it exits: torchrun's agent starts workers from its main thread;
 2. checks that the parent is still the launcher (``NDP_LAUNCHER_PID``): one that died before
    step 1 took effect would otherwise go unnoticed;
 3. replaces itself with the real program: ``python -u ARGS`` (MODE ``python``) or ``ARGS`` as
