@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from ndparallel.config import ParallelismConfig, load_yaml_mapping
-from ndparallel.errors import ConfigError
+from ndparallel.errors import EXIT_INTERRUPTED, ConfigError, JobError
+from ndparallel.launch import cpu_ranks, launch, without_option
+from ndparallel.launch import torchrun_argv as _torchrun_argv  # noqa: F401  (tests and users import it here)
 
 __all__ = ["main"]
-
-SUBCOMMANDS = ("mesh", "train", "launch", "plan", "bench")
 
 
 def _cmd_mesh(args: argparse.Namespace) -> int:
@@ -38,19 +38,29 @@ def _inside_launcher() -> bool:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ndparallel.mesh import check_device_type
+    from ndparallel.train.config import job_device
+
+    ranks = None if args.cpu_ranks is None else cpu_ranks(args.cpu_ranks)
     cfg = _train_config(args)
-    if args.cpu_ranks and not _inside_launcher():
+    # An unknown device, or cuda without CUDA, is refused here, before any rank starts (a bad
+    # NDP_DEVICE even where --cpu-ranks overrides it).
+    for requested, source in ((os.environ.get("NDP_DEVICE"), "NDP_DEVICE"), (args.device, "--device")):
+        if requested:
+            check_device_type(requested, source)
+    if ranks is not None or args.device:
+        os.environ["NDP_DEVICE"] = "cpu" if ranks is not None else args.device
+    job_device(cfg)
+    if ranks is not None and not _inside_launcher():
         # One clear error here, before any rank starts, instead of one per rank after spawning.
-        cfg.check_mesh(cfg.parallelism.resolve(args.cpu_ranks))
-        return launch(["--cpu-ranks", str(args.cpu_ranks), "--", *_without_option(args.argv, "--cpu-ranks")])
-    if args.cpu_ranks or args.device == "cpu":
-        os.environ["NDP_DEVICE"] = "cpu"
+        cfg.check_mesh(cfg.parallelism.resolve(ranks))
+        return launch(["--cpu-ranks", str(ranks), "--", *without_option(args.argv, "--cpu-ranks")])
     from ndparallel.mesh import destroy_distributed
     from ndparallel.train import train
 
     result = train(cfg)
     destroy_distributed()
-    return 130 if result.interrupted else 0
+    return EXIT_INTERRUPTED if result.interrupted else 0
 
 
 def _train_config(args: argparse.Namespace):
@@ -60,86 +70,13 @@ def _train_config(args: argparse.Namespace):
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.timeout is not None:
+        overrides.append(f"train.timeout_s={args.timeout}")
     if args.resume:
         overrides.append("checkpoint.resume=true")
     if args.config:
         return TrainConfig.from_yaml(args.config, overrides)
     return TrainConfig.from_dict(apply_overrides({}, overrides))
-
-
-def _option_value(argv: Sequence[str], option: str) -> str | None:
-    """The value of ``option VALUE`` / ``option=VALUE`` in ``argv`` ("" when the value is missing)."""
-    for i, arg in enumerate(argv):
-        if arg == option:
-            return argv[i + 1] if i + 1 < len(argv) else ""
-        if arg.startswith(option + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _without_option(argv: Sequence[str], option: str) -> list[str]:
-    """``argv`` minus ``option VALUE`` / ``option=VALUE``."""
-    result, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = True
-        elif not arg.startswith(option + "="):
-            result.append(arg)
-    return result
-
-
-def _torchrun_argv(argv: Sequence[str]) -> list[str]:
-    """Translate ``[torchrun options] [--cpu-ranks N] -- SUBCOMMAND|SCRIPT args`` into torchrun's argv."""
-    argv = list(argv)
-    if "--" not in argv:
-        raise ConfigError(
-            "launch needs `--` before the program: ndparallel launch --cpu-ranks 4 -- train --config configs/demo.yaml"
-        )
-    split = argv.index("--")
-    options, program = argv[:split], argv[split + 1 :]
-    if not program:
-        raise ConfigError("launch: nothing to run after `--` (an ndparallel subcommand or a script)")
-    cpu_ranks = _option_value(options, "--cpu-ranks")
-    if cpu_ranks is not None:
-        try:
-            ranks = int(cpu_ranks)
-        except ValueError:
-            raise ConfigError("--cpu-ranks needs a positive integer, e.g. --cpu-ranks 4") from None
-        if ranks < 1:
-            raise ConfigError(f"--cpu-ranks={ranks} must be >= 1")
-        options = _without_option(options, "--cpu-ranks")
-        if not any(o.startswith(("--nproc-per-node", "--nproc_per_node")) for o in options):
-            options += ["--nproc-per-node", str(ranks)]
-        if not any(o.startswith(("--nnodes", "--rdzv", "--standalone", "--master")) for o in options):
-            options.append("--standalone")
-        os.environ["NDP_DEVICE"] = "cpu"
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
-    if program[0] in SUBCOMMANDS:
-        return [*options, "-m", "ndparallel", *program]
-    return [*options, *program]
-
-
-def launch(argv: Sequence[str]) -> int:
-    """Run ``torch.distributed.run`` (torchrun) with translated arguments; returns its exit status."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    torchrun_args = _torchrun_argv(argv)
-    try:
-        torchrun_main(torchrun_args)
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        others = sorted(set(err.failures) - {rank})
-        stopped = f"; ranks {others} were stopped" if others else ""
-        print(
-            f"ndparallel launch: rank {rank} failed first (exit code {failure.exitcode}){stopped}. "
-            "Its traceback is above.",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,9 +91,16 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train the reference transformer (one process, torchrun, or --cpu-ranks N)")
     p.add_argument("--config", help="training YAML (default: tiny model, one rank)")
-    p.add_argument("--cpu-ranks", type=int, default=0, help="simulate N gloo ranks on this CPU (uses torchrun)")
+    p.add_argument("--cpu-ranks", default=None, help="simulate N gloo ranks on this CPU (uses torchrun)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--steps", type=int, default=None, help="shortcut for train.steps=N")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="shortcut for train.timeout_s: a rank waiting this long for its peers ends the job, naming who is behind",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in checkpoint.dir")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=50 tp_size=2")
     p.set_defaults(func=_cmd_train)
@@ -218,3 +162,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"ndparallel: error: {err}", file=sys.stderr)
         return 2
+    except JobError as err:  # a lost or hung peer, named by the watchdog (the error file has it too)
+        print(f"ndparallel: error: {err}", file=sys.stderr, flush=True)
+        return 1

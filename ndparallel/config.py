@@ -178,7 +178,7 @@ class ParallelismConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         bucket = self.dp_bucket_mb
-        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0:
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not 0 < bucket < math.inf:
             raise ConfigError(f"dp_bucket_mb={bucket!r} must be a positive number of megabytes")
         if self.cpu_offload and self.dp_shard_size == 1 and self.cp_size == 1:
             raise ConfigError("cpu_offload=true needs FSDP: set dp_shard_size > 1 (or -1)")
@@ -318,12 +318,20 @@ def _type_name(annotation: Any) -> str:
 def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
     """Read a YAML file with the safe loader; it must hold a mapping."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not a text file (byte {err.start} is not UTF-8); a config is YAML text") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply for a config") from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of key: value, got {type(data).__name__}")
     return data

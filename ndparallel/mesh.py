@@ -28,7 +28,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ndparallel.config import MESH_DIMS, ConfigError, ParallelismConfig
 
-__all__ = ["VIEWS", "Mesh", "destroy_distributed", "format_rank_table", "init_distributed", "rank_groups"]
+__all__ = [
+    "DEVICE_TYPES",
+    "VIEWS",
+    "Mesh",
+    "check_device_type",
+    "destroy_distributed",
+    "format_rank_table",
+    "init_distributed",
+    "job_store",
+    "rank_groups",
+]
+
+DEVICE_TYPES = ("cpu", "cuda")
 
 # Flattened views: name -> the mesh dims it joins, outer to inner.
 VIEWS: dict[str, tuple[str, ...]] = {
@@ -147,7 +159,46 @@ def _launcher_store(timeout: datetime.timedelta) -> dist.Store:
         is_master=rank == 0 and not agent_hosts_store,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"ndparallel/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(_attempt_prefix(), store)
+
+
+def _attempt_prefix() -> str:
+    return f"ndparallel/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def job_store(timeout_s: float) -> dist.Store | None:
+    """A connection of its own to the job's rendezvous store (None for one process), for a thread
+    that must not queue behind the process group's store calls: the watchdog's heartbeats.
+
+    torchrun's store (``MASTER_ADDR:MASTER_PORT``, keyed by restart attempt as the process group's
+    is), or the file store of ``ndparallel.testing.run_distributed`` (``NDP_STORE_PATH``).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "NDP_STORE_PATH" in os.environ:
+        # num_workers=-1: this handle never counts towards deleting the file.
+        return dist.PrefixStore("ndparallel/watchdog", dist.FileStore(os.environ["NDP_STORE_PATH"], -1))
+    if "MASTER_PORT" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        return dist.PrefixStore(_attempt_prefix() + "/watchdog", store)
+    return None
+
+
+def check_device_type(device_type: str, source: str = "device_type") -> str:
+    """``device_type`` if it is one ndparallel runs on and this machine has; else a ConfigError naming ``source``."""
+    if device_type not in DEVICE_TYPES:
+        raise ConfigError(f"{source}={device_type!r} must be cpu or cuda")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{source}=cuda but CUDA is not available here (torch {torch.__version__}, "
+            f"{'no GPU visible' if torch.version.cuda else 'a CPU-only build'}); use cpu"
+        )
+    return device_type
 
 
 def _default_device_type() -> str:
@@ -162,10 +213,11 @@ def init_distributed(
     """Initialise the process group (torchrun's env, or one process when there is none) and build the mesh.
 
     Backend: nccl for CUDA (plus gloo for CPU tensors), gloo for CPU. An already initialised
-    process group (e.g. inside ``ndparallel.testing.run_distributed``) is reused.
+    process group (e.g. inside ``ndparallel.testing.run_distributed``) is reused. ``timeout_s``:
+    how long a collective (and the rendezvous store) waits for a peer before failing.
     """
     cfg = cfg or ParallelismConfig()
-    device_type = device_type or _default_device_type()
+    device_type = check_device_type(device_type or _default_device_type())
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)

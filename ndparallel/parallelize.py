@@ -35,6 +35,7 @@ from ndparallel.plans.tensor_parallel import TPPlan, apply_tensor_parallel, chec
 __all__ = ["find_blocks", "parallelize"]
 
 BlockSpec = Sequence[str] | Callable[[str, nn.Module], bool] | None
+_PARALLELIZED = "_ndparallel_parallelized"  # set on a model parallelize has changed: a second call is refused
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[nn.Module]:
@@ -118,8 +119,14 @@ def parallelize(
         fsdp_groups: extra FSDP units as lists of child FQNs; default ``[[tok_embeddings], [norm, output]]``
             when the model has them.
 
-    Returns the same ``model`` object; parameter names are unchanged.
+    Returns the same ``model`` object; parameter names are unchanged. Calling it twice on one
+    model is refused (its weights are already split and wrapped).
     """
+    done = getattr(model, _PARALLELIZED, None)
+    if done is not None:
+        raise ConfigError(
+            f"this {type(model).__name__} was already parallelized ({done}); call parallelize once, on the plain model"
+        )
     cfg, mesh = _resolve(cfg, mesh)
     block_list = find_blocks(model, blocks)
     tp, cp = mesh.size("tp"), mesh.size("cp")
@@ -158,4 +165,5 @@ def parallelize(
             from ndparallel.plans.replicate import apply_replicate
 
             model = apply_replicate(model, mesh["dp_replicate"], cfg.dp_bucket_mb)
+    setattr(model, _PARALLELIZED, f"mesh {cfg.describe()}")
     return model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -62,3 +64,44 @@ def test_user_file_and_bad_inputs(tmp_path):
         ByteCorpus(seq_len=10_000, path=text)
     with pytest.raises(ConfigError, match="multiple of the data-parallel size 4"):
         BatchLoader(corpus, global_batch=6, dp_size=4)
+
+
+def test_unreadable_or_failing_files_are_named(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"x" * 1000)
+    # A file in the folder whose read fails (/proc/self/mem at offset 0 gives EIO, even for root):
+    # named, never skipped (ranks could otherwise read different corpora) nor "0 bytes".
+    failing = folder / "b.txt"
+    failing.symlink_to("/proc/self/mem")
+    with pytest.raises(ConfigError, match=r"cannot read .*b\.txt.*Input/output error"):
+        ByteCorpus(seq_len=8, path=folder)
+    with pytest.raises(ConfigError, match=r"cannot read .*/proc/self/mem"):
+        ByteCorpus(seq_len=8, path="/proc/self/mem")
+    failing.unlink()
+    secret = folder / "c.txt"
+    secret.write_bytes(b"y" * 1000)
+    secret.chmod(0)
+    try:
+        if not os.access(secret, os.R_OK):  # root reads it anyway: nothing to refuse then
+            with pytest.raises(ConfigError, match=r"cannot read .*c\.txt.*Permission denied"):
+                ByteCorpus(seq_len=8, path=folder)
+    finally:
+        secret.chmod(0o644)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="reads /proc/self/io (Linux)")
+def test_max_bytes_reads_only_what_it_needs(tmp_path):
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # 512 MB, sparse: costs no disk
+        f.truncate(512 * 2**20)
+
+    def bytes_read() -> int:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+    before = bytes_read()
+    corpus = ByteCorpus(seq_len=8, path=big, max_bytes=1000)
+    read = bytes_read() - before
+    assert len(corpus.tokens) == 1000
+    assert read < 1_000_000, f"read {read} bytes for max_bytes=1000"

@@ -120,6 +120,7 @@ def _api_checks() -> dict:
         ),
         "cfg_mismatch": lambda: parallelize(build_model(), ndp.ParallelismConfig(dp_shard_size=2), mesh),
         "tp_divides_heads": lambda: parallelize(build_model({"n_heads": 8, "n_kv_heads": 1}), None, mesh),
+        "twice": lambda: parallelize(returned, ndp.ParallelismConfig(dp_shard_size=-1)),
     }.items():
         try:
             call()
@@ -145,6 +146,7 @@ def test_parallelize_api_on_2_ranks():
     assert "compile='blocks' with tp_size=2" in errors["blocks_compile_tp"]
     assert "differ from the mesh" in errors["cfg_mismatch"]
     assert errors["tp_divides_heads"] == "tp_size=2 does not divide n_kv_heads=1; choose a tp_size that divides it"
+    assert errors["twice"] and "already parallelized" in errors["twice"], errors["twice"]
 
 
 # ------------------------------------------------------------------------ HSDP mesh with cp > 1 (4 ranks)

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import yaml
 
 from ndparallel.comm.ulysses import check_alltoall_heads
 from ndparallel.config import ParallelismConfig, coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.errors import ConfigError
+from ndparallel.mesh import check_device_type
 from ndparallel.models import TransformerConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoopConfig", "TrainConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "LoopConfig", "TrainConfig", "check_fits_in_memory", "job_device"]
 
 
 @dataclass
@@ -55,6 +58,8 @@ class LoopConfig:
     """cpu or cuda; default cuda when available (``NDP_DEVICE`` overrides)."""
     peak_tflops: float | None = None
     """Per-device peak for the MFU estimate; default: bf16 dense peak of known GPUs, none on CPU."""
+    timeout_s: float = 600.0
+    """A rank that waits this long for its peers ends the job, naming the rank(s) behind (``--timeout``)."""
 
 
 @dataclass
@@ -136,6 +141,7 @@ class TrainConfig:
             ("train.max_grad_norm", t.max_grad_norm >= 0, "must be >= 0 (0 disables clipping)"),
             ("train.device", t.device in (None, "cpu", "cuda"), "must be cpu, cuda or null"),
             ("train.peak_tflops", t.peak_tflops is None or t.peak_tflops > 0, "must be > 0 (or null)"),
+            ("train.timeout_s", math.isfinite(t.timeout_s) and t.timeout_s > 0, "must be a number of seconds > 0"),
             ("data.seq_len", d.seq_len >= 1, "must be >= 1"),
             ("data.max_bytes", d.max_bytes >= 1, "must be >= 1"),
             ("checkpoint.every", c.every >= 0, "must be >= 0 (0: only at the end)"),
@@ -154,6 +160,7 @@ class TrainConfig:
             raise ConfigError("checkpoint.every / checkpoint.resume=true need checkpoint.dir (where to save and look)")
         if d.path is None and self.model.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for byte-level data")
+        check_fits_in_memory(self.model)
 
     def accumulation_steps(self, dp_size: int) -> int:
         """Micro-batches per optimizer step on each rank, checked against the data-parallel size."""
@@ -198,6 +205,45 @@ class TrainConfig:
                 "mixed_precision=fp16 without FSDP (dp_shard x cp == 1) would need a loss scaler; use bf16, or shard"
             )
         return self.accumulation_steps(p.dp_replicate_size * p.dp_shard_size)
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) -> None:
+    """Refuse a model whose construction alone needs more than this machine's physical memory: each
+    rank builds the whole model on the host (fp32 weights, rotary tables) before sharding it."""
+    memory = _physical_memory() if memory is None else memory
+    if not memory:
+        return
+    gib = 2**30
+    weights = 4 * model.num_params()
+    rotary = 4 * 3 * model.max_seq_len * (model.head_dim // 2)  # cos and sin tables, and the angles behind them
+    if weights + rotary <= memory:
+        return
+    if rotary > weights:
+        raise ConfigError(
+            f"model.max_seq_len={model.max_seq_len} needs {rotary / gib:,.1f} GiB of rotary tables on every rank, "
+            f"more than this machine's {memory / gib:,.1f} GiB of memory; lower model.max_seq_len"
+        )
+    raise ConfigError(
+        f"the model ({model.num_params() / 1e9:,.1f}B parameters) needs {weights / gib:,.1f} GiB of fp32 weights "
+        f"to build on each rank, more than this machine's {memory / gib:,.1f} GiB of memory; choose a smaller model"
+    )
+
+
+def job_device(cfg: TrainConfig) -> str:
+    """The device type of the job: ``NDP_DEVICE``, else ``train.device``, else cuda when available;
+    an unknown name, or cuda without CUDA, is a ConfigError naming where it came from."""
+    if os.environ.get("NDP_DEVICE"):
+        return check_device_type(os.environ["NDP_DEVICE"], "NDP_DEVICE")
+    if cfg.train.device:
+        return check_device_type(cfg.train.device, "train.device")
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _build(section_cls: type, name: str, values: Mapping[str, Any]) -> Any:

@@ -14,6 +14,7 @@ and ``load_state_dict()`` resume exactly.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ VOCAB_SIZE = 256
 
 
 def corpus_files(path: str | Path | None = None) -> list[Path]:
-    """The files of the corpus: ``path`` (a file, or every regular file under a folder), or the stdlib's ``*.py``."""
+    """The files of the corpus: ``path`` (a file, or every file under a folder), or the stdlib's ``*.py``."""
     if path is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
@@ -37,10 +38,34 @@ def corpus_files(path: str | Path | None = None) -> list[Path]:
         root = Path(path)
         if not root.exists():
             raise ConfigError(f"data.path={str(path)!r} does not exist; point it at a text file or a folder")
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        files = _files_under(root) if root.is_dir() else [root]
     if not files:
         raise ConfigError(f"data.path={str(path)!r} holds no files")
     return files
+
+
+def _files_under(root: Path) -> list[Path]:
+    """Every file under ``root``, sorted; a sub-folder that cannot be listed is an error naming it."""
+
+    def refuse(err: OSError) -> None:
+        raise ConfigError(f"data.path: cannot list {err.filename!r}: {err.strerror}; fix its permissions or remove it")
+
+    found = []
+    for folder, _, names in os.walk(root, onerror=refuse, followlinks=True):
+        found += [p for p in (Path(folder) / name for name in names) if p.is_file() or p.is_symlink()]
+    return sorted(found)
+
+
+def _read_head(file: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes from the start of ``file``. A file that cannot be read is an error naming
+    it: skipping it would let ranks on different machines train on different corpora."""
+    try:
+        with open(file, "rb") as f:
+            return f.read(limit)
+    except OSError as err:
+        raise ConfigError(
+            f"data.path: cannot read {str(file)!r}: {err.strerror or err}; fix its permissions or remove it"
+        ) from None
 
 
 class ByteCorpus:
@@ -51,11 +76,7 @@ class ByteCorpus:
             raise ConfigError(f"data.seq_len={seq_len} must be >= 1")
         chunks, total = [], 0
         for file in corpus_files(path):
-            try:
-                data = file.read_bytes()
-            except OSError:
-                continue
-            chunks.append(data[: max_bytes - total])
+            chunks.append(_read_head(file, max_bytes - total))
             total += len(chunks[-1])
             if total >= max_bytes:
                 break

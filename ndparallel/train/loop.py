@@ -33,9 +33,10 @@ from ndparallel.models import Transformer
 from ndparallel.parallelize import parallelize
 from ndparallel.peak import device_peak
 from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.train.config import TrainConfig
+from ndparallel.train.config import TrainConfig, job_device
 from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.progress import Progress, format_duration, format_rate
+from ndparallel.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
 
@@ -61,13 +62,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
-
-
-def _device_type(cfg: TrainConfig) -> str:
-    requested = os.environ.get("NDP_DEVICE") or cfg.train.device
-    if requested:
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _autocast_unless_fsdp(cfg: TrainConfig, model: nn.Module, device_type: str) -> contextlib.AbstractContextManager:
@@ -128,10 +122,12 @@ class _StopRequest:
             raise KeyboardInterrupt
         self.local = True
 
-    def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([1 if self.local else 0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self, device: torch.device) -> int | None:
+        """The lowest rank that received a stop signal (the same answer on every rank), or None."""
+        world = dist.get_world_size()
+        flag = torch.tensor([dist.get_rank() if self.local else world], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return None if flag.item() == world else int(flag.item())
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -176,14 +172,33 @@ def _save(cfg: TrainConfig, step: int, model: nn.Module, optimizer, loader: Batc
 
 
 def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
-    """Train ``cfg.model`` on ``cfg.data`` for ``cfg.train.steps`` steps; returns losses and throughput."""
-    mesh = mesh or init_distributed(cfg.parallelism, device_type=_device_type(cfg))
+    """Train ``cfg.model`` on ``cfg.data`` for ``cfg.train.steps`` steps; returns losses and throughput.
+
+    A rank that waits ``train.timeout_s`` for its peers ends the job naming the rank(s) behind, and a
+    collective that fails because a peer died names that peer (see ``ndparallel.train.watchdog``).
+    """
+    timeout = process_group_timeout(cfg.train.timeout_s)
+    mesh = mesh or init_distributed(cfg.parallelism, device_type=job_device(cfg), timeout_s=timeout)
+    watchdog = Watchdog.for_job(cfg.train.timeout_s)
+    try:
+        return _train(cfg, mesh, watchdog)
+    except RuntimeError as err:
+        lost = watchdog.explain(err)
+        if lost is None:
+            raise
+        raise lost from err
+    finally:
+        watchdog.stop()
+
+
+def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     rank0 = dist.get_rank() == 0
     t = cfg.train
     dp_size, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     accumulation = cfg.check_mesh(mesh.config)
     torch.manual_seed(t.seed)
 
+    watchdog.phase("building the model")
     model = build_model(cfg, mesh)
     autocast = _autocast_unless_fsdp(cfg, model, mesh.device_type)
     optimizer = torch.optim.AdamW(
@@ -199,6 +214,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     result = TrainResult()
     resume = _resume_path(cfg)
     if resume:
+        watchdog.phase(f"loading checkpoint {resume}")
         state = checkpoint.load(resume, model, optimizer)
         loader.load_state_dict(state["data"])
         result.start_step = int(state["step"])
@@ -210,6 +226,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
             + (f" | resumed from {resume} at step {result.start_step}" if resume else ""),
             flush=True,
         )
+    watchdog.phase("opening train.metrics_file")
     metrics_file = _open_metrics_file(t.metrics_file, rank0, device)
     progress = Progress(t.steps, enabled=rank0, every=t.log_every, start_step=result.start_step)
     stop = _StopRequest()
@@ -217,6 +234,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     step = result.start_step
     try:
         while step < t.steps:
+            watchdog.phase(f"step {step + 1}: forward/backward")
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -235,12 +253,14 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                     loss = cross_entropy_loss(logits.float(), y) / accumulation
                     loss.backward()
                 step_loss += loss.detach()
+            watchdog.phase(f"step {step + 1}: gradient clipping and optimizer step")
             grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             loader.step = step
 
+            watchdog.phase(f"step {step}: loss average and stop agreement")
             global_loss = average_over(mesh["dp_cp"], step_loss)
             result.losses.append(global_loss)
             result.grad_norms.append(grad_norm)
@@ -255,14 +275,16 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                 record = dict(step=step, loss=global_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=rate, mfu=mfu)
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
-            interrupted = stop.agreed(device)
+            signalled = stop.agreed(device)
+            interrupted = signalled is not None
             every = cfg.checkpoint.every
             if cfg.checkpoint.dir and (step == t.steps or interrupted or (every and step % every == 0)):
+                watchdog.phase(f"step {step}: checkpoint save")
                 _save(cfg, step, model, optimizer, loader, rank0)
             if interrupted:
                 result.interrupted = True
                 if rank0:
-                    print(f"stopped by signal after step {step}", flush=True)
+                    print(f"stopped by signal (received by rank {signalled}) after step {step}", flush=True)
                 break
     finally:
         stop.restore()
@@ -277,6 +299,12 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
         print(
             f"done: {result.steps} steps in {format_duration(result.seconds)} | loss {first:.4f} -> {last:.4f} | "
             f"{format_rate(result.tokens_per_s)} tok/s global, {per_rank} per rank",
+            flush=True,
+        )
+    elif rank0 and result.start_step >= t.steps:
+        print(
+            f"done: nothing to train: resumed at step {result.start_step}, and train.steps={t.steps}; "
+            "raise train.steps to train further",
             flush=True,
         )
     return result
