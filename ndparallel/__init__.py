@@ -9,7 +9,7 @@ from ndparallel.mesh import Mesh, destroy_distributed, init_distributed
 from ndparallel.metrics import average_over, cross_entropy_loss
 from ndparallel.parallelize import parallelize
 from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.train.accelerator import Accelerator
+from ndparallel.train.accelerator import Accelerator, set_seed
 
 __version__ = "0.1.0"
 
@@ -28,5 +28,6 @@ __all__ = [
     "models",
     "no_sync",
     "parallelize",
+    "set_seed",
     "train",
 ]
