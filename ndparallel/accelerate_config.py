@@ -195,7 +195,7 @@ def fsdp_plugin_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for key, value in options.items():
         name = key if key.startswith("fsdp_") else f"fsdp_{renamed.get(key, key)}"
-        _translate(name, value, settings, f"FullyShardedDataParallelPlugin({key}=...)", False)
+        _translate(name, value, settings, f"FullyShardedDataParallelPlugin: {key}", False)
     return settings
 
 
