@@ -70,7 +70,8 @@ class Accelerator:
         if fsdp_plugin is not None:
             cfg = apply_settings(cfg, fsdp_plugin.settings, "fsdp_plugin")
         cfg = precision.merge_mixed_precision(cfg, mixed_precision)
-        self.mesh = mesh or init_distributed(cfg, device_type="cpu" if cpu else device_type)
+        device_type = "cpu" if cpu else (device_type or os.environ.get("NDP_DEVICE") or None)  # launch --cpu-ranks
+        self.mesh = mesh or init_distributed(cfg, device_type=device_type)
         self._config = cfg.resolve(self.mesh.size())
         self._autocast = precision.autocast_dtype(self._config, fsdp=fsdp_mesh(self.mesh) is not None)
         self.gradient_accumulation_steps = gradient_accumulation_steps
