@@ -7,6 +7,8 @@ and get_state_dict, which must equal the one-process weights, and check main_pro
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -23,7 +25,14 @@ def _loop(sizes: dict, accumulation: int, batch_size: int, out: str, resume: boo
     from ndparallel.models import Transformer, TransformerConfig
     from ndparallel.train.accelerator import Accelerator
 
-    acc = Accelerator(ndp.ParallelismConfig(**sizes), gradient_accumulation_steps=accumulation, device_type="cpu")
+    acc = Accelerator(
+        ndp.ParallelismConfig(**sizes),
+        gradient_accumulation_steps=accumulation,
+        device_type="cpu",
+        log_with="jsonl",
+        project_dir=out,
+    )
+    acc.init_trackers("run", config={"accumulation": accumulation})
     data = torch.randint(0, 256, (64, 17), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(data), batch_size=batch_size, shuffle=False)
 
@@ -57,6 +66,7 @@ def _loop(sizes: dict, accumulation: int, batch_size: int, out: str, resume: boo
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(acc.reduce(total, "mean")))
+        acc.log({"loss": losses[-1]}, step=step)
         if resume and step == 2:
             acc.save_state(f"{out}/ckpt", note="after step 3")
     weights = _saved_weights(acc, model, f"{out}/weights")
@@ -82,6 +92,8 @@ def _loop(sizes: dict, accumulation: int, batch_size: int, out: str, resume: boo
             optimizer.step()
             optimizer.zero_grad()
             resumed.append(float(acc.reduce(total, "mean")))
+    acc.get_tracker("jsonl").log({"done": 1})  # every rank calls it; the others get a tracker that does nothing
+    acc.end_training()
     seen = torch.cat(seen).tolist()
     return {"losses": losses, "norms": norms, "grads": grads, "seen": seen, "resumed": resumed, **weights}
 
@@ -152,3 +164,6 @@ def test_accelerator_with_accumulation_matches_one_process(reference, tmp_path, 
         assert np.array_equal(main["saved"][name], main["state_dict"][name]), name
     assert all(r["state_dict"] == {} for r in results[1:])
     assert all(r["main_first"] for r in results)
+    # The JSONL tracker: written by the main process only, one line per log call.
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": i, "loss": loss} for i, loss in enumerate(main["losses"])] + [{"done": 1}]

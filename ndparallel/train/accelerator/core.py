@@ -283,10 +283,13 @@ class Accelerator:
                     tracker.store_init_configuration(config)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker ``name``; on the other processes a tracker that does nothing (as Accelerate)."""
+        if not self.is_main_process:
+            return trackers.BlankTracker()
         for tracker in self.trackers:
             if getattr(tracker, "name", None) == name:
                 return tracker.tracker if unwrap else tracker
-        raise ConfigError(f"no tracker named {name!r} on this process (trackers run on the main process)")
+        raise ConfigError(f"no tracker named {name!r}: log_with has {[getattr(t, 'name', t) for t in self.trackers]}")
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict | None = None) -> None:
         """Log ``values`` to every tracker (main process only)."""

@@ -18,7 +18,7 @@ import torch
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["BUILT_IN", "JSONLTracker", "TensorBoardTracker", "make_trackers", "tracker_names"]
+__all__ = ["BUILT_IN", "BlankTracker", "JSONLTracker", "TensorBoardTracker", "make_trackers", "tracker_names"]
 
 BUILT_IN = ("jsonl", "tensorboard")
 # Accelerate's other integrations: named so the error can say what to use instead.
@@ -102,6 +102,22 @@ class TensorBoardTracker:
 
     def finish(self) -> None:
         self.writer.close()
+
+
+class BlankTracker:
+    """What ``get_tracker`` returns on the processes that log nothing: every call is a no-op."""
+
+    name = "blank"
+    tracker = None
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        pass
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 def tracker_names(log_with: Any, logging_dir: str | os.PathLike | None) -> list[Any]:
