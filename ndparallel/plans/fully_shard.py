@@ -26,10 +26,10 @@ _DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
-    """Parameters (and so compute) in bf16/fp16 during forward/backward; gradients reduced in fp32.
-    Without mixed precision gradients reduce in the parameters' dtype (fp64 stays fp64)."""
+    """Parameters (and so compute) in bf16/fp16 during forward/backward; gradients reduced in fp32. With
+    ``no``, gradients reduce in the parameters' own dtype (float64 stays float64: never below the gradients)."""
     param_dtype = _DTYPES[mixed_precision]
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=None if param_dtype is None else torch.float32)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
 
 
 def fsdp_mesh(mesh) -> DeviceMesh | None:
