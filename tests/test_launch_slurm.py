@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -42,10 +44,18 @@ for node in $(seq "$SLURM_NNODES"); do echo localhost; done
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_port() -> int:
+    """A free port below Linux's ephemeral range (32768+): a port from bind(0) can be handed to another
+    process's outgoing connection (gloo opens many) before the agent binds it, and then both agents wait
+    as clients of a store nobody serves."""
+    for port in random.sample(range(20000, 25000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port for the rendezvous in 20000-25000")
 
 
 def test_sbatch_script_trains_on_two_fake_nodes(tmp_path):
@@ -61,22 +71,28 @@ def test_sbatch_script_trains_on_two_fake_nodes(tmp_path):
         SLURM_NNODES="2",
         SLURM_JOB_NODELIST="localhost",
         NPROC_PER_NODE="1",
-        RDZV_PORT=str(_free_port()),
+        RDZV_PORT=str(_rendezvous_port()),
         FAKE_SRUN_LOGS=str(tmp_path),
         OMP_NUM_THREADS="1",
     )
     out = tmp_path / "out"
     args = ["--dp-shard-size", "2", "--num-steps", "2", "--sequence-length", "16", "--mixed-precision", "no"]
-    result = subprocess.run(
+    job = subprocess.Popen(
         ["bash", str(SBATCH), *args, "--save-dir", str(out)],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
+        start_new_session=True,  # its own process group: a hung job is killed whole (no orphan agents)
     )
+    try:
+        output, _ = job.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
     logs = {p.name: p.read_text() for p in tmp_path.glob("node*.log")}
-    assert result.returncode == 0, (result.stderr[-2000:], {k: v[-3000:] for k, v in logs.items()})
+    assert job.returncode == 0, (output[-2000:], {k: v[-3000:] for k, v in logs.items()})
     assert sorted(logs) == ["node0.log", "node1.log"]
     assert sum("Training completed!" in text for text in logs.values()) == 1  # printed by global rank 0 only
     losses = [json.loads(line)["loss"] for line in (out / "nd_parallel_training" / "metrics.jsonl").open()]
