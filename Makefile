@@ -13,7 +13,7 @@ CPU_RANKS ?= 4
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,hf,plot]"
+	$(PY) -m pip install -q -e ".[dev,hf,plot,notebook,tensorboard]"
 	@touch $@
 
 demo: $(STAMP)
@@ -26,11 +26,11 @@ bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ndparallel tests benchmarks
-	$(VENV)/bin/ruff format --check ndparallel tests benchmarks
+	$(VENV)/bin/ruff check ndparallel tests benchmarks examples
+	$(VENV)/bin/ruff format --check ndparallel tests benchmarks examples
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format ndparallel tests benchmarks
+	$(VENV)/bin/ruff format ndparallel tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks

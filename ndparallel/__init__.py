@@ -7,9 +7,10 @@ from ndparallel.errors import ConfigError
 from ndparallel.grad_sync import no_sync
 from ndparallel.mesh import Mesh, destroy_distributed, init_distributed
 from ndparallel.metrics import average_over, cross_entropy_loss
+from ndparallel.notebook import notebook_launcher
 from ndparallel.parallelize import parallelize
 from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.train.accelerator import Accelerator
+from ndparallel.train.accelerator import Accelerator, set_seed
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,8 @@ __all__ = [
     "init_distributed",
     "models",
     "no_sync",
+    "notebook_launcher",
     "parallelize",
+    "set_seed",
     "train",
 ]

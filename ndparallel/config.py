@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from ndparallel.accelerate_config import AccelerateNames, accelerate_settings, is_accelerate_file
 from ndparallel.errors import ConfigError
 
 __all__ = ["MESH_DIMS", "ConfigError", "ParallelismConfig", "coerce_fields", "load_yaml_mapping", "parse_overrides"]
@@ -51,8 +52,11 @@ _ALIASES = {"cp_comm_strategy": "cp_rotate_method"}
 
 
 @dataclass
-class ParallelismConfig:
-    """Mesh sizes and parallelism knobs. ``resolve(world_size)`` fills ``-1`` and validates."""
+class ParallelismConfig(AccelerateNames):
+    """Mesh sizes and parallelism knobs. ``resolve(world_size)`` fills ``-1`` and validates.
+
+    Accelerate's read-only names (``dp_shard_enabled``, ``dp_cp_dim_names``, ``non_data_parallel_size`` ...)
+    come from :class:`ndparallel.accelerate_config.AccelerateNames`."""
 
     dp_replicate_size: int = 1
     """Data-parallel replicas (each holds a full copy, or a full FSDP group under HSDP)."""
@@ -92,9 +96,12 @@ class ParallelismConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParallelismConfig:
         """Build from a mapping; accepts our names, accelerate's ``parallelism_config_*`` names,
-        and a mapping that holds the settings under a ``parallelism:`` section."""
+        a mapping that holds the settings under a ``parallelism:`` section, and a whole
+        ``accelerate config`` file (its keys honoured or refused by name: ndparallel/accelerate_config.py)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"parallelism config must be a mapping of field: value, got {type(data).__name__}")
+        if is_accelerate_file(data):
+            data = accelerate_settings(data)
         for section in _SECTION_KEYS:
             if isinstance(data.get(section), Mapping):
                 data = data[section]

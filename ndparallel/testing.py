@@ -25,13 +25,21 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DistributedError", "DistributedTimeout", "run_distributed"]
+__all__ = [
+    "DistributedError",
+    "DistributedTimeout",
+    "defined_interactively",
+    "pickled_call",
+    "run_distributed",
+    "run_ranks",
+]
 
 
 class DistributedError(RuntimeError):
@@ -67,10 +75,54 @@ def _context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
+_UNPICKLE_HINT = (
+    "the rank process could not load the function and its arguments (they are sent by pickle, and a new "
+    "process imports what they refer to): define them in a module, or from a notebook use "
+    "ndparallel.notebook_launcher, which forks"
+)
+
+
+def defined_interactively(fn: Callable[..., Any]) -> bool:
+    """True for a function defined in an interactive ``__main__`` (a notebook, the REPL, ``python -c``):
+    no other process can import it."""
+    main = sys.modules.get("__main__")
+    return getattr(fn, "__module__", None) == "__main__" and getattr(main, "__file__", None) is None
+
+
+def _unloadable_main() -> str | None:
+    """The main module's path when multiprocessing would re-run it in each rank and cannot (``python -``)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(getattr(main, "__spec__", None), "name", None) is None and path and not os.path.isfile(path):
+        return path
+    return None
+
+
+def pickled_call(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any]) -> bytes:
+    """``(fn, args, kwargs)`` pickled for the rank processes; a TypeError naming the cause when it cannot be."""
+    main_path = _unloadable_main()
+    if main_path is not None:
+        raise TypeError(
+            f"run_distributed: the rank processes re-run the main module, and {main_path!r} is not a file "
+            "(a script read from stdin?): run the script from a file"
+        )
+    if defined_interactively(fn):
+        raise TypeError(
+            f"run_distributed cannot send {getattr(fn, '__qualname__', fn)!r}: it is defined in an interactive "
+            "__main__ (a notebook, the REPL or python -c) that the rank processes cannot import. Use "
+            "ndparallel.notebook_launcher(fn, args, num_processes=N) (it forks), or define fn in a module"
+        )
+    try:
+        return pickle.dumps((fn, tuple(args), dict(kwargs)))
+    except Exception as err:
+        raise TypeError(
+            f"run_distributed cannot pickle {getattr(fn, '__qualname__', fn)!r} and its arguments for the rank "
+            f"processes ({type(err).__name__}: {err}); use a module-level function and picklable arguments"
+        ) from None
+
+
 def _worker(
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    call: bytes | tuple,
     rank: int,
     world_size: int,
     backend: str,
@@ -78,6 +130,7 @@ def _worker(
     threads: int,
     results: Any,
     timeout: float,
+    env: Mapping[str, str],
 ) -> None:
     import datetime
 
@@ -85,6 +138,7 @@ def _worker(
     import torch.distributed as dist
 
     os.environ.update(
+        env,
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -92,6 +146,11 @@ def _worker(
         NDP_STORE_PATH=store_path,
     )
     torch.set_num_threads(threads)
+    try:
+        fn, args, kwargs = pickle.loads(call) if isinstance(call, bytes) else call
+    except BaseException:
+        results.put(("error", rank, (time.time(), f"{_UNPICKLE_HINT}\n{traceback.format_exc()}")))
+        return
     try:
         dist.init_process_group(
             backend=backend,
@@ -125,22 +184,38 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results, rank order.
 
-    ``fn`` and its arguments and results must be picklable (a module-level function). Inside
-    ``fn`` the default process group is initialised and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
-    are set as torchrun would, so ``ndparallel.init_distributed`` works unchanged.
+    ``fn`` and its arguments and results must be picklable (a module-level function; a TypeError
+    names the cause otherwise, and a rank that cannot load them reports why). Inside ``fn`` the
+    default process group is initialised and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` are set as
+    torchrun would, so ``ndparallel.init_distributed`` works unchanged.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = _context()
+    call = pickled_call(fn, args, kwargs)
+    return run_ranks(call, world_size, _context(), backend=backend, timeout=timeout, threads=threads_per_rank)
+
+
+def run_ranks(
+    call: bytes | tuple,
+    world_size: int,
+    ctx: mp.context.BaseContext,
+    *,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    threads: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Start ``world_size`` ranks from ``ctx`` running ``call`` (pickled ``(fn, args, kwargs)``, or the tuple
+    itself under fork); collect their results in rank order (see :func:`run_distributed`)."""
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ndp-store-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, args, kwargs, r, world_size, backend, store_path, threads_per_rank, results, timeout),
+                args=(call, r, world_size, backend, store_path, threads, results, timeout, dict(env or {})),
                 daemon=True,
             )
             for r in range(world_size)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from ndparallel.config import ParallelismConfig
 
@@ -66,6 +67,28 @@ def _unflatten_dp_cp(mesh) -> DeviceMesh:
     return mesh["dp_cp"]._unflatten(0, sizes, ("dp_replicate", "dp_shard_cp"))
 
 
+class _Unviewed(torch.autograd.Function):
+    """Identity whose output shares its input's storage without being an autograd view of it."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _unview_output(module: nn.Module, args: tuple, output: object) -> object:
+    """Forward hook, run before FSDP2's: an output that is a view (TP's ``DTensor.to_local()`` on the embedding
+    or final norm) becomes a plain alias, so an in-place op on it cannot drop FSDP2's pre-backward hook (what
+    FSDP2's "returned a view tensor" warning is about) and FSDP2 has nothing to warn of. No copy."""
+    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+        if output._base is not None and output.requires_grad and torch.is_grad_enabled():
+            return _Unviewed.apply(output)
+    return output
+
+
 def default_shard_groups(model: nn.Module) -> list[list[str]]:
     """Extra FSDP groups besides the blocks: ``[[tok_embeddings], [norm, output]]`` when the model has them."""
     names = dict(model.named_children())
@@ -96,9 +119,12 @@ def apply_fully_shard(
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
     reshard = cfg.reshard_after_forward
     for index, block in enumerate(blocks):
+        block.register_forward_hook(_unview_output)
         fully_shard(block, reshard_after_forward=reshard and index < len(blocks) - 1, **kwargs)
     for group in default_shard_groups(model) if groups is None else groups:
         modules = [model.get_submodule(fqn) for fqn in group]
+        for module in modules:
+            module.register_forward_hook(_unview_output)
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=reshard, **kwargs)
     return model

@@ -51,6 +51,7 @@ from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh
 from ndparallel.plans.context_parallel import sequence_indices
+from ndparallel.plans.hf_loss import install_causal_lm_loss, labels_problem
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -361,16 +362,14 @@ def _input_problem(spec: _AttentionSpec, args: tuple, kwargs: dict) -> str | Non
             "attention_mask with padding is not supported under tp/cp (the attention is full causal): "
             "pack sequences without padding and pass attention_mask=None"
         )
-    if kwargs.get("labels") is not None:
-        return (
-            "labels= under tp/cp: HF's loss would shift labels inside each sequence shard and cannot take "
-            "vocab-sharded logits; compute ndparallel.cross_entropy_loss(model(input_ids).logits, next_tokens)"
-        )
     if kwargs.get("use_cache"):
         return "use_cache=True (KV cache, generation) is not supported on a model with tp/cp > 1"
     local = tokens.shape[1]
     if local % spec.tp_size:
         return _sequence_problem(spec, local)
+    labels = labels_problem(kwargs, local, spec.cp_size)  # outputs.loss: ndparallel/plans/hf_loss.py
+    if labels:
+        return labels
     positions = kwargs.get("position_ids")
     if positions is not None and positions.shape[-1] != local:
         return (
@@ -436,8 +435,9 @@ def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | No
 
     Sets ``attn_implementation`` to ``"ndparallel_ring"`` (cp > 1) or ``"ndparallel_sdpa"``, and hooks the
     model's inputs: ``position_ids`` default to this rank's global positions (the layout of
-    :func:`ndparallel.context_parallel`), the KV cache is off; padding masks, ``labels=``, a sequence not
-    divisible by tp and unsharded ``position_ids`` are refused on every rank alike.
+    :func:`ndparallel.context_parallel`), the KV cache is off; padding masks, a sequence not divisible by tp,
+    unsharded ``position_ids`` and misshapen labels are refused on every rank alike. ``labels=`` /
+    ``shift_labels=`` give the one-process ``outputs.loss`` (:mod:`ndparallel.plans.hf_loss`).
     """
     cfg = cfg or mesh.config
     if not _check_attention(model, cfg, mesh):
@@ -458,6 +458,7 @@ def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | No
     _register_attention(model, ATTENTION_RING if cp > 1 else ATTENTION_SDPA)
     cp_rank = cp_mesh.get_local_rank() if cp > 1 else 0
     model.register_forward_pre_hook(_input_hook(spec, cp_rank), with_kwargs=True)
+    install_causal_lm_loss(model, spec.cp_group, cp, cp_rank, cfg.cp_load_balance)
     return model
 
 

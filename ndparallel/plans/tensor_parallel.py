@@ -187,10 +187,15 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
             local = logits.to_local()
             group = logits.device_mesh.get_group()
             return _VocabParallelCrossEntropy.apply(
-                local.flatten(0, -2).float(), labels.flatten(), _vocab_offset(logits), group, ignore_index
+                _at_least_fp32(local.flatten(0, -2)), labels.flatten(), _vocab_offset(logits), group, ignore_index
             )
         logits = logits.full_tensor()
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index)
+    return F.cross_entropy(_at_least_fp32(logits.flatten(0, -2)), labels.flatten(), ignore_index=ignore_index)
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in fp32 for the loss; fp32 and fp64 stay as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def _vocab_offset(logits: DTensor) -> int:

@@ -1,0 +1,50 @@
+"""Prepared optimizers and schedulers: re-pointed at the parallelised parameters, and stepped only when
+gradients sync, so an Accelerate loop that calls ``optimizer.step()`` on every micro-batch still takes one
+step per accumulated batch (Accelerate's prepared optimizer skips the others the same way)."""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ndparallel.errors import ConfigError
+
+__all__ = ["repoint", "step_only_when_syncing"]
+
+_MARK = "_ndp_steps_when_syncing"
+
+
+def repoint(optimizer: torch.optim.Optimizer, old: dict[int, tuple[int, str]], new: list[dict[str, Any]]) -> None:
+    """Replace the optimizer's parameters (pre-parallelize objects) by the model's current ones, by name."""
+    if optimizer.state:
+        raise ConfigError("prepare() the optimizer before its first step (it already holds state)")
+    for group in optimizer.param_groups:
+        replaced = []
+        for param in group["params"]:
+            if id(param) in old:
+                model_index, name = old[id(param)]
+                replaced.append(new[model_index][name])
+            else:
+                replaced.append(param)
+        group["params"] = replaced
+
+
+def step_only_when_syncing(obj: Any, methods: tuple[str, ...], syncing: Callable[[], bool]) -> None:
+    """Make ``obj.<method>()`` a no-op (returning None) while ``syncing()`` is false; patched on the instance,
+    so ``obj`` keeps its type and its state dict. The patch is a bound method: torch's LR schedulers wrap
+    ``optimizer.step`` through its ``__func__``."""
+    if getattr(obj, _MARK, False):
+        return
+    for name in methods:
+        original = getattr(obj, name)
+
+        @functools.wraps(original)
+        def gated(self: Any, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+            return _original(*args, **kwargs) if syncing() else None
+
+        setattr(obj, name, types.MethodType(gated, obj))
+    setattr(obj, _MARK, True)
