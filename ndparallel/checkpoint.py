@@ -52,6 +52,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ndparallel.checkpoint_metadata import SafeFileSystemReader, read_metadata
+from ndparallel.errors import CheckpointError
+
 __all__ = [
     "MARKER",
     "AsyncSave",
@@ -77,10 +80,6 @@ FORMAT_VERSION = 1
 _CRASH_ENV = "NDPARALLEL_CHECKPOINT_TEST_CRASH"
 _TMP_RE = re.compile(r"\.(tmp|old)-[0-9a-f]+$")
 _TENSOR, _TUPLE = "__tensor__", "__tuple__"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model; nothing was loaded."""
 
 
 # ----------------------------------------------------------------------------- state <-> (JSON, tensors)
@@ -282,6 +281,10 @@ def _write_json(path: Path, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _is_sha256(digest: Any) -> bool:
+    return isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None
 
 
 def _sha256(path: Path) -> str:
@@ -588,7 +591,13 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
                 f"checkpoint {str(path)!r} is corrupt: {name!r} has {actual} bytes, {MARKER} recorded {size} "
                 "(truncated or modified)"
             )
-    for name, digest in marker.get("sha256", {}).items():
+    digests = marker.get("sha256")
+    for name in (".metadata", STATE_FILE):  # DCP's pickle and our JSON are always hashed
+        digest = digests.get(name) if isinstance(digests, dict) else None
+        if digest is None:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {MARKER} has no SHA-256 for {name!r}")
+        if not _is_sha256(digest):
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: the SHA-256 of {name!r} is malformed")
         if _sha256(path / name) != digest:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name!r} does not match its SHA-256")
     return marker
@@ -719,8 +728,8 @@ def _read(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """Validate, then read the marker, the state skeleton and DCP's key -> storage metadata."""
     marker = validate(path)
     skeleton = json.loads((path / STATE_FILE).read_text())
-    # DCP's .metadata is a pickle written by torch; validate() checked its SHA-256 against the marker.
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    # DCP's .metadata is a pickle written by torch: read with an allow-list of DCP's classes, never run.
+    metadata = read_metadata(path)
     return marker, skeleton, metadata.state_dict_metadata
 
 
@@ -802,7 +811,7 @@ def load(
     rank = _rank()
 
     with _quiet_single_process():
-        dcp.load(targets, checkpoint_id=str(path), no_dist=not _distributed())
+        dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
 
     if optimizer is not None:
         saved_optim = _join(skeleton["optimizer"], targets)
@@ -892,7 +901,7 @@ def _export_checkpoint(path: Path, file: Path) -> None:
         meta = stored[p[_TENSOR]]
         tensors[p[_TENSOR]] = torch.empty(list(meta.size), dtype=meta.properties.dtype)
     with _quiet_single_process():
-        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(path), no_dist=True)
     _write_safetensors({k.removeprefix("model."): v for k, v in tensors.items()}, file)
 
 

@@ -564,3 +564,82 @@ def test_safetensors_import_checks_and_missing_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(ImportError, match="pip install safetensors"):
         ckpt.export_safetensors(net, tmp_path / "w2.safetensors")
+
+
+# ----------------------------------------------------------------------------- hostile checkpoints (issue 11)
+
+
+class _Payload:
+    """Unpickling this writes ``file``: stands for any code a forged checkpoint could try to run."""
+
+    def __init__(self, file: Path):
+        self.file = str(file)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.file!r}, 'w').write('pwned')",))
+
+
+def _small_checkpoint(root: Path, name: str = "good", seed: int = 0) -> Path:
+    net = Transformer(TransformerConfig.from_preset("tiny", seed=seed))
+    return Path(ckpt.save(root / name, net, step=1))
+
+
+def _rewrite_marker(path: Path, edit) -> None:
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    edit(marker)
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+
+
+def _forge_metadata(good: Path, dest: Path, obj: Any, fix_hash: bool = True) -> Path:
+    """A copy of ``good`` whose DCP ``.metadata`` is the pickle of ``obj``; the marker's hash forged to match."""
+    import hashlib
+    import pickle
+
+    shutil.copytree(good, dest)
+    (dest / ".metadata").write_bytes(pickle.dumps(obj))
+
+    def forge(marker: dict) -> None:
+        marker["files"][".metadata"] = (dest / ".metadata").stat().st_size
+        marker["sha256"][".metadata"] = hashlib.sha256((dest / ".metadata").read_bytes()).hexdigest()
+
+    if fix_hash:
+        _rewrite_marker(dest, forge)
+    return dest
+
+
+def test_forged_metadata_never_runs_code(tmp_path):
+    """DCP's .metadata is a pickle: a forged one (hash forged too, or deleted) must be refused, never run."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    good = _small_checkpoint(tmp_path)
+    pwned = tmp_path / "pwned.txt"
+    real = pickle.loads((good / ".metadata").read_bytes())  # our own file: trusted here
+    nested = pickle.loads((good / ".metadata").read_bytes())
+    nested.planner_data = {"x": _Payload(pwned)}  # hidden deep inside a valid Metadata
+    as_bytes = pickle.loads((good / ".metadata").read_bytes())
+    key = next(iter(as_bytes.state_dict_metadata))
+    as_bytes.state_dict_metadata[key] = BytesStorageMetadata()  # DCP would torch.load(weights_only=False) it
+    forged = {
+        "payload": _forge_metadata(good, tmp_path / "payload", _Payload(pwned)),
+        "nested": _forge_metadata(good, tmp_path / "nested", nested),
+        "bytes-entry": _forge_metadata(good, tmp_path / "bytes-entry", as_bytes),
+    }
+    no_hash = _forge_metadata(good, tmp_path / "no-hash", _Payload(pwned))
+    _rewrite_marker(no_hash, lambda m: m["sha256"].pop(".metadata"))
+    bad_hash = _forge_metadata(good, tmp_path / "bad-hash", real, fix_hash=False)
+    _rewrite_marker(bad_hash, lambda m: m["sha256"].update({".metadata": "x"}))
+    net = Transformer(TransformerConfig.from_preset("tiny", seed=3))
+    for name, path in forged.items():
+        for attempt in (lambda p=path: ckpt.load(p, net), lambda p=path: ckpt.export_safetensors(p, tmp_path / "o")):
+            with pytest.raises(CheckpointError, match=r"not plain DCP metadata: .*refused, nothing in it was run"):
+                attempt()
+            assert not pwned.exists(), f"{name}: the forged checkpoint ran code"
+    for path, message in [(no_hash, "no SHA-256 for '.metadata'"), (bad_hash, "SHA-256 of '.metadata'")]:
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.load(path, net)
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.export_safetensors(path, tmp_path / "o")
+    assert not pwned.exists()
+    assert not (tmp_path / "o").exists()
