@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ndparallel import checkpoint_leftovers as leftovers
 from ndparallel.checkpoint_metadata import SafeFileSystemReader, read_metadata
 from ndparallel.errors import CheckpointError
 
@@ -78,7 +79,6 @@ FORMAT = "ndparallel-checkpoint"
 FORMAT_VERSION = 1
 # Test hook: rank 0 SIGKILLs itself at this commit stage ("before_marker" or "before_rename").
 _CRASH_ENV = "NDPARALLEL_CHECKPOINT_TEST_CRASH"
-_TMP_RE = re.compile(r"\.(tmp|old)-[0-9a-f]+$")
 _TENSOR, _TUPLE = "__tensor__", "__tuple__"
 
 
@@ -316,7 +316,7 @@ def _replace_dir(tmp: Path, path: Path, token: str) -> None:
     elif _exchange(str(tmp), str(path)):
         shutil.rmtree(tmp)  # now holds the old checkpoint
     else:  # two renames: for a moment only <path>.old-<id> (complete) exists
-        old = path.with_name(f"{path.name}.old-{token}")
+        old = path.with_name(leftovers.leftover_name(path.name, "old", token))
         os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old)
@@ -364,8 +364,9 @@ def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, An
 
 
 def _remove_stale_tmp(path: Path) -> None:
+    """Rank 0: remove what earlier crashed saves of ``path`` left (ours only: see checkpoint_leftovers)."""
     for p in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
-        if p.is_dir() and _TMP_RE.search(p.name):
+        if leftovers.is_leftover(p, path.name):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -383,7 +384,7 @@ def _prepare(
     path = Path(path).absolute()
     rank = _rank()
     # Rank 0 picks the temporary name and sends it with its path: every rank writes the same directory.
-    sent = f"{time.time_ns() & (2**62 - 1):x} {path}" if rank == 0 else ""
+    sent = f"{leftovers.new_token(time.time_ns())} {path}" if rank == 0 else ""
     token, _, path0 = _broadcast_text(sent).partition(" ")
     error: BaseException | None = None
     try:  # everything here is rank-local: agreed below before the next collective
@@ -392,8 +393,10 @@ def _prepare(
                 f"rank {rank} saves to {str(path)!r}, rank 0 to {path0!r}: every rank must pass the same path"
             )
         _check_keep_last(keep_last)
-        if _TMP_RE.search(path.name):
-            raise CheckpointError(f"checkpoint path {str(path)!r} must not end in .tmp-<hex> or .old-<hex>: reserved")
+        if leftovers.reserved(path.name):
+            raise CheckpointError(
+                f"checkpoint path {str(path)!r} must not end in .tmp-<16 hex> or .old-<16 hex>: reserved"
+            )
         tree: dict[str, Any] = {}
         if optimizer is not None:
             tree["model"], tree["optimizer"] = get_state_dict(model, optimizer)
@@ -415,7 +418,7 @@ def _prepare(
         has_optimizer=optimizer is not None,
         rng_ranks=_world_size() if save_rng else 0,
     )
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    tmp = path.with_name(leftovers.leftover_name(path.name, "tmp", token))
     if rank == 0:
         try:
             if path.exists() and not path.is_dir():
@@ -423,6 +426,7 @@ def _prepare(
             path.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_tmp(path)
             tmp.mkdir()
+            leftovers.write_stamp(tmp, path.name)
         except Exception as e:  # raised on every rank by _agree
             error = e
     _agree(error, f"could not create checkpoint directory {str(tmp)!r}")
@@ -606,7 +610,7 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
 def _candidates(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    return [p for p in root.iterdir() if p.is_dir() and not _TMP_RE.search(p.name) and (p / MARKER).is_file()]
+    return [p for p in root.iterdir() if p.is_dir() and not leftovers.reserved(p.name) and (p / MARKER).is_file()]
 
 
 def _commit_key(marker: dict[str, Any], path: Path) -> tuple[float, int, str]:
@@ -678,7 +682,8 @@ def prune(root: str | os.PathLike, keep: int) -> list[str]:
 
     The order is :func:`latest`'s: commit time, so after a rollback the abandoned branch's
     checkpoints age out like any older commit. Also removes leftovers of crashed saves
-    (``*.tmp-<id>`` / ``*.old-<id>`` directories) older than the newest checkpoint. Returns the deleted paths.
+    (``*.tmp-<id>`` / ``*.old-<id>`` directories that hold our stamp) older than the newest
+    checkpoint; nothing else. Returns the deleted paths.
     """
     return _prune(root, keep, protect=None)
 
@@ -691,9 +696,7 @@ def _prune(root: str | os.PathLike, keep: int, protect: Path | None) -> list[str
     deleted = [p for _, p in found[:-keep] if p != protect]
     if found:
         newest = found[-1][0][0]
-        deleted += [
-            p for p in root.iterdir() if p.is_dir() and _TMP_RE.search(p.name) and p.stat().st_mtime < newest - 1.0
-        ]
+        deleted += [p for p in root.iterdir() if leftovers.is_leftover(p) and p.stat().st_mtime < newest - 1.0]
     for p in deleted:
         shutil.rmtree(p, ignore_errors=True)
     if deleted:

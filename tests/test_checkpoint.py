@@ -643,3 +643,27 @@ def test_forged_metadata_never_runs_code(tmp_path):
             ckpt.export_safetensors(path, tmp_path / "o")
     assert not pwned.exists()
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's single-process note, from its thread
+def test_pruning_removes_only_what_ndparallel_created(tmp_path):
+    """Leftover-looking names of the user's (``results.old-2024``, ``db.tmp-1``, even our exact format
+    without our stamp) survive every save and prune; a leftover of our own crashed save does not."""
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    day_ago = time.time() - 86400
+    users = ["results.old-2024", "db.tmp-1", "step-2.tmp-1", "step-2.old-abc", "x.tmp-0123456789abcdef"]
+    for name in users:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data.txt").write_text("the user's")
+        os.utime(tmp_path / name, (day_ago, day_ago))
+    handle = ckpt.save_async(tmp_path / "step-1", net, step=1)
+    handle._future.result()  # written, never committed: a leftover of ours, as after a crash
+    ours = [p for p in tmp_path.iterdir() if p.name.startswith("step-1.tmp-")]
+    assert len(ours) == 1
+    os.utime(ours[0], (day_ago, day_ago))
+    for step in (2, 3):
+        ckpt.save(tmp_path / f"step-{step}", net, step=step, keep_last=1)
+    assert _names(tmp_path) == sorted([*users, "step-3"]), "only our own leftover and step-2 may go"
+    assert ckpt.prune(tmp_path, 1) == []
+    for name in users:
+        assert (tmp_path / name / "data.txt").read_text() == "the user's"
