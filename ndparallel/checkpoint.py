@@ -23,11 +23,9 @@ import contextlib
 import ctypes
 import datetime
 import glob
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import sys
@@ -53,6 +51,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ndparallel import checkpoint_leftovers as leftovers
+from ndparallel.checkpoint_manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MARKER,
+    STATE_FILE,
+    check_files,
+    commit_key,
+    parse_marker,
+    sha256_file,
+)
 from ndparallel.checkpoint_metadata import SafeFileSystemReader, read_metadata
 from ndparallel.errors import CheckpointError
 
@@ -71,12 +79,6 @@ __all__ = [
     "validate",
 ]
 
-MARKER = "ndparallel_meta.json"
-"""Written last, by rank 0: a directory without it is not a (complete) checkpoint."""
-STATE_FILE = "ndparallel_state.json"
-"""Everything that is not a tensor: the structure of the saved state with tensor placeholders."""
-FORMAT = "ndparallel-checkpoint"
-FORMAT_VERSION = 1
 # Test hook: rank 0 SIGKILLs itself at this commit stage ("before_marker" or "before_rename").
 _CRASH_ENV = "NDPARALLEL_CHECKPOINT_TEST_CRASH"
 _TENSOR, _TUPLE = "__tensor__", "__tuple__"
@@ -283,18 +285,6 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _is_sha256(digest: Any) -> bool:
-    return isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _exchange(a: str, b: str) -> bool:
     # Linux renameat2(RENAME_EXCHANGE) swaps two directories atomically; os.rename cannot replace a
     # non-empty directory. Returns False where unsupported (other OSes, some network filesystems).
@@ -355,7 +345,7 @@ def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, An
         created_unix=created_unix,
         torch_version=torch.__version__,
         files=files,
-        sha256={name: _sha256(tmp / name) for name in (".metadata", STATE_FILE)},
+        sha256={name: sha256_file(tmp / name) for name in (".metadata", STATE_FILE)},
     )
     _write_json(tmp / MARKER, marker)
     _fsync_dir(tmp)
@@ -560,9 +550,10 @@ def _check_keep_last(keep_last: int | None) -> None:
 def validate(path: str | os.PathLike) -> dict[str, Any]:
     """Check that ``path`` is a complete, intact checkpoint; return its marker. Raises :class:`CheckpointError`.
 
-    Checks: the marker exists and parses, its format version is known, every file it lists exists
-    with the recorded size, and DCP's ``.metadata`` and the state JSON match their recorded SHA-256.
-    Reads only; no process group needed.
+    Checks: the marker exists and parses, each of its fields has the right type and range (see
+    checkpoint_manifest), its format version is known, every file it lists exists with the recorded
+    size, and DCP's ``.metadata`` and the state JSON match their recorded SHA-256 (which must be
+    there). Reads only; no process group needed.
     """
     path = Path(path)
     if not path.is_dir():
@@ -574,36 +565,8 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
             f"{str(path)!r} has no {MARKER}: the save did not complete (crashed or still running) or this "
             f"is not an ndparallel checkpoint{hint}"
         )
-    try:
-        marker = json.loads(marker_path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{str(marker_path)!r} is unreadable or not JSON: {e}") from e
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
-        raise CheckpointError(f"{str(marker_path)!r} is not an ndparallel checkpoint marker")
-    if marker.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{str(path)!r} has format_version {marker.get('format_version')!r}; this ndparallel reads "
-            f"version {FORMAT_VERSION}: upgrade ndparallel"
-        )
-    for name, size in marker["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: file {name!r} listed in {MARKER} is missing")
-        actual = file.stat().st_size
-        if actual != size:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} is corrupt: {name!r} has {actual} bytes, {MARKER} recorded {size} "
-                "(truncated or modified)"
-            )
-    digests = marker.get("sha256")
-    for name in (".metadata", STATE_FILE):  # DCP's pickle and our JSON are always hashed
-        digest = digests.get(name) if isinstance(digests, dict) else None
-        if digest is None:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {MARKER} has no SHA-256 for {name!r}")
-        if not _is_sha256(digest):
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: the SHA-256 of {name!r} is malformed")
-        if _sha256(path / name) != digest:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name!r} does not match its SHA-256")
+    marker = parse_marker(marker_path)
+    check_files(path, marker)
     return marker
 
 
@@ -613,23 +576,14 @@ def _candidates(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir() and not leftovers.reserved(p.name) and (p / MARKER).is_file()]
 
 
-def _commit_key(marker: dict[str, Any], path: Path) -> tuple[float, int, str]:
-    """Commit order: the marker's ``created_unix`` (rank 0's commit time), then the step, then the name."""
-    created, step = marker.get("created_unix"), marker.get("step")
-    created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0
-    return created, step if isinstance(step, int) and not isinstance(step, bool) else -1, path.name
-
-
 def _newest_commit_time(root: Path) -> float:
-    """The newest ``created_unix`` among the markers under ``root``; markers are only parsed, not validated."""
+    """The newest ``created_unix`` among the well-formed markers under ``root`` (files not checked)."""
     newest = 0.0
     for p in _candidates(root):
         try:
-            marker = json.loads((p / MARKER).read_text())
-        except (OSError, ValueError):
+            newest = max(newest, commit_key(parse_marker(p / MARKER), p)[0])
+        except CheckpointError:
             continue
-        if isinstance(marker, dict):
-            newest = max(newest, _commit_key(marker, p)[0])
     return newest
 
 
@@ -642,7 +596,7 @@ def _complete(root: str | os.PathLike) -> list[tuple[tuple[float, int, str], Pat
         except CheckpointError as e:
             warnings.warn(f"skipping corrupt checkpoint: {e}", stacklevel=3)
             continue
-        found.append((_commit_key(marker, p), p))
+        found.append((commit_key(marker, p), p))
     return sorted(found)
 
 

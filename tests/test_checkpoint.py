@@ -427,9 +427,11 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     _train(net, opt, sched, mesh, 1)  # move away from step 6, so loading it back is visible
 
     # Rank 1 sees every checkpoint as corrupt (its reads hash to something else).
-    real_sha256 = ckpt._sha256
+    from ndparallel import checkpoint_manifest
+
+    real_sha256 = checkpoint_manifest.sha256_file
     if rank == 1:
-        ckpt._sha256 = lambda path: "0" * 64
+        checkpoint_manifest.sha256_file = lambda path: "0" * 64
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out["own_latest"] = ckpt.latest(run)  # rank 1 alone would resume from nothing
@@ -438,7 +440,7 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     start = time.monotonic()
     out["corrupt"] = _caught(ckpt.load, out["resolved"], net, opt)
     out["corrupt_s"] = time.monotonic() - start
-    ckpt._sha256 = real_sha256
+    checkpoint_manifest.sha256_file = real_sha256
     after = _full_state(net, opt)  # a collective: every rank calls it
     out["untouched"] = before is None or all(np.array_equal(v, before[k]) for k, v in after.items())
 
@@ -636,7 +638,10 @@ def test_forged_metadata_never_runs_code(tmp_path):
             with pytest.raises(CheckpointError, match=r"not plain DCP metadata: .*refused, nothing in it was run"):
                 attempt()
             assert not pwned.exists(), f"{name}: the forged checkpoint ran code"
-    for path, message in [(no_hash, "no SHA-256 for '.metadata'"), (bad_hash, "SHA-256 of '.metadata'")]:
+    for path, message in [
+        (no_hash, "no SHA-256 for '.metadata'"),
+        (bad_hash, "field 'sha256' is .*must be a table of file names to 64 lowercase hex"),
+    ]:
         with pytest.raises(CheckpointError, match=message):
             ckpt.load(path, net)
         with pytest.raises(CheckpointError, match=message):
@@ -667,3 +672,64 @@ def test_pruning_removes_only_what_ndparallel_created(tmp_path):
     assert ckpt.prune(tmp_path, 1) == []
     for name in users:
         assert (tmp_path / name / "data.txt").read_text() == "the user's"
+
+
+_BAD_FIELDS: list[tuple[str, Any, str]] = [
+    ("created_unix", float("nan"), "created_unix"),
+    ("created_unix", float("inf"), "created_unix"),
+    ("created_unix", "yesterday", "created_unix"),
+    ("created_unix", True, "created_unix"),
+    ("step", "5", "step"),
+    ("step", True, "step"),
+    ("step", -1, "step"),
+    ("world_size", 0, "world_size"),
+    ("rng_ranks", -2, "rng_ranks"),
+    ("has_optimizer", "yes", "has_optimizer"),
+    ("mesh", "dp_shard", "mesh"),
+    ("format_version", "1", "format_version"),
+    ("format_version", True, "format_version"),
+    ("files", ["__0_0.distcp"], "files"),
+    ("files", {"../../etc/passwd": 1}, "files"),
+    ("files", {"/etc/passwd": 1}, "files"),
+    ("sha256", ["x"], "sha256"),
+    ("sha256", {".metadata": 5}, "sha256"),
+]
+
+
+def test_markers_are_validated_field_by_field_and_order_trusts_no_bad_number(tmp_path):
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    good = Path(ckpt.save(tmp_path / "fields" / "good", net, step=1))
+    for field, value, message in _BAD_FIELDS:
+        bad = tmp_path / "fields" / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(good, bad)
+        _rewrite_marker(bad, lambda m, f=field, v=value: m.update({f: v}))
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.validate(bad)
+    _rewrite_marker(bad, lambda m: m.pop("created_unix"))
+    with pytest.raises(CheckpointError, match="created_unix"):
+        ckpt.validate(bad)
+    unknown = tmp_path / "fields" / "future"
+    shutil.copytree(good, unknown)
+    _rewrite_marker(unknown, lambda m: m.update(format_version=99))
+    with pytest.raises(CheckpointError, match="format_version 99; this ndparallel reads version"):
+        ckpt.validate(unknown)
+
+    # A NaN commit time in step-2's marker: step-2 is skipped (with a warning naming it), never
+    # taken for the latest, never the reason a newer checkpoint is pruned, and no new commit time is NaN.
+    run = tmp_path / "run"
+    for step in (2, 4, 6):
+        ckpt.save(run / f"step-{step}", net, step=step, keep_last=3)
+    _rewrite_marker(run / "step-2", lambda m: m.update(created_unix=float("nan")))
+    _rewrite_marker(run / "step-4", lambda m: m.update(sha256=["x"]))
+    with pytest.warns(UserWarning) as caught:
+        assert ckpt.latest(run) == ckpt.resolve_latest(run) == str(run / "step-6")
+    skipped = " ".join(str(w.message) for w in caught)
+    assert "step-2" in skipped and "step-4" in skipped and "skipping corrupt checkpoint" in skipped
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        ckpt.save(run / "step-8", net, step=8, keep_last=2)
+    assert _names(run) == ["step-2", "step-4", "step-6", "step-8"], "corrupt ones are left alone, good ones kept"
+    created = json.loads((run / "step-8" / ckpt.MARKER).read_text())["created_unix"]
+    assert np.isfinite(created)
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        assert ckpt.latest(run) == str(run / "step-8")
