@@ -19,6 +19,7 @@ committed (not highest step), so a rollback's new branch wins. Layout and guaran
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
@@ -29,6 +30,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -58,8 +60,10 @@ from ndparallel.checkpoint_manifest import (
     STATE_FILE,
     check_files,
     commit_key,
+    hash_share,
     parse_marker,
     sha256_file,
+    verify_share,
 )
 from ndparallel.checkpoint_metadata import SafeFileSystemReader, read_metadata
 from ndparallel.errors import CheckpointError
@@ -196,11 +200,6 @@ def _world_size() -> int:
     return dist.get_world_size() if _distributed() else 1
 
 
-def _barrier() -> None:
-    if _distributed() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _device() -> torch.device:
     # NCCL moves only CUDA tensors; gloo (and the rest) take CPU tensors.
     if dist.get_backend() == "nccl":
@@ -224,6 +223,21 @@ def _broadcast_text(text: str, src: int = 0) -> str:
         buf = torch.empty(n, dtype=torch.uint8, device=_device())
     dist.broadcast(buf, src=src)
     return bytes(buf.cpu().tolist()).decode()
+
+
+def _gather_text(text: str) -> list[str]:
+    """Every rank's ``text``, on every rank, as UTF-8 bytes in tensors (nothing is pickled)."""
+    if not _distributed() or dist.get_world_size() == 1:
+        return [text]
+    data = text.encode()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=_device()))
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8, device=_device())
+    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    bufs = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(bufs, buf)
+    return [bytes(b[: int(n.item())].cpu().tolist()).decode() for b, n in zip(bufs, sizes, strict=True)]
 
 
 def _failed_ranks(failed: bool) -> list[int]:
@@ -328,8 +342,8 @@ def _mesh_info(model: nn.Module) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, Any]) -> None:
-    """Rank 0, after every rank's data is on disk: state JSON, marker (last), rename into place."""
+def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, Any], digests: dict[str, str]) -> None:
+    """Rank 0, after every rank's data is on disk and hashed (``digests``): state JSON, marker (last), rename."""
     _write_json(tmp / STATE_FILE, skeleton)
     _crash_hook("before_marker")
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -345,7 +359,8 @@ def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, An
         created_unix=created_unix,
         torch_version=torch.__version__,
         files=files,
-        sha256={name: sha256_file(tmp / name) for name in (".metadata", STATE_FILE)},
+        # The ranks hashed the files they listed; anything else (the state JSON) is hashed here.
+        sha256={name: digests.get(name) or sha256_file(tmp / name) for name in files},
     )
     _write_json(tmp / MARKER, marker)
     _fsync_dir(tmp)
@@ -429,12 +444,31 @@ def _discard(tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _finish(path: Path, tmp: Path, token: str, skeleton: Any, info: dict, keep_last: int | None) -> str:
-    _barrier()  # every rank's files are written
+def _hash_share(tmp: Path) -> dict[str, str]:
+    """Collective: this rank's part of the written files' SHA-256; a failure on any rank fails the save everywhere."""
+    digests: dict[str, str] = {}
+    error: BaseException | None = None
+    try:
+        digests = hash_share(tmp, _rank(), _world_size())
+    except Exception as e:  # raised on every rank by _agree
+        error = e
+    try:
+        _agree(error, f"could not checksum checkpoint files in {str(tmp)!r} (nothing committed)")
+    except CheckpointError:
+        _discard(tmp)
+        raise
+    return digests
+
+
+def _finish(
+    path: Path, tmp: Path, token: str, skeleton: Any, info: dict, keep_last: int | None, digests: dict[str, str]
+) -> str:
+    # Every rank's files are written and hashed once every rank's digests arrive.
+    gathered = [json.loads(text) for text in _gather_text(json.dumps(digests))]
     error: BaseException | None = None
     if _rank() == 0:
         try:
-            _commit(tmp, path, token, skeleton, info)
+            _commit(tmp, path, token, skeleton, info, {k: v for part in gathered for k, v in part.items()})
             if keep_last is not None:
                 _prune(path.parent, keep_last, protect=path)
         except Exception as e:  # raised on every rank by _agree
@@ -468,28 +502,29 @@ def save(
     except Exception:  # DCP reports a failed write on every rank
         _discard(tmp)
         raise
-    return _finish(path, tmp, token, skeleton, info, keep_last)
+    return _finish(path, tmp, token, skeleton, info, keep_last, _hash_share(tmp))
 
 
 class AsyncSave:
     """Handle of :func:`save_async`. ``wait()`` (every rank) finishes the write and commits the checkpoint."""
 
-    def __init__(self, future: Any, finalize: Callable[[], str], discard: Callable[[], None]):
+    def __init__(self, future: Any, finalize: Callable[[dict[str, str]], str], discard: Callable[[], None]):
         self._future = future
         self._finalize = finalize
         self._discard = discard
         self._path: str | None = None
 
     def done(self) -> bool:
-        """True when the background write finished (the commit still needs :meth:`wait`)."""
+        """True when the background write and hashing finished (the commit still needs :meth:`wait`)."""
         return self._future.done()
 
     def wait(self) -> str:
         """Block until the files are written, then commit (collective: every rank must call it)."""
         if self._path is None:
             error: BaseException | None = None
+            digests: dict[str, str] = {}
             try:
-                self._future.result()
+                digests = self._future.result()
             except Exception as e:  # a write that failed on some ranks only must not strand the others
                 error = e
             try:
@@ -497,7 +532,7 @@ class AsyncSave:
             except CheckpointError:
                 self._discard()
                 raise
-            self._path = self._finalize()
+            self._path = self._finalize(digests)
         return self._path
 
 
@@ -536,7 +571,27 @@ def save_async(
         future = dcp.async_save(tensors, checkpoint_id=str(tmp), **kwargs)
     # Newer torch may return an AsyncSaveResponse (staging + upload futures) instead of a Future.
     future = getattr(future, "upload_completion", future)
-    return AsyncSave(future, lambda: _finish(path, tmp, token, skeleton, info, keep_last), lambda: _discard(tmp))
+    hashed = _hash_when_written(future, tmp)
+    return AsyncSave(
+        hashed, lambda digests: _finish(path, tmp, token, skeleton, info, keep_last, digests), lambda: _discard(tmp)
+    )
+
+
+def _hash_when_written(written: Any, tmp: Path) -> concurrent.futures.Future:
+    """A future of this rank's share of the SHA-256 (:func:`hash_share`), computed in a background
+    thread once DCP's background write ``written`` is done (then every rank's files are on disk)."""
+    rank, world_size = _rank(), _world_size()
+    hashed: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            written.result()
+            hashed.set_result(hash_share(tmp, rank, world_size))
+        except BaseException as e:  # handed to wait(), which agrees on it across ranks
+            hashed.set_exception(e)
+
+    threading.Thread(target=run, name="ndparallel-checkpoint-hash", daemon=True).start()
+    return hashed
 
 
 def _check_keep_last(keep_last: int | None) -> None:
@@ -547,7 +602,7 @@ def _check_keep_last(keep_last: int | None) -> None:
 # ----------------------------------------------------------------------------- validate / latest / prune
 
 
-def validate(path: str | os.PathLike) -> dict[str, Any]:
+def validate(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, Any]:
     """Check that ``path`` is a complete, intact checkpoint; return its marker. Raises :class:`CheckpointError`.
 
     Checks: the marker exists and parses, each of its fields has the right type and range (see
@@ -567,6 +622,8 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
         )
     marker = parse_marker(marker_path)
     check_files(path, marker)
+    if checksums:
+        verify_share(path, marker, 0, 1)
     return marker
 
 
@@ -735,6 +792,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     restore_rng: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), on any mesh; return the extra state.
 
@@ -742,8 +800,10 @@ def load(
     path with :func:`resolve_latest`). Every rank validates the checkpoint and checks it against
     the model, and the ranks agree, before anything is read into it: a :class:`CheckpointError`
     (the same on every rank, naming the rank that failed) means the model and optimizer are
-    untouched. RNG states are restored for ranks that saved one (rank ``r`` gets rank ``r``'s)
-    unless ``restore_rng=False``.
+    untouched. With ``verify`` (the default) every file is also checked against its SHA-256
+    first, each rank hashing its part; ``verify=False`` skips that read of the whole checkpoint
+    (sizes and the small files are still checked). RNG states are restored for ranks that saved
+    one (rank ``r`` gets rank ``r``'s) unless ``restore_rng=False``.
     """
     path = Path(path).absolute()
     path0 = _broadcast_text(str(path))
@@ -756,6 +816,8 @@ def load(
                 "checkpoint (pick it with resolve_latest(root))"
             )
         marker, skeleton, stored, targets, rng_keys = _model_targets(path, model, optimizer, restore_rng)
+        if verify:
+            verify_share(path, marker, _rank(), _world_size())
     except Exception as e:  # raised on every rank by _agree
         error = e
     _agree(error, failed)
@@ -817,12 +879,13 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
     os.replace(tmp, file)
 
 
-def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.PathLike) -> str:
+def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.PathLike, *, verify: bool = True) -> str:
     """Write the full (unsharded) model weights to one safetensors ``file``.
 
     ``source`` is a live (possibly sharded) model, and then every rank calls it (rank 0 gathers and
     writes), or a checkpoint directory, and then it runs in one process without a process group
-    (with one, rank 0 does the work and the others wait). Keys are the model's parameter names.
+    (with one, rank 0 does the work and the others wait; ``verify`` checks every file's SHA-256
+    first, as :func:`load` does). Keys are the model's parameter names.
     """
     error: BaseException | None = None
     try:
@@ -843,16 +906,18 @@ def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.Pat
     path = Path(source).absolute()
     if _rank() == 0:
         try:
-            _export_checkpoint(path, file)
+            _export_checkpoint(path, file, verify)
         except Exception as e:  # raised on every rank by _agree
             error = e
     _agree(error, f"could not export {str(path)!r}")
     return str(file)
 
 
-def _export_checkpoint(path: Path, file: Path) -> None:
+def _export_checkpoint(path: Path, file: Path, verify: bool) -> None:
     """Full model tensors of a checkpoint directory, read in this process alone, to ``file``."""
-    _, skeleton, stored = _read(path)
+    marker, skeleton, stored = _read(path)
+    if verify:
+        verify_share(path, marker, 0, 1)
     tensors = {}
     for p in _placeholders(skeleton["model"]):
         meta = stored[p[_TENSOR]]

@@ -5,6 +5,11 @@ one that passes :func:`parse_marker` (each field's type and range: a NaN commit 
 step or a list where a table belongs makes the whole marker corrupt) and :func:`check_files`
 (every listed file exists with its recorded size; ``.metadata`` and the state JSON match their
 SHA-256, which must be present and well formed). Nothing here trusts a number it has not checked.
+
+Since format version 2 the marker holds the SHA-256 of every file. The ranks share the hashing:
+after the write each hashes its part of the directory (:func:`hash_share`; in the background
+for an asynchronous save), and at load each verifies its part (:func:`verify_share`), so the
+whole checkpoint is read once, spread over the ranks. Version 1 markers hash only the two small files.
 """
 
 from __future__ import annotations
@@ -19,14 +24,26 @@ from typing import Any
 
 from ndparallel.errors import CheckpointError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MARKER", "STATE_FILE", "check_files", "commit_key", "parse_marker"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MARKER",
+    "STATE_FILE",
+    "check_files",
+    "commit_key",
+    "hash_share",
+    "parse_marker",
+    "sha256_file",
+    "verify_share",
+]
 
 MARKER = "ndparallel_meta.json"
 """Written last, by rank 0: a directory without it is not a (complete) checkpoint."""
 STATE_FILE = "ndparallel_state.json"
 """Everything that is not a tensor: the structure of the saved state with tensor placeholders."""
 FORMAT = "ndparallel-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: ``sha256`` covers every file in ``files`` (1: only ``.metadata`` and the state JSON)."""
 ALWAYS_HASHED = (".metadata", STATE_FILE)
 """DCP's pickle and our JSON: their SHA-256 is checked on every validate."""
 
@@ -109,6 +126,12 @@ def parse_marker(marker_path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {str(directory)!r} is corrupt: {MARKER} field {field!r} is {got[:200]}, must be {wanted}"
             )
+    unhashed = sorted(set(marker["files"]) - set(marker["sha256"]))
+    if version >= 2 and unhashed:
+        raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {MARKER} has no SHA-256 for {unhashed[:5]}")
+    unlisted = sorted(set(marker["sha256"]) - set(marker["files"]))
+    if unlisted:
+        raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {MARKER} hashes unlisted files {unlisted[:5]}")
     return marker
 
 
@@ -140,6 +163,32 @@ def check_files(directory: Path, marker: dict[str, Any]) -> None:
             raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {MARKER} has no SHA-256 for {name!r}")
         if sha256_file(directory / name) != digest:
             raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {name!r} does not match its SHA-256")
+
+
+def _hashed_files(directory: Path) -> list[str]:
+    """Files of a written (not yet committed) checkpoint directory whose hashes the ranks share."""
+    return sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.is_file() and p.name not in (MARKER, STATE_FILE) and not p.name.endswith(".part")
+    )
+
+
+def hash_share(directory: Path, rank: int, world_size: int) -> dict[str, str]:
+    """SHA-256 of this rank's part (every ``world_size``-th, by name) of the files in ``directory``."""
+    return {name: sha256_file(directory / name) for name in _hashed_files(directory)[rank::world_size]}
+
+
+def verify_share(directory: Path, marker: dict[str, Any], rank: int, world_size: int) -> None:
+    """Check this rank's part of the files against the marker's SHA-256 (the always-hashed ones excepted:
+    :func:`check_files` checked them on every rank). Raises :class:`CheckpointError` naming the file."""
+    names = sorted(name for name in marker["sha256"] if name not in ALWAYS_HASHED)
+    for name in names[rank::world_size]:
+        if sha256_file(directory / name) != marker["sha256"][name]:
+            raise CheckpointError(
+                f"checkpoint {str(directory)!r} is corrupt: {name!r} does not match its SHA-256 (same size, "
+                "other bytes); use another checkpoint, or load(..., verify=False) to read it anyway"
+            )
 
 
 def commit_key(marker: dict[str, Any], path: Path) -> tuple[float, int, str]:

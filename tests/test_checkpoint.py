@@ -457,6 +457,13 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     out["async"] = _caught(handle.wait)
     dist.barrier()
     out["after_failures"] = _names(run)
+    # Flipped bytes in the shard that rank 1 verifies: both ranks raise, naming the file and rank 1.
+    flipped = Path(root) / "flipped"
+    if rank == 0:
+        shutil.copytree(out["resolved"], flipped)
+        _flip_bytes(flipped / "__1_0.distcp")
+    dist.barrier()
+    out["flipped"] = _caught(ckpt.load, flipped, net, opt)
 
     # The process group is still in step: load step-6 back and compare with the state saved.
     ckpt.load(out["resolved"], net, opt)
@@ -482,6 +489,7 @@ def test_rollback_newest_commit_wins_and_rank_local_failures_raise_everywhere(tm
         ("other_path", "rank 1 of 2: rank 1 loads .*step-5', rank 0 .*step-6': every rank must load the same"),
         ("bad_extra", r"not saved \(nothing written\): rank 1 of 2: checkpoint state 'step' is a int64"),
         ("async", r"nothing committed\): rank 1 of 2: OSError: \[Errno 28\] No space left on device"),
+        ("flipped", r"rank 1 of 2: checkpoint .*flipped' is corrupt: '__1_0.distcp' does not match its SHA-256"),
     ]:
         assert r0[key] is not None and r0[key] == r1[key], (key, r0[key], r1[key])
         assert re.search(reason, r0[key]), (key, r0[key])
@@ -639,7 +647,7 @@ def test_forged_metadata_never_runs_code(tmp_path):
                 attempt()
             assert not pwned.exists(), f"{name}: the forged checkpoint ran code"
     for path, message in [
-        (no_hash, "no SHA-256 for '.metadata'"),
+        (no_hash, r"no SHA-256 for \['.metadata'\]"),
         (bad_hash, "field 'sha256' is .*must be a table of file names to 64 lowercase hex"),
     ]:
         with pytest.raises(CheckpointError, match=message):
@@ -733,3 +741,60 @@ def test_markers_are_validated_field_by_field_and_order_trusts_no_bad_number(tmp
     assert np.isfinite(created)
     with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
         assert ckpt.latest(run) == str(run / "step-8")
+
+
+def _flip_bytes(file: Path, offset: int = 20000, count: int = 8) -> None:
+    data = bytearray(file.read_bytes())
+    assert len(data) >= offset + count
+    for i in range(offset, offset + count):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's single-process note, from its thread
+def test_every_file_is_checksummed_at_save_and_verified_at_load(tmp_path, monkeypatch):
+    import threading
+
+    from ndparallel import checkpoint_manifest
+
+    net, opt, sched, _ = _setup(None)
+    _train(net, opt, sched, None, 1)
+    hashed_in: dict[str, str] = {}
+    real_sha256 = checkpoint_manifest.sha256_file
+
+    def recording_sha256(path: Path) -> str:
+        hashed_in.setdefault(Path(path).name, threading.current_thread().name)
+        return real_sha256(path)
+
+    monkeypatch.setattr(checkpoint_manifest, "sha256_file", recording_sha256)
+    handle = ckpt.save_async(tmp_path / "step-1", net, opt, step=1)
+    path = Path(handle.wait())
+    monkeypatch.undo()
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    assert marker["format_version"] == 2
+    assert set(marker["sha256"]) == set(marker["files"]) and "__0_0.distcp" in marker["files"]
+    assert hashed_in["__0_0.distcp"] != threading.main_thread().name, "an async save hashes in the background"
+
+    # 8 flipped bytes in the shard (same size): refused by default, naming the file; loads with verify=False.
+    _flip_bytes(path / "__0_0.distcp")
+    ckpt.validate(path)  # the quick check (sizes, small files) cannot see it ...
+    with pytest.raises(CheckpointError, match=r"'__0_0.distcp' does not match its SHA-256"):
+        ckpt.validate(path, checksums=True)  # ... the full one can
+    target, target_opt, _, _ = _setup(None, seed=3)
+    before = _snapshot(target, target_opt)
+    with pytest.raises(CheckpointError, match=r"'__0_0.distcp' does not match its SHA-256"):
+        ckpt.load(path, target, target_opt)
+    assert all(torch.equal(v, _snapshot(target, target_opt)[k]) for k, v in before.items())
+    with pytest.raises(CheckpointError, match=r"'__0_0.distcp' does not match its SHA-256"):
+        ckpt.export_safetensors(path, tmp_path / "w.safetensors")
+    ckpt.load(path, target, target_opt, verify=False)  # the user's choice for huge checkpoints
+    assert not _same_weights(target, net), "the flipped bytes reached a tensor"
+    ckpt.export_safetensors(path, tmp_path / "w.safetensors", verify=False)
+
+    # A checkpoint of format version 1 (hashes of .metadata and the state JSON only) still loads.
+    v1 = Path(ckpt.save(tmp_path / "v1", net, opt, step=1))
+    _rewrite_marker(
+        v1, lambda m: m.update(format_version=1, sha256={k: m["sha256"][k] for k in (".metadata", ckpt.STATE_FILE)})
+    )
+    ckpt.load(v1, target, target_opt)
+    assert _same_weights(target, net)
