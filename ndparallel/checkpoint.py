@@ -119,6 +119,18 @@ def _split(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     )
 
 
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """This rank's shards of the model and optimizer tensors are finite (a diverged state is never saved)."""
+    for key, t in tensors.items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if key.startswith(("model.", "optimizer.state.")) and local.is_floating_point():
+            if not bool(torch.isfinite(local).all()):
+                raise CheckpointError(
+                    f"{key!r} has NaN or inf values: a diverged state is not saved, and the checkpoints already "
+                    "saved are kept (pass allow_nonfinite=True to save it anyway, e.g. to inspect it)"
+                )
+
+
 def _display(key: str) -> str:
     return key.removeprefix("extra.") if key.startswith("extra.") else key or "<root>"
 
@@ -384,6 +396,7 @@ def _prepare(
     optimizer: torch.optim.Optimizer | None,
     save_rng: bool,
     keep_last: int | None,
+    allow_nonfinite: bool,
     state: dict,
 ) -> tuple[Path, Path, str, dict[str, torch.Tensor], Any, dict[str, Any]]:
     path = Path(path).absolute()
@@ -410,6 +423,8 @@ def _prepare(
         tree["extra"] = state
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _split(tree, "", tensors)
+        if not allow_nonfinite:
+            _check_finite(tensors)
         if save_rng:
             tensors.update(_rng_tensors(rank))
     except Exception as e:  # raised on every rank by _agree
@@ -417,7 +432,7 @@ def _prepare(
     _agree(error, f"checkpoint {path0!r} not saved (nothing written)")
     step = state.get("step")
     info = dict(
-        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None,
         world_size=_world_size(),
         mesh=_mesh_info(model),
         has_optimizer=optimizer is not None,
@@ -484,18 +499,23 @@ def save(
     *,
     keep_last: int | None = None,
     save_rng: bool = True,
+    allow_nonfinite: bool = False,
     **state: Any,
 ) -> str:
     """Save ``model`` (and ``optimizer``) plus extra ``state`` to directory ``path``; every rank calls it.
 
     ``state``: tensors and JSON values, e.g. ``step=100, scheduler=sched.state_dict(), data={"pos": 1234}``
-    (rank 0's values are kept). Per-rank RNG states are saved unless ``save_rng=False``. The
-    directory appears complete or not at all; an existing one is replaced. ``keep_last=k`` then
-    deletes all but the ``k`` most recently committed checkpoints in ``path``'s parent, never the
-    one just written (see :func:`prune`). Every rank must pass the same ``path``; a rank-local
-    failure (e.g. extra state only one rank cannot store) raises on every rank. Returns the absolute path.
+    (rank 0's values are kept). Per-rank RNG states are saved unless ``save_rng=False``. A model
+    or optimizer tensor with a NaN or inf is refused (nothing written, nothing pruned) unless
+    ``allow_nonfinite=True``. The directory appears complete or not at all; an existing one is
+    replaced. ``keep_last=k`` then deletes all but the ``k`` most recently committed checkpoints
+    in ``path``'s parent, never the one just written (see :func:`prune`). Every rank must pass the
+    same ``path``; a rank-local failure (e.g. extra state only one rank cannot store) raises on
+    every rank. Returns the absolute path.
     """
-    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, keep_last, state)
+    path, tmp, token, tensors, skeleton, info = _prepare(
+        path, model, optimizer, save_rng, keep_last, allow_nonfinite, state
+    )
     try:
         with _quiet_single_process():
             dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
@@ -557,6 +577,7 @@ def save_async(
     *,
     keep_last: int | None = None,
     save_rng: bool = True,
+    allow_nonfinite: bool = False,
     **state: Any,
 ) -> AsyncSave:
     """Like :func:`save`, but tensors are copied to CPU now and written by a background thread.
@@ -564,7 +585,9 @@ def save_async(
     Training may continue at once; call ``handle.wait()`` on every rank (before the next save)
     to commit. Until then ``path`` is untouched (its previous checkpoint, if any, stays valid).
     """
-    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, keep_last, state)
+    path, tmp, token, tensors, skeleton, info = _prepare(
+        path, model, optimizer, save_rng, keep_last, allow_nonfinite, state
+    )
     group = _async_group()
     kwargs = {"process_group": group} if _distributed() else {"no_dist": True}
     with _quiet_single_process():

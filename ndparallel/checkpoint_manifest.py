@@ -131,7 +131,9 @@ def parse_marker(marker_path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {MARKER} has no SHA-256 for {unhashed[:5]}")
     unlisted = sorted(set(marker["sha256"]) - set(marker["files"]))
     if unlisted:
-        raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {MARKER} hashes unlisted files {unlisted[:5]}")
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} is corrupt: {MARKER} hashes unlisted files {unlisted[:5]}"
+        )
     return marker
 
 

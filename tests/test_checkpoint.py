@@ -798,3 +798,25 @@ def test_every_file_is_checksummed_at_save_and_verified_at_load(tmp_path, monkey
     )
     ckpt.load(v1, target, target_opt)
     assert _same_weights(target, net)
+
+
+def test_a_non_finite_state_is_never_committed_nor_prunes_a_finite_one(tmp_path):
+    net, opt, sched, _ = _setup(None)
+    _train(net, opt, sched, None, 1)
+    for step in (1, 2):
+        ckpt.save(tmp_path / f"step-{step}", net, opt, step=step, keep_last=2)
+    with torch.no_grad():
+        net.layers[1].attention.wq.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.attention.wq.weight' has NaN or inf"):
+        ckpt.save(tmp_path / "step-3", net, opt, step=3, keep_last=2)
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.attention.wq.weight' has NaN or inf"):
+        ckpt.save_async(tmp_path / "step-3", net, opt, step=3, keep_last=2)
+    assert _names(tmp_path) == ["step-1", "step-2"], "nothing written, nothing pruned"
+    with torch.no_grad():
+        net.layers[1].attention.wq.weight[0, 0] = 0.0
+        next(iter(opt.state.values()))["exp_avg_sq"].fill_(float("inf"))
+    with pytest.raises(CheckpointError, match=r"'optimizer.state.* has NaN or inf"):
+        ckpt.save(tmp_path / "step-3", net, opt, step=3, keep_last=2)
+    assert _names(tmp_path) == ["step-1", "step-2"]
+    ckpt.save(tmp_path / "inspect", net, opt, allow_nonfinite=True)  # on purpose, e.g. to debug a divergence
+    assert ckpt.latest(tmp_path) == str(tmp_path / "inspect")
