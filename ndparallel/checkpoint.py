@@ -53,6 +53,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ndparallel import checkpoint_leftovers as leftovers
+from ndparallel.checkpoint_agree import agree as _agree
+from ndparallel.checkpoint_agree import broadcast_text as _broadcast_text
+from ndparallel.checkpoint_agree import distributed as _distributed
+from ndparallel.checkpoint_agree import gather_text as _gather_text
+from ndparallel.checkpoint_agree import rank as _rank
+from ndparallel.checkpoint_agree import world_size as _world_size
 from ndparallel.checkpoint_manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -121,14 +127,22 @@ def _split(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
     """This rank's shards of the model and optimizer tensors are finite (a diverged state is never saved)."""
-    for key, t in tensors.items():
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if key.startswith(("model.", "optimizer.state.")) and local.is_floating_point():
-            if not bool(torch.isfinite(local).all()):
-                raise CheckpointError(
-                    f"{key!r} has NaN or inf values: a diverged state is not saved, and the checkpoints already "
-                    "saved are kept (pass allow_nonfinite=True to save it anyway, e.g. to inspect it)"
-                )
+    checked = {
+        key: local
+        for key, t in tensors.items()
+        if key.startswith(("model.", "optimizer.state."))
+        and (local := t.to_local() if isinstance(t, DTensor) else t).is_floating_point()
+    }
+    if not checked:
+        return
+    flags = [torch.isfinite(t).all() for t in checked.values()]
+    finite = torch.stack([f.to(flags[0].device) for f in flags]).tolist()  # one device sync
+    for key, ok in zip(checked, finite, strict=True):
+        if not ok:
+            raise CheckpointError(
+                f"{key!r} has NaN or inf values: a diverged state is not saved, and the checkpoints already "
+                "saved are kept (pass allow_nonfinite=True to save it anyway, e.g. to inspect it)"
+            )
 
 
 def _display(key: str) -> str:
@@ -198,92 +212,6 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _device() -> torch.device:
-    # NCCL moves only CUDA tensors; gloo (and the rest) take CPU tensors.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_text(text: str, src: int = 0) -> str:
-    """Rank ``src``'s ``text`` on every rank, sent as UTF-8 bytes in a tensor (nothing is pickled)."""
-    if not _distributed() or dist.get_world_size() == 1:
-        return text
-    data = text.encode() if dist.get_rank() == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=_device())
-    dist.broadcast(size, src=src)
-    n = int(size.item())
-    if n == 0:
-        return ""
-    if dist.get_rank() == src:
-        buf = torch.tensor(list(data), dtype=torch.uint8, device=_device())
-    else:
-        buf = torch.empty(n, dtype=torch.uint8, device=_device())
-    dist.broadcast(buf, src=src)
-    return bytes(buf.cpu().tolist()).decode()
-
-
-def _gather_text(text: str) -> list[str]:
-    """Every rank's ``text``, on every rank, as UTF-8 bytes in tensors (nothing is pickled)."""
-    if not _distributed() or dist.get_world_size() == 1:
-        return [text]
-    data = text.encode()
-    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=_device()))
-    longest = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(max(longest, 1), dtype=torch.uint8, device=_device())
-    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    bufs = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(bufs, buf)
-    return [bytes(b[: int(n.item())].cpu().tolist()).decode() for b, n in zip(bufs, sizes, strict=True)]
-
-
-def _failed_ranks(failed: bool) -> list[int]:
-    """Collective: the ranks on which ``failed`` is true (one all_reduce of a one-hot vector)."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
-    flags[dist.get_rank()] = int(failed)
-    dist.all_reduce(flags)
-    return [r for r, flag in enumerate(flags.tolist()) if flag]
-
-
-def _reason(error: BaseException) -> str:
-    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-    return text if len(text) <= 4000 else text[:4000] + "..."
-
-
-def _agree(error: BaseException | None, what: str) -> None:
-    """Collective: if any rank has an ``error``, every rank raises, before any rank reaches the next collective.
-
-    A rank-local failure (a file one node cannot see, one reader's corrupt view, a bad argument on
-    one rank) must not leave the other ranks waiting in a collective until the process-group
-    timeout. Every rank raises the same :class:`CheckpointError`, naming the first failing rank and
-    its reason (on that rank chained from ``error``). Without a process group, ``error`` itself is raised.
-    """
-    if not _distributed() or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    failed = _failed_ranks(error is not None)
-    if not failed:
-        return
-    src = failed[0]
-    reason = _broadcast_text(_reason(error) if dist.get_rank() == src else "", src)
-    others = f" (ranks {failed[1:]} failed too)" if len(failed) > 1 else ""
-    raise CheckpointError(f"{what}: rank {src} of {dist.get_world_size()}: {reason}{others}") from error
 
 
 # ----------------------------------------------------------------------------- files: fsync, rename, marker
