@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ndparallel.config import ParallelismConfig, load_yaml_mapping
-from ndparallel.errors import ConfigError
+from ndparallel.errors import CheckpointError, ConfigError, DivergenceError
 
 __all__ = ["main"]
 
@@ -39,6 +39,10 @@ def _inside_launcher() -> bool:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
+    if not _inside_launcher():  # inside, rank 0 checks the same and takes the folder's lock
+        from ndparallel.train.checkpointing import check_before_start
+
+        check_before_start(cfg.checkpoint)
     if args.cpu_ranks and not _inside_launcher():
         # One clear error here, before any rank starts, instead of one per rank after spawning.
         cfg.check_mesh(cfg.parallelism.resolve(args.cpu_ranks))
@@ -215,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry = record(_main)
     try:
         return entry(argv)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError) as err:
         print(f"ndparallel: error: {err}", file=sys.stderr)
         return 2
+    except DivergenceError as err:
+        print(f"ndparallel: error: {err}", file=sys.stderr)
+        return 1

@@ -1,6 +1,6 @@
 """Errors ndparallel raises for bad user input."""
 
-__all__ = ["CheckpointError", "ConfigError"]
+__all__ = ["CheckpointError", "ConfigError", "DivergenceError"]
 
 
 class ConfigError(ValueError):
@@ -9,3 +9,7 @@ class ConfigError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model; nothing was loaded."""
+
+
+class DivergenceError(RuntimeError):
+    """Training stopped because the loss or the gradient norm became NaN or inf."""

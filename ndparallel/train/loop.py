@@ -33,8 +33,10 @@ from ndparallel.models import Transformer
 from ndparallel.parallelize import parallelize
 from ndparallel.peak import device_peak
 from ndparallel.plans.context_parallel import context_parallel
+from ndparallel.train.checkpointing import hold_checkpoint_dir
 from ndparallel.train.config import TrainConfig
 from ndparallel.train.data import BatchLoader, ByteCorpus
+from ndparallel.train.nonfinite import NonFiniteGuard
 from ndparallel.train.progress import Progress, format_duration, format_rate
 
 __all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
@@ -164,7 +166,10 @@ def _resume_path(cfg: TrainConfig) -> str | None:
         return c.resume
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if c.dir and (c.resume or restarted):
-        return checkpoint.resolve_latest(c.dir)
+        found = checkpoint.resolve_latest(c.dir)
+        if found is None and c.resume and dist.get_rank() == 0:
+            print(f"ndparallel train: nothing to resume in checkpoint.dir={c.dir!r}: starting at step 0", flush=True)
+        return found
     return None
 
 
@@ -178,6 +183,11 @@ def _save(cfg: TrainConfig, step: int, model: nn.Module, optimizer, loader: Batc
 def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     """Train ``cfg.model`` on ``cfg.data`` for ``cfg.train.steps`` steps; returns losses and throughput."""
     mesh = mesh or init_distributed(cfg.parallelism, device_type=_device_type(cfg))
+    with hold_checkpoint_dir(cfg.checkpoint):  # rank 0 locks checkpoint.dir for the whole job
+        return _train(cfg, mesh)
+
+
+def _train(cfg: TrainConfig, mesh: Mesh) -> TrainResult:
     rank0 = dist.get_rank() == 0
     t = cfg.train
     dp_size, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
@@ -199,7 +209,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     result = TrainResult()
     resume = _resume_path(cfg)
     if resume:
-        state = checkpoint.load(resume, model, optimizer)
+        state = checkpoint.load(resume, model, optimizer, verify=cfg.checkpoint.verify)
         loader.load_state_dict(state["data"])
         result.start_step = int(state["step"])
     if rank0:
@@ -213,6 +223,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     metrics_file = _open_metrics_file(t.metrics_file, rank0, device)
     progress = Progress(t.steps, enabled=rank0, every=t.log_every, start_step=result.start_step)
     stop = _StopRequest()
+    nonfinite = NonFiniteGuard(t.max_nonfinite_steps, device, verbose=rank0)
     start = time.perf_counter()
     step = result.start_step
     try:
@@ -236,7 +247,9 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                     loss.backward()
                 step_loss += loss.detach()
             grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
-            optimizer.step()
+            finite = nonfinite.step_is_finite(step + 1, step_loss, grad_norm)  # raises after N bad steps in a row
+            if finite:  # a NaN/inf never reaches the weights
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             loader.step = step
@@ -257,7 +270,7 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                 metrics_file.flush()
             interrupted = stop.agreed(device)
             every = cfg.checkpoint.every
-            if cfg.checkpoint.dir and (step == t.steps or interrupted or (every and step % every == 0)):
+            if cfg.checkpoint.dir and finite and (step == t.steps or interrupted or (every and step % every == 0)):
                 _save(cfg, step, model, optimizer, loader, rank0)
             if interrupted:
                 result.interrupted = True
