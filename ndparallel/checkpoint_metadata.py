@@ -32,8 +32,8 @@ METADATA_FILE = ".metadata"
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # (module, name) in the pickle -> (module, name) to resolve. These are the globals of the .metadata
-# files torch 2.13 writes; torch's metadata.py / filesystem.py on its main branch define the same
-# classes. A class a later torch adds is refused by name until it is listed here (a failing load,
+# files torch 2.13 writes (run); torch's metadata.py defines the same classes in 2.9 and on the
+# 2.15 development branch (read), so 2.11-2.14 between them should too. A class a later torch adds is refused by name until it is listed here (a failing load,
 # never a silent one). Three are private to torch (_MEM_FORMAT_ENCODING, _StorageInfo, _get_layout):
 # only named here, resolved in _allowed. BytesStorageMetadata is left out on purpose (see above).
 _CLASSES = {
