@@ -30,7 +30,8 @@ def _config(ckpt_dir: str | None, **sections: dict) -> dict:
         "parallelism": {"dp_shard_size": 2},
         "model": {"preset": "tiny", "max_seq_len": 64},
         "data": {"seq_len": 64, "max_bytes": 100_000},
-        "train": {"steps": 2, "global_batch": 4, "lr": 0.01, "warmup_steps": 0, "log_every": 100},
+        # peak_tflops: skip the CPU matmul measurement of the MFU denominator in every train() call
+        "train": {"steps": 2, "global_batch": 4, "lr": 0.01, "warmup_steps": 0, "log_every": 100, "peak_tflops": 1.0},
         "checkpoint": {"dir": ckpt_dir, "every": 1, "keep_last": 2},
     }
     for name, values in sections.items():
@@ -212,8 +213,10 @@ def _set_marker(path: Path, **fields) -> None:
     (path / "ndparallel_meta.json").write_text(json.dumps(marker))
 
 
+@pytest.mark.slow  # a full torchrun launch of 2 ranks, and one single-process job
 def test_cli_prints_errors_raised_inside_ranks_as_one_line(tmp_path):
-    """Resuming a checkpoint into another model, on 2 real ranks under torchrun: one line per rank, no traceback."""
+    """Resuming a checkpoint into another model, on 2 real ranks under torchrun: one line per rank, no
+    traceback. A diverging single-process job: one line, exit code 1."""
     import torch
 
     from ndparallel import checkpoint
@@ -238,3 +241,19 @@ def test_cli_prints_errors_raised_inside_ranks_as_one_line(tmp_path):
     assert len(errors) == 2 and all("does not fit the model" in line for line in errors), result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     print(f"2-rank CLI run with an error inside the ranks took {time.monotonic() - start:.1f}s")
+
+    result = run_ndparallel(
+        "train",
+        "train.steps=5",
+        "train.global_batch=2",
+        "train.lr=1e30",
+        "train.peak_tflops=1",
+        "data.max_bytes=100000",
+        f"checkpoint.dir={tmp_path / 'diverged'}",
+        timeout=180,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ndparallel: error:")]
+    assert len(errors) == 1 and "training stopped at step 2" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "diverged" / "step-00000002").exists()
