@@ -15,6 +15,12 @@ so a save that dies half-way leaves the previous checkpoint intact. ``load`` che
 every file on every rank, and the ranks agree, before DCP touches the model: a failure seen by one
 rank raises the same error on all of them instead of hanging. "Latest" means most recently
 committed (not highest step), so a rollback's new branch wins. Layout and guarantees: docs/checkpointing.md.
+
+The new concepts live beside this module (for the ``checkpoint/`` package of a later split):
+``checkpoint_manifest`` (the marker, field by field, and the SHA-256 of every file),
+``checkpoint_metadata`` (DCP's pickled ``.metadata`` read with an allow-list: no code runs),
+``checkpoint_leftovers`` (only directories with our stamp are ever removed), ``checkpoint_lock``
+(one job per folder) and ``checkpoint_agree`` (one error on every rank).
 """
 
 from __future__ import annotations

@@ -33,9 +33,10 @@ METADATA_FILE = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # (module, name) in the pickle -> (module, name) to resolve. These are the globals of the .metadata
 # files torch 2.13 writes (run); torch's metadata.py defines the same classes in 2.9 and on the
-# 2.15 development branch (read), so 2.11-2.14 between them should too. A class a later torch adds is refused by name until it is listed here (a failing load,
-# never a silent one). Three are private to torch (_MEM_FORMAT_ENCODING, _StorageInfo, _get_layout):
-# only named here, resolved in _allowed. BytesStorageMetadata is left out on purpose (see above).
+# 2.15 development branch (read), so 2.11-2.14 between them should too. A class a later torch
+# adds is refused by name until it is listed here (a failing load, never a silent one). Three are
+# private to torch (_MEM_FORMAT_ENCODING, _StorageInfo, _get_layout): only named here, resolved
+# in _allowed. BytesStorageMetadata is left out on purpose (see above).
 _CLASSES = {
     (_DCP_METADATA, "Metadata"): (_DCP_METADATA, "Metadata"),
     (_DCP_METADATA, "TensorStorageMetadata"): (_DCP_METADATA, "TensorStorageMetadata"),
