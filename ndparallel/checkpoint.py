@@ -705,7 +705,11 @@ def _read(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
 
 
 def _empty_like_placeholder(p: dict) -> torch.Tensor:
-    return torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
+    name = p.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):  # the JSON names a torch attribute: only a dtype may come back
+        raise CheckpointError(f"{STATE_FILE} gives tensor {p.get(_TENSOR)!r} the dtype {name!r}, not a torch dtype")
+    return torch.empty(p["shape"], dtype=dtype)
 
 
 def _model_targets(

@@ -657,6 +657,22 @@ def test_forged_metadata_never_runs_code(tmp_path):
     assert not pwned.exists()
     assert not (tmp_path / "o").exists()
 
+    # The state JSON names dtypes as torch attributes: only a dtype is accepted (hash forged too).
+    import hashlib
+
+    odd = tmp_path / "odd-dtype"
+    shutil.copytree(_small_checkpoint(tmp_path, "with-extra", seed=1), odd)
+    state = json.loads((odd / ckpt.STATE_FILE).read_text())
+    state["extra"] = {"t": {"__tensor__": "extra.t", "shape": [1], "dtype": "load"}}
+    (odd / ckpt.STATE_FILE).write_text(json.dumps(state))
+    digest = hashlib.sha256((odd / ckpt.STATE_FILE).read_bytes()).hexdigest()
+    size = (odd / ckpt.STATE_FILE).stat().st_size
+    _rewrite_marker(
+        odd, lambda m: (m["sha256"].update({ckpt.STATE_FILE: digest}), m["files"].update({ckpt.STATE_FILE: size}))
+    )
+    with pytest.raises(CheckpointError, match="dtype 'load', not a torch dtype"):
+        ckpt.load(odd, net)
+
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's single-process note, from its thread
 def test_pruning_removes_only_what_ndparallel_created(tmp_path):
