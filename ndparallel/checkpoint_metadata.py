@@ -4,11 +4,16 @@ torch writes a checkpoint's ``.metadata`` (tensor keys, shapes, where each shard
 ``pickle``, and its own ``FileSystemReader`` reads it back with plain ``pickle.load``: a forged file
 could run any code. Here it is read by an unpickler that resolves only the globals a DCP metadata
 file of torch 2.11-2.14 contains (DCP's metadata dataclasses, ``torch.Size``, dtypes, layouts,
-``pathlib`` paths) and refuses everything else, naming it. The result must hold tensor entries
-only: DCP would load a byte entry with ``torch.load(weights_only=False)`` (ndparallel never writes
-one), and every shard must lie in a plain file of the checkpoint's directory. Tensor data itself
-is read by torch with ``torch.load(weights_only=True)``. :class:`SafeFileSystemReader` is DCP's
-``FileSystemReader`` with this metadata reader; pass it to ``dcp.load`` as ``storage_reader``.
+``pathlib`` paths) and refuses everything else, naming it. This is Python's documented
+``Unpickler.find_class`` restriction: no private torch API. (torch's own restricted unpickler,
+``torch.load(weights_only=True)`` under ``torch.serialization.safe_globals``, cannot read the file:
+it stops at the protocol-4 FRAME opcode that DCP's pickle starts with, on torch 2.13.)
+
+The result must hold tensor entries only: DCP would load a byte entry with
+``torch.load(weights_only=False)`` (ndparallel never writes one), and every shard must lie in a
+plain file of the checkpoint's directory. Tensor data itself is read by torch with
+``torch.load(weights_only=True)``. :class:`SafeFileSystemReader` is DCP's ``FileSystemReader`` with
+this metadata reader; pass it to ``dcp.load`` as ``storage_reader``.
 """
 
 from __future__ import annotations
