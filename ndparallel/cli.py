@@ -220,8 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return entry(argv)
     except (ConfigError, CheckpointError) as err:
-        print(f"ndparallel: error: {err}", file=sys.stderr)
+        _error_line(err)
         return 2
     except DivergenceError as err:
-        print(f"ndparallel: error: {err}", file=sys.stderr)
+        _error_line(err)
         return 1
+
+
+def _error_line(err: Exception) -> None:
+    # One write call: ranks sharing one stderr pipe must not glue their lines together
+    # (print() writes the text and the newline separately).
+    sys.stderr.write(f"ndparallel: error: {err}\n")
+    sys.stderr.flush()

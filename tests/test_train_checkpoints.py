@@ -238,7 +238,9 @@ def test_cli_prints_errors_raised_inside_ranks_as_one_line(tmp_path):
     )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "ndparallel: error:" in line]
-    assert len(errors) == 2 and all("does not fit the model" in line for line in errors), result.stderr[-3000:]
+    # One line per rank that got to print it (torchrun may stop rank 1 first), never two glued together.
+    assert 1 <= len(errors) <= 2, result.stderr[-3000:]
+    assert all(line.count("ndparallel: error:") == 1 and "does not fit the model" in line for line in errors)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     print(f"2-rank CLI run with an error inside the ranks took {time.monotonic() - start:.1f}s")
 
