@@ -15,22 +15,28 @@ so a save that dies half-way leaves the previous checkpoint intact. ``load`` che
 every file on every rank, and the ranks agree, before DCP touches the model: a failure seen by one
 rank raises the same error on all of them instead of hanging. "Latest" means most recently
 committed (not highest step), so a rollback's new branch wins. Layout and guarantees: docs/checkpointing.md.
+
+The new concepts live beside this module (for the ``checkpoint/`` package of a later split):
+``checkpoint_manifest`` (the marker, field by field, and the SHA-256 of every file),
+``checkpoint_metadata`` (DCP's pickled ``.metadata`` read with an allow-list: no code runs),
+``checkpoint_leftovers`` (only directories with our stamp are ever removed), ``checkpoint_lock``
+(one job per folder) and ``checkpoint_agree`` (one error on every rank).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
 import glob
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -52,6 +58,28 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ndparallel import checkpoint_leftovers as leftovers
+from ndparallel.checkpoint_agree import agree as _agree
+from ndparallel.checkpoint_agree import broadcast_text as _broadcast_text
+from ndparallel.checkpoint_agree import distributed as _distributed
+from ndparallel.checkpoint_agree import gather_text as _gather_text
+from ndparallel.checkpoint_agree import rank as _rank
+from ndparallel.checkpoint_agree import world_size as _world_size
+from ndparallel.checkpoint_manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MARKER,
+    STATE_FILE,
+    check_files,
+    commit_key,
+    hash_share,
+    parse_marker,
+    sha256_file,
+    verify_share,
+)
+from ndparallel.checkpoint_metadata import SafeFileSystemReader, read_metadata
+from ndparallel.errors import CheckpointError
+
 __all__ = [
     "MARKER",
     "AsyncSave",
@@ -67,20 +95,9 @@ __all__ = [
     "validate",
 ]
 
-MARKER = "ndparallel_meta.json"
-"""Written last, by rank 0: a directory without it is not a (complete) checkpoint."""
-STATE_FILE = "ndparallel_state.json"
-"""Everything that is not a tensor: the structure of the saved state with tensor placeholders."""
-FORMAT = "ndparallel-checkpoint"
-FORMAT_VERSION = 1
 # Test hook: rank 0 SIGKILLs itself at this commit stage ("before_marker" or "before_rename").
 _CRASH_ENV = "NDPARALLEL_CHECKPOINT_TEST_CRASH"
-_TMP_RE = re.compile(r"\.(tmp|old)-[0-9a-f]+$")
 _TENSOR, _TUPLE = "__tensor__", "__tuple__"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model; nothing was loaded."""
 
 
 # ----------------------------------------------------------------------------- state <-> (JSON, tensors)
@@ -112,6 +129,26 @@ def _split(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
         "(int, float, str, bool, None, and lists, tuples and str-keyed dicts of them); e.g. pass "
         "scheduler.state_dict(), not the scheduler, and int(x) for numpy integers"
     )
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """This rank's shards of the model and optimizer tensors are finite (a diverged state is never saved)."""
+    checked = {
+        key: local
+        for key, t in tensors.items()
+        if key.startswith(("model.", "optimizer.state."))
+        and (local := t.to_local() if isinstance(t, DTensor) else t).is_floating_point()
+    }
+    if not checked:
+        return
+    flags = [torch.isfinite(t).all() for t in checked.values()]
+    finite = torch.stack([f.to(flags[0].device) for f in flags]).tolist()  # one device sync
+    for key, ok in zip(checked, finite, strict=True):
+        if not ok:
+            raise CheckpointError(
+                f"{key!r} has NaN or inf values: a diverged state is not saved, and the checkpoints already "
+                "saved are kept (pass allow_nonfinite=True to save it anyway, e.g. to inspect it)"
+            )
 
 
 def _display(key: str) -> str:
@@ -183,82 +220,6 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _barrier() -> None:
-    if _distributed() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _device() -> torch.device:
-    # NCCL moves only CUDA tensors; gloo (and the rest) take CPU tensors.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_text(text: str, src: int = 0) -> str:
-    """Rank ``src``'s ``text`` on every rank, sent as UTF-8 bytes in a tensor (nothing is pickled)."""
-    if not _distributed() or dist.get_world_size() == 1:
-        return text
-    data = text.encode() if dist.get_rank() == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=_device())
-    dist.broadcast(size, src=src)
-    n = int(size.item())
-    if n == 0:
-        return ""
-    if dist.get_rank() == src:
-        buf = torch.tensor(list(data), dtype=torch.uint8, device=_device())
-    else:
-        buf = torch.empty(n, dtype=torch.uint8, device=_device())
-    dist.broadcast(buf, src=src)
-    return bytes(buf.cpu().tolist()).decode()
-
-
-def _failed_ranks(failed: bool) -> list[int]:
-    """Collective: the ranks on which ``failed`` is true (one all_reduce of a one-hot vector)."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
-    flags[dist.get_rank()] = int(failed)
-    dist.all_reduce(flags)
-    return [r for r, flag in enumerate(flags.tolist()) if flag]
-
-
-def _reason(error: BaseException) -> str:
-    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-    return text if len(text) <= 4000 else text[:4000] + "..."
-
-
-def _agree(error: BaseException | None, what: str) -> None:
-    """Collective: if any rank has an ``error``, every rank raises, before any rank reaches the next collective.
-
-    A rank-local failure (a file one node cannot see, one reader's corrupt view, a bad argument on
-    one rank) must not leave the other ranks waiting in a collective until the process-group
-    timeout. Every rank raises the same :class:`CheckpointError`, naming the first failing rank and
-    its reason (on that rank chained from ``error``). Without a process group, ``error`` itself is raised.
-    """
-    if not _distributed() or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    failed = _failed_ranks(error is not None)
-    if not failed:
-        return
-    src = failed[0]
-    reason = _broadcast_text(_reason(error) if dist.get_rank() == src else "", src)
-    others = f" (ranks {failed[1:]} failed too)" if len(failed) > 1 else ""
-    raise CheckpointError(f"{what}: rank {src} of {dist.get_world_size()}: {reason}{others}") from error
-
-
 # ----------------------------------------------------------------------------- files: fsync, rename, marker
 
 
@@ -284,14 +245,6 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _exchange(a: str, b: str) -> bool:
     # Linux renameat2(RENAME_EXCHANGE) swaps two directories atomically; os.rename cannot replace a
     # non-empty directory. Returns False where unsupported (other OSes, some network filesystems).
@@ -313,7 +266,7 @@ def _replace_dir(tmp: Path, path: Path, token: str) -> None:
     elif _exchange(str(tmp), str(path)):
         shutil.rmtree(tmp)  # now holds the old checkpoint
     else:  # two renames: for a moment only <path>.old-<id> (complete) exists
-        old = path.with_name(f"{path.name}.old-{token}")
+        old = path.with_name(leftovers.leftover_name(path.name, "old", token))
         os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old)
@@ -335,8 +288,8 @@ def _mesh_info(model: nn.Module) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, Any]) -> None:
-    """Rank 0, after every rank's data is on disk: state JSON, marker (last), rename into place."""
+def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, Any], digests: dict[str, str]) -> None:
+    """Rank 0, after every rank's data is on disk and hashed (``digests``): state JSON, marker (last), rename."""
     _write_json(tmp / STATE_FILE, skeleton)
     _crash_hook("before_marker")
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -352,7 +305,8 @@ def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, An
         created_unix=created_unix,
         torch_version=torch.__version__,
         files=files,
-        sha256={name: _sha256(tmp / name) for name in (".metadata", STATE_FILE)},
+        # The ranks hashed the files they listed; anything else (the state JSON) is hashed here.
+        sha256={name: digests.get(name) or sha256_file(tmp / name) for name in files},
     )
     _write_json(tmp / MARKER, marker)
     _fsync_dir(tmp)
@@ -361,8 +315,9 @@ def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, An
 
 
 def _remove_stale_tmp(path: Path) -> None:
+    """Rank 0: remove what earlier crashed saves of ``path`` left (ours only: see checkpoint_leftovers)."""
     for p in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
-        if p.is_dir() and _TMP_RE.search(p.name):
+        if leftovers.is_leftover(p, path.name):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -375,12 +330,13 @@ def _prepare(
     optimizer: torch.optim.Optimizer | None,
     save_rng: bool,
     keep_last: int | None,
+    allow_nonfinite: bool,
     state: dict,
 ) -> tuple[Path, Path, str, dict[str, torch.Tensor], Any, dict[str, Any]]:
     path = Path(path).absolute()
     rank = _rank()
     # Rank 0 picks the temporary name and sends it with its path: every rank writes the same directory.
-    sent = f"{time.time_ns() & (2**62 - 1):x} {path}" if rank == 0 else ""
+    sent = f"{leftovers.new_token(time.time_ns())} {path}" if rank == 0 else ""
     token, _, path0 = _broadcast_text(sent).partition(" ")
     error: BaseException | None = None
     try:  # everything here is rank-local: agreed below before the next collective
@@ -389,8 +345,10 @@ def _prepare(
                 f"rank {rank} saves to {str(path)!r}, rank 0 to {path0!r}: every rank must pass the same path"
             )
         _check_keep_last(keep_last)
-        if _TMP_RE.search(path.name):
-            raise CheckpointError(f"checkpoint path {str(path)!r} must not end in .tmp-<hex> or .old-<hex>: reserved")
+        if leftovers.reserved(path.name):
+            raise CheckpointError(
+                f"checkpoint path {str(path)!r} must not end in .tmp-<16 hex> or .old-<16 hex>: reserved"
+            )
         tree: dict[str, Any] = {}
         if optimizer is not None:
             tree["model"], tree["optimizer"] = get_state_dict(model, optimizer)
@@ -399,6 +357,8 @@ def _prepare(
         tree["extra"] = state
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _split(tree, "", tensors)
+        if not allow_nonfinite:
+            _check_finite(tensors)
         if save_rng:
             tensors.update(_rng_tensors(rank))
     except Exception as e:  # raised on every rank by _agree
@@ -406,13 +366,13 @@ def _prepare(
     _agree(error, f"checkpoint {path0!r} not saved (nothing written)")
     step = state.get("step")
     info = dict(
-        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None,
         world_size=_world_size(),
         mesh=_mesh_info(model),
         has_optimizer=optimizer is not None,
         rng_ranks=_world_size() if save_rng else 0,
     )
-    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    tmp = path.with_name(leftovers.leftover_name(path.name, "tmp", token))
     if rank == 0:
         try:
             if path.exists() and not path.is_dir():
@@ -420,6 +380,7 @@ def _prepare(
             path.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_tmp(path)
             tmp.mkdir()
+            leftovers.write_stamp(tmp, path.name)
         except Exception as e:  # raised on every rank by _agree
             error = e
     _agree(error, f"could not create checkpoint directory {str(tmp)!r}")
@@ -432,12 +393,31 @@ def _discard(tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _finish(path: Path, tmp: Path, token: str, skeleton: Any, info: dict, keep_last: int | None) -> str:
-    _barrier()  # every rank's files are written
+def _hash_share(tmp: Path) -> dict[str, str]:
+    """Collective: this rank's part of the written files' SHA-256; a failure on any rank fails the save everywhere."""
+    digests: dict[str, str] = {}
+    error: BaseException | None = None
+    try:
+        digests = hash_share(tmp, _rank(), _world_size())
+    except Exception as e:  # raised on every rank by _agree
+        error = e
+    try:
+        _agree(error, f"could not checksum checkpoint files in {str(tmp)!r} (nothing committed)")
+    except CheckpointError:
+        _discard(tmp)
+        raise
+    return digests
+
+
+def _finish(
+    path: Path, tmp: Path, token: str, skeleton: Any, info: dict, keep_last: int | None, digests: dict[str, str]
+) -> str:
+    # Every rank's files are written and hashed once every rank's digests arrive.
+    gathered = [json.loads(text) for text in _gather_text(json.dumps(digests))]
     error: BaseException | None = None
     if _rank() == 0:
         try:
-            _commit(tmp, path, token, skeleton, info)
+            _commit(tmp, path, token, skeleton, info, {k: v for part in gathered for k, v in part.items()})
             if keep_last is not None:
                 _prune(path.parent, keep_last, protect=path)
         except Exception as e:  # raised on every rank by _agree
@@ -453,46 +433,52 @@ def save(
     *,
     keep_last: int | None = None,
     save_rng: bool = True,
+    allow_nonfinite: bool = False,
     **state: Any,
 ) -> str:
     """Save ``model`` (and ``optimizer``) plus extra ``state`` to directory ``path``; every rank calls it.
 
     ``state``: tensors and JSON values, e.g. ``step=100, scheduler=sched.state_dict(), data={"pos": 1234}``
-    (rank 0's values are kept). Per-rank RNG states are saved unless ``save_rng=False``. The
-    directory appears complete or not at all; an existing one is replaced. ``keep_last=k`` then
-    deletes all but the ``k`` most recently committed checkpoints in ``path``'s parent, never the
-    one just written (see :func:`prune`). Every rank must pass the same ``path``; a rank-local
-    failure (e.g. extra state only one rank cannot store) raises on every rank. Returns the absolute path.
+    (rank 0's values are kept). Per-rank RNG states are saved unless ``save_rng=False``. A model
+    or optimizer tensor with a NaN or inf is refused (nothing written, nothing pruned) unless
+    ``allow_nonfinite=True``. The directory appears complete or not at all; an existing one is
+    replaced. ``keep_last=k`` then deletes all but the ``k`` most recently committed checkpoints
+    in ``path``'s parent, never the one just written (see :func:`prune`). Every rank must pass the
+    same ``path``; a rank-local failure (e.g. extra state only one rank cannot store) raises on
+    every rank. Returns the absolute path.
     """
-    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, keep_last, state)
+    path, tmp, token, tensors, skeleton, info = _prepare(
+        path, model, optimizer, save_rng, keep_last, allow_nonfinite, state
+    )
     try:
         with _quiet_single_process():
             dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
     except Exception:  # DCP reports a failed write on every rank
         _discard(tmp)
         raise
-    return _finish(path, tmp, token, skeleton, info, keep_last)
+    return _finish(path, tmp, token, skeleton, info, keep_last, _hash_share(tmp))
 
 
 class AsyncSave:
     """Handle of :func:`save_async`. ``wait()`` (every rank) finishes the write and commits the checkpoint."""
 
-    def __init__(self, future: Any, finalize: Callable[[], str], discard: Callable[[], None]):
+    def __init__(self, future: Any, finalize: Callable[[dict[str, str]], str], discard: Callable[[], None]):
         self._future = future
         self._finalize = finalize
         self._discard = discard
         self._path: str | None = None
 
     def done(self) -> bool:
-        """True when the background write finished (the commit still needs :meth:`wait`)."""
+        """True when the background write and hashing finished (the commit still needs :meth:`wait`)."""
         return self._future.done()
 
     def wait(self) -> str:
         """Block until the files are written, then commit (collective: every rank must call it)."""
         if self._path is None:
             error: BaseException | None = None
+            digests: dict[str, str] = {}
             try:
-                self._future.result()
+                digests = self._future.result()
             except Exception as e:  # a write that failed on some ranks only must not strand the others
                 error = e
             try:
@@ -500,7 +486,7 @@ class AsyncSave:
             except CheckpointError:
                 self._discard()
                 raise
-            self._path = self._finalize()
+            self._path = self._finalize(digests)
         return self._path
 
 
@@ -525,6 +511,7 @@ def save_async(
     *,
     keep_last: int | None = None,
     save_rng: bool = True,
+    allow_nonfinite: bool = False,
     **state: Any,
 ) -> AsyncSave:
     """Like :func:`save`, but tensors are copied to CPU now and written by a background thread.
@@ -532,14 +519,36 @@ def save_async(
     Training may continue at once; call ``handle.wait()`` on every rank (before the next save)
     to commit. Until then ``path`` is untouched (its previous checkpoint, if any, stays valid).
     """
-    path, tmp, token, tensors, skeleton, info = _prepare(path, model, optimizer, save_rng, keep_last, state)
+    path, tmp, token, tensors, skeleton, info = _prepare(
+        path, model, optimizer, save_rng, keep_last, allow_nonfinite, state
+    )
     group = _async_group()
     kwargs = {"process_group": group} if _distributed() else {"no_dist": True}
     with _quiet_single_process():
         future = dcp.async_save(tensors, checkpoint_id=str(tmp), **kwargs)
     # Newer torch may return an AsyncSaveResponse (staging + upload futures) instead of a Future.
     future = getattr(future, "upload_completion", future)
-    return AsyncSave(future, lambda: _finish(path, tmp, token, skeleton, info, keep_last), lambda: _discard(tmp))
+    hashed = _hash_when_written(future, tmp)
+    return AsyncSave(
+        hashed, lambda digests: _finish(path, tmp, token, skeleton, info, keep_last, digests), lambda: _discard(tmp)
+    )
+
+
+def _hash_when_written(written: Any, tmp: Path) -> concurrent.futures.Future:
+    """A future of this rank's share of the SHA-256 (:func:`hash_share`), computed in a background
+    thread once DCP's background write ``written`` is done (then every rank's files are on disk)."""
+    rank, world_size = _rank(), _world_size()
+    hashed: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            written.result()
+            hashed.set_result(hash_share(tmp, rank, world_size))
+        except BaseException as e:  # handed to wait(), which agrees on it across ranks
+            hashed.set_exception(e)
+
+    threading.Thread(target=run, name="ndparallel-checkpoint-hash", daemon=True).start()
+    return hashed
 
 
 def _check_keep_last(keep_last: int | None) -> None:
@@ -550,12 +559,13 @@ def _check_keep_last(keep_last: int | None) -> None:
 # ----------------------------------------------------------------------------- validate / latest / prune
 
 
-def validate(path: str | os.PathLike) -> dict[str, Any]:
+def validate(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, Any]:
     """Check that ``path`` is a complete, intact checkpoint; return its marker. Raises :class:`CheckpointError`.
 
-    Checks: the marker exists and parses, its format version is known, every file it lists exists
-    with the recorded size, and DCP's ``.metadata`` and the state JSON match their recorded SHA-256.
-    Reads only; no process group needed.
+    Checks: the marker exists and parses, each of its fields has the right type and range (see
+    checkpoint_manifest), its format version is known, every file it lists exists with the recorded
+    size, and DCP's ``.metadata`` and the state JSON match their recorded SHA-256 (which must be
+    there). Reads only; no process group needed.
     """
     path = Path(path)
     if not path.is_dir():
@@ -567,56 +577,27 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
             f"{str(path)!r} has no {MARKER}: the save did not complete (crashed or still running) or this "
             f"is not an ndparallel checkpoint{hint}"
         )
-    try:
-        marker = json.loads(marker_path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{str(marker_path)!r} is unreadable or not JSON: {e}") from e
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
-        raise CheckpointError(f"{str(marker_path)!r} is not an ndparallel checkpoint marker")
-    if marker.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{str(path)!r} has format_version {marker.get('format_version')!r}; this ndparallel reads "
-            f"version {FORMAT_VERSION}: upgrade ndparallel"
-        )
-    for name, size in marker["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: file {name!r} listed in {MARKER} is missing")
-        actual = file.stat().st_size
-        if actual != size:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} is corrupt: {name!r} has {actual} bytes, {MARKER} recorded {size} "
-                "(truncated or modified)"
-            )
-    for name, digest in marker.get("sha256", {}).items():
-        if _sha256(path / name) != digest:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {name!r} does not match its SHA-256")
+    marker = parse_marker(marker_path)
+    check_files(path, marker)
+    if checksums:
+        verify_share(path, marker, 0, 1)
     return marker
 
 
 def _candidates(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    return [p for p in root.iterdir() if p.is_dir() and not _TMP_RE.search(p.name) and (p / MARKER).is_file()]
-
-
-def _commit_key(marker: dict[str, Any], path: Path) -> tuple[float, int, str]:
-    """Commit order: the marker's ``created_unix`` (rank 0's commit time), then the step, then the name."""
-    created, step = marker.get("created_unix"), marker.get("step")
-    created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0
-    return created, step if isinstance(step, int) and not isinstance(step, bool) else -1, path.name
+    return [p for p in root.iterdir() if p.is_dir() and not leftovers.reserved(p.name) and (p / MARKER).is_file()]
 
 
 def _newest_commit_time(root: Path) -> float:
-    """The newest ``created_unix`` among the markers under ``root``; markers are only parsed, not validated."""
+    """The newest ``created_unix`` among the well-formed markers under ``root`` (files not checked)."""
     newest = 0.0
     for p in _candidates(root):
         try:
-            marker = json.loads((p / MARKER).read_text())
-        except (OSError, ValueError):
+            newest = max(newest, commit_key(parse_marker(p / MARKER), p)[0])
+        except CheckpointError:
             continue
-        if isinstance(marker, dict):
-            newest = max(newest, _commit_key(marker, p)[0])
     return newest
 
 
@@ -629,7 +610,7 @@ def _complete(root: str | os.PathLike) -> list[tuple[tuple[float, int, str], Pat
         except CheckpointError as e:
             warnings.warn(f"skipping corrupt checkpoint: {e}", stacklevel=3)
             continue
-        found.append((_commit_key(marker, p), p))
+        found.append((commit_key(marker, p), p))
     return sorted(found)
 
 
@@ -669,7 +650,8 @@ def prune(root: str | os.PathLike, keep: int) -> list[str]:
 
     The order is :func:`latest`'s: commit time, so after a rollback the abandoned branch's
     checkpoints age out like any older commit. Also removes leftovers of crashed saves
-    (``*.tmp-<id>`` / ``*.old-<id>`` directories) older than the newest checkpoint. Returns the deleted paths.
+    (``*.tmp-<id>`` / ``*.old-<id>`` directories that hold our stamp) older than the newest
+    checkpoint; nothing else. Returns the deleted paths.
     """
     return _prune(root, keep, protect=None)
 
@@ -682,9 +664,7 @@ def _prune(root: str | os.PathLike, keep: int, protect: Path | None) -> list[str
     deleted = [p for _, p in found[:-keep] if p != protect]
     if found:
         newest = found[-1][0][0]
-        deleted += [
-            p for p in root.iterdir() if p.is_dir() and _TMP_RE.search(p.name) and p.stat().st_mtime < newest - 1.0
-        ]
+        deleted += [p for p in root.iterdir() if leftovers.is_leftover(p) and p.stat().st_mtime < newest - 1.0]
     for p in deleted:
         shutil.rmtree(p, ignore_errors=True)
     if deleted:
@@ -719,13 +699,17 @@ def _read(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """Validate, then read the marker, the state skeleton and DCP's key -> storage metadata."""
     marker = validate(path)
     skeleton = json.loads((path / STATE_FILE).read_text())
-    # DCP's .metadata is a pickle written by torch; validate() checked its SHA-256 against the marker.
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    # DCP's .metadata is a pickle written by torch: read with an allow-list of DCP's classes, never run.
+    metadata = read_metadata(path)
     return marker, skeleton, metadata.state_dict_metadata
 
 
 def _empty_like_placeholder(p: dict) -> torch.Tensor:
-    return torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
+    name = p.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):  # the JSON names a torch attribute: only a dtype may come back
+        raise CheckpointError(f"{STATE_FILE} gives tensor {p.get(_TENSOR)!r} the dtype {name!r}, not a torch dtype")
+    return torch.empty(p["shape"], dtype=dtype)
 
 
 def _model_targets(
@@ -769,6 +753,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     restore_rng: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), on any mesh; return the extra state.
 
@@ -776,8 +761,10 @@ def load(
     path with :func:`resolve_latest`). Every rank validates the checkpoint and checks it against
     the model, and the ranks agree, before anything is read into it: a :class:`CheckpointError`
     (the same on every rank, naming the rank that failed) means the model and optimizer are
-    untouched. RNG states are restored for ranks that saved one (rank ``r`` gets rank ``r``'s)
-    unless ``restore_rng=False``.
+    untouched. With ``verify`` (the default) every file is also checked against its SHA-256
+    first, each rank hashing its part; ``verify=False`` skips that read of the whole checkpoint
+    (sizes and the small files are still checked). RNG states are restored for ranks that saved
+    one (rank ``r`` gets rank ``r``'s) unless ``restore_rng=False``.
     """
     path = Path(path).absolute()
     path0 = _broadcast_text(str(path))
@@ -790,6 +777,8 @@ def load(
                 "checkpoint (pick it with resolve_latest(root))"
             )
         marker, skeleton, stored, targets, rng_keys = _model_targets(path, model, optimizer, restore_rng)
+        if verify:
+            verify_share(path, marker, _rank(), _world_size())
     except Exception as e:  # raised on every rank by _agree
         error = e
     _agree(error, failed)
@@ -802,7 +791,7 @@ def load(
     rank = _rank()
 
     with _quiet_single_process():
-        dcp.load(targets, checkpoint_id=str(path), no_dist=not _distributed())
+        dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
 
     if optimizer is not None:
         saved_optim = _join(skeleton["optimizer"], targets)
@@ -851,12 +840,13 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
     os.replace(tmp, file)
 
 
-def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.PathLike) -> str:
+def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.PathLike, *, verify: bool = True) -> str:
     """Write the full (unsharded) model weights to one safetensors ``file``.
 
     ``source`` is a live (possibly sharded) model, and then every rank calls it (rank 0 gathers and
     writes), or a checkpoint directory, and then it runs in one process without a process group
-    (with one, rank 0 does the work and the others wait). Keys are the model's parameter names.
+    (with one, rank 0 does the work and the others wait; ``verify`` checks every file's SHA-256
+    first, as :func:`load` does). Keys are the model's parameter names.
     """
     error: BaseException | None = None
     try:
@@ -877,22 +867,24 @@ def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.Pat
     path = Path(source).absolute()
     if _rank() == 0:
         try:
-            _export_checkpoint(path, file)
+            _export_checkpoint(path, file, verify)
         except Exception as e:  # raised on every rank by _agree
             error = e
     _agree(error, f"could not export {str(path)!r}")
     return str(file)
 
 
-def _export_checkpoint(path: Path, file: Path) -> None:
+def _export_checkpoint(path: Path, file: Path, verify: bool) -> None:
     """Full model tensors of a checkpoint directory, read in this process alone, to ``file``."""
-    _, skeleton, stored = _read(path)
+    marker, skeleton, stored = _read(path)
+    if verify:
+        verify_share(path, marker, 0, 1)
     tensors = {}
     for p in _placeholders(skeleton["model"]):
         meta = stored[p[_TENSOR]]
         tensors[p[_TENSOR]] = torch.empty(list(meta.size), dtype=meta.properties.dtype)
     with _quiet_single_process():
-        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(path), no_dist=True)
     _write_safetensors({k.removeprefix("model."): v for k, v in tensors.items()}, file)
 
 

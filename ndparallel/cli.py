@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ndparallel.config import ParallelismConfig, load_yaml_mapping
-from ndparallel.errors import EXIT_INTERRUPTED, ConfigError, JobError
+from ndparallel.errors import EXIT_INTERRUPTED, CheckpointError, ConfigError, DivergenceError, JobError
 from ndparallel.launch import cpu_ranks, launch, without_option
 from ndparallel.launch import torchrun_argv as _torchrun_argv  # noqa: F401  (tests and users import it here)
 
@@ -51,6 +51,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if ranks is not None or args.device:
         os.environ["NDP_DEVICE"] = "cpu" if ranks is not None else args.device
     job_device(cfg)
+    if not _inside_launcher():  # inside, rank 0 checks the same and takes the folder's lock
+        from ndparallel.train.checkpointing import check_before_start
+
+        check_before_start(cfg.checkpoint)
     if ranks is not None and not _inside_launcher():
         # One clear error here, before any rank starts, instead of one per rank after spawning.
         cfg.check_mesh(cfg.parallelism.resolve(ranks))
@@ -159,9 +163,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry = record(_main)
     try:
         return entry(argv)
-    except ConfigError as err:
-        print(f"ndparallel: error: {err}", file=sys.stderr)
+    except (ConfigError, CheckpointError) as err:
+        _error_line(err)
         return 2
-    except JobError as err:  # a lost or hung peer, named by the watchdog (the error file has it too)
-        print(f"ndparallel: error: {err}", file=sys.stderr, flush=True)
+    except (JobError, DivergenceError) as err:  # a lost/hung peer named by the watchdog, or NaN training
+        _error_line(err)
         return 1
+
+
+def _error_line(err: Exception) -> None:
+    # One write call: ranks sharing one stderr pipe must not glue their lines together
+    # (print() writes the text and the newline separately).
+    sys.stderr.write(f"ndparallel: error: {err}\n")
+    sys.stderr.flush()

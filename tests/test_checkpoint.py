@@ -427,9 +427,11 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     _train(net, opt, sched, mesh, 1)  # move away from step 6, so loading it back is visible
 
     # Rank 1 sees every checkpoint as corrupt (its reads hash to something else).
-    real_sha256 = ckpt._sha256
+    from ndparallel import checkpoint_manifest
+
+    real_sha256 = checkpoint_manifest.sha256_file
     if rank == 1:
-        ckpt._sha256 = lambda path: "0" * 64
+        checkpoint_manifest.sha256_file = lambda path: "0" * 64
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out["own_latest"] = ckpt.latest(run)  # rank 1 alone would resume from nothing
@@ -438,7 +440,7 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     start = time.monotonic()
     out["corrupt"] = _caught(ckpt.load, out["resolved"], net, opt)
     out["corrupt_s"] = time.monotonic() - start
-    ckpt._sha256 = real_sha256
+    checkpoint_manifest.sha256_file = real_sha256
     after = _full_state(net, opt)  # a collective: every rank calls it
     out["untouched"] = before is None or all(np.array_equal(v, before[k]) for k, v in after.items())
 
@@ -455,6 +457,13 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     out["async"] = _caught(handle.wait)
     dist.barrier()
     out["after_failures"] = _names(run)
+    # Flipped bytes in the shard that rank 1 verifies: both ranks raise, naming the file and rank 1.
+    flipped = Path(root) / "flipped"
+    if rank == 0:
+        shutil.copytree(out["resolved"], flipped)
+        _flip_bytes(flipped / "__1_0.distcp")
+    dist.barrier()
+    out["flipped"] = _caught(ckpt.load, flipped, net, opt)
 
     # The process group is still in step: load step-6 back and compare with the state saved.
     ckpt.load(out["resolved"], net, opt)
@@ -480,6 +489,7 @@ def test_rollback_newest_commit_wins_and_rank_local_failures_raise_everywhere(tm
         ("other_path", "rank 1 of 2: rank 1 loads .*step-5', rank 0 .*step-6': every rank must load the same"),
         ("bad_extra", r"not saved \(nothing written\): rank 1 of 2: checkpoint state 'step' is a int64"),
         ("async", r"nothing committed\): rank 1 of 2: OSError: \[Errno 28\] No space left on device"),
+        ("flipped", r"rank 1 of 2: checkpoint .*flipped' is corrupt: '__1_0.distcp' does not match its SHA-256"),
     ]:
         assert r0[key] is not None and r0[key] == r1[key], (key, r0[key], r1[key])
         assert re.search(reason, r0[key]), (key, r0[key])
@@ -564,3 +574,265 @@ def test_safetensors_import_checks_and_missing_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(ImportError, match="pip install safetensors"):
         ckpt.export_safetensors(net, tmp_path / "w2.safetensors")
+
+
+# ----------------------------------------------------------------------------- hostile checkpoints (issue 11)
+
+
+class _Payload:
+    """Unpickling this writes ``file``: stands for any code a forged checkpoint could try to run."""
+
+    def __init__(self, file: Path):
+        self.file = str(file)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.file!r}, 'w').write('pwned')",))
+
+
+def _small_checkpoint(root: Path, name: str = "good", seed: int = 0) -> Path:
+    net = Transformer(TransformerConfig.from_preset("tiny", seed=seed))
+    return Path(ckpt.save(root / name, net, step=1))
+
+
+def _rewrite_marker(path: Path, edit) -> None:
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    edit(marker)
+    (path / ckpt.MARKER).write_text(json.dumps(marker))
+
+
+def _forge_metadata(good: Path, dest: Path, obj: Any, fix_hash: bool = True) -> Path:
+    """A copy of ``good`` whose DCP ``.metadata`` is the pickle of ``obj``; the marker's hash forged to match."""
+    import hashlib
+    import pickle
+
+    shutil.copytree(good, dest)
+    (dest / ".metadata").write_bytes(pickle.dumps(obj))
+
+    def forge(marker: dict) -> None:
+        marker["files"][".metadata"] = (dest / ".metadata").stat().st_size
+        marker["sha256"][".metadata"] = hashlib.sha256((dest / ".metadata").read_bytes()).hexdigest()
+
+    if fix_hash:
+        _rewrite_marker(dest, forge)
+    return dest
+
+
+def test_forged_metadata_never_runs_code(tmp_path):
+    """DCP's .metadata is a pickle: a forged one (hash forged too, or deleted) must be refused, never run."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    good = _small_checkpoint(tmp_path)
+    pwned = tmp_path / "pwned.txt"
+    real = pickle.loads((good / ".metadata").read_bytes())  # our own file: trusted here
+    nested = pickle.loads((good / ".metadata").read_bytes())
+    nested.planner_data = {"x": _Payload(pwned)}  # hidden deep inside a valid Metadata
+    as_bytes = pickle.loads((good / ".metadata").read_bytes())
+    key = next(iter(as_bytes.state_dict_metadata))
+    as_bytes.state_dict_metadata[key] = BytesStorageMetadata()  # DCP would torch.load(weights_only=False) it
+    forged = {
+        "payload": _forge_metadata(good, tmp_path / "payload", _Payload(pwned)),
+        "nested": _forge_metadata(good, tmp_path / "nested", nested),
+        "bytes-entry": _forge_metadata(good, tmp_path / "bytes-entry", as_bytes),
+    }
+    no_hash = _forge_metadata(good, tmp_path / "no-hash", _Payload(pwned))
+    _rewrite_marker(no_hash, lambda m: m["sha256"].pop(".metadata"))
+    bad_hash = _forge_metadata(good, tmp_path / "bad-hash", real, fix_hash=False)
+    _rewrite_marker(bad_hash, lambda m: m["sha256"].update({".metadata": "x"}))
+    net = Transformer(TransformerConfig.from_preset("tiny", seed=3))
+    for name, path in forged.items():
+        for attempt in (lambda p=path: ckpt.load(p, net), lambda p=path: ckpt.export_safetensors(p, tmp_path / "o")):
+            with pytest.raises(CheckpointError, match=r"not plain DCP metadata: .*refused, nothing in it was run"):
+                attempt()
+            assert not pwned.exists(), f"{name}: the forged checkpoint ran code"
+    for path, message in [
+        (no_hash, r"no SHA-256 for \['.metadata'\]"),
+        (bad_hash, "field 'sha256' is .*must be a table of file names to 64 lowercase hex"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.load(path, net)
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.export_safetensors(path, tmp_path / "o")
+    assert not pwned.exists()
+    assert not (tmp_path / "o").exists()
+
+    # The state JSON names dtypes as torch attributes: only a dtype is accepted (hash forged too).
+    import hashlib
+
+    odd = tmp_path / "odd-dtype"
+    shutil.copytree(_small_checkpoint(tmp_path, "with-extra", seed=1), odd)
+    state = json.loads((odd / ckpt.STATE_FILE).read_text())
+    state["extra"] = {"t": {"__tensor__": "extra.t", "shape": [1], "dtype": "load"}}
+    (odd / ckpt.STATE_FILE).write_text(json.dumps(state))
+    digest = hashlib.sha256((odd / ckpt.STATE_FILE).read_bytes()).hexdigest()
+    size = (odd / ckpt.STATE_FILE).stat().st_size
+    _rewrite_marker(
+        odd, lambda m: (m["sha256"].update({ckpt.STATE_FILE: digest}), m["files"].update({ckpt.STATE_FILE: size}))
+    )
+    with pytest.raises(CheckpointError, match="dtype 'load', not a torch dtype"):
+        ckpt.load(odd, net)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's single-process note, from its thread
+def test_pruning_removes_only_what_ndparallel_created(tmp_path):
+    """Leftover-looking names of the user's (``results.old-2024``, ``db.tmp-1``, even our exact format
+    without our stamp) survive every save and prune; a leftover of our own crashed save does not."""
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    day_ago = time.time() - 86400
+    users = ["results.old-2024", "db.tmp-1", "step-2.tmp-1", "step-2.old-abc", "x.tmp-0123456789abcdef"]
+    for name in users:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data.txt").write_text("the user's")
+        os.utime(tmp_path / name, (day_ago, day_ago))
+    handle = ckpt.save_async(tmp_path / "step-1", net, step=1)
+    handle._future.result()  # written, never committed: a leftover of ours, as after a crash
+    ours = [p for p in tmp_path.iterdir() if p.name.startswith("step-1.tmp-")]
+    assert len(ours) == 1
+    os.utime(ours[0], (day_ago, day_ago))
+    for step in (2, 3):
+        ckpt.save(tmp_path / f"step-{step}", net, step=step, keep_last=1)
+    assert _names(tmp_path) == sorted([*users, "step-3"]), "only our own leftover and step-2 may go"
+    assert ckpt.prune(tmp_path, 1) == []
+    for name in users:
+        assert (tmp_path / name / "data.txt").read_text() == "the user's"
+
+
+_BAD_FIELDS: list[tuple[str, Any, str]] = [
+    ("created_unix", float("nan"), "created_unix"),
+    ("created_unix", float("inf"), "created_unix"),
+    ("created_unix", "yesterday", "created_unix"),
+    ("created_unix", True, "created_unix"),
+    ("step", "5", "step"),
+    ("step", True, "step"),
+    ("step", -1, "step"),
+    ("world_size", 0, "world_size"),
+    ("rng_ranks", -2, "rng_ranks"),
+    ("has_optimizer", "yes", "has_optimizer"),
+    ("mesh", "dp_shard", "mesh"),
+    ("format_version", "1", "format_version"),
+    ("format_version", True, "format_version"),
+    ("files", ["__0_0.distcp"], "files"),
+    ("files", {"../../etc/passwd": 1}, "files"),
+    ("files", {"/etc/passwd": 1}, "files"),
+    ("sha256", ["x"], "sha256"),
+    ("sha256", {".metadata": 5}, "sha256"),
+]
+
+
+def test_markers_are_validated_field_by_field_and_order_trusts_no_bad_number(tmp_path):
+    net = Transformer(TransformerConfig.from_preset("tiny"))
+    good = Path(ckpt.save(tmp_path / "fields" / "good", net, step=1))
+    for field, value, message in _BAD_FIELDS:
+        bad = tmp_path / "fields" / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(good, bad)
+        _rewrite_marker(bad, lambda m, f=field, v=value: m.update({f: v}))
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.validate(bad)
+    _rewrite_marker(bad, lambda m: m.pop("created_unix"))
+    with pytest.raises(CheckpointError, match="created_unix"):
+        ckpt.validate(bad)
+    unknown = tmp_path / "fields" / "future"
+    shutil.copytree(good, unknown)
+    _rewrite_marker(unknown, lambda m: m.update(format_version=99))
+    with pytest.raises(CheckpointError, match="format_version 99; this ndparallel reads version"):
+        ckpt.validate(unknown)
+
+    # A NaN commit time in step-2's marker: step-2 is skipped (with a warning naming it), never
+    # taken for the latest, never the reason a newer checkpoint is pruned, and no new commit time is NaN.
+    run = tmp_path / "run"
+    for step in (2, 4, 6):
+        ckpt.save(run / f"step-{step}", net, step=step, keep_last=3)
+    _rewrite_marker(run / "step-2", lambda m: m.update(created_unix=float("nan")))
+    _rewrite_marker(run / "step-4", lambda m: m.update(sha256=["x"]))
+    with pytest.warns(UserWarning) as caught:
+        assert ckpt.latest(run) == ckpt.resolve_latest(run) == str(run / "step-6")
+    skipped = " ".join(str(w.message) for w in caught)
+    assert "step-2" in skipped and "step-4" in skipped and "skipping corrupt checkpoint" in skipped
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        ckpt.save(run / "step-8", net, step=8, keep_last=2)
+    assert _names(run) == ["step-2", "step-4", "step-6", "step-8"], "corrupt ones are left alone, good ones kept"
+    created = json.loads((run / "step-8" / ckpt.MARKER).read_text())["created_unix"]
+    assert np.isfinite(created)
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        assert ckpt.latest(run) == str(run / "step-8")
+
+
+def _flip_bytes(file: Path, offset: int = 20000, count: int = 8) -> None:
+    data = bytearray(file.read_bytes())
+    assert len(data) >= offset + count
+    for i in range(offset, offset + count):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's single-process note, from its thread
+def test_every_file_is_checksummed_at_save_and_verified_at_load(tmp_path, monkeypatch):
+    import threading
+
+    from ndparallel import checkpoint_manifest
+
+    net, opt, sched, _ = _setup(None)
+    _train(net, opt, sched, None, 1)
+    hashed_in: dict[str, str] = {}
+    real_sha256 = checkpoint_manifest.sha256_file
+
+    def recording_sha256(path: Path) -> str:
+        hashed_in.setdefault(Path(path).name, threading.current_thread().name)
+        return real_sha256(path)
+
+    monkeypatch.setattr(checkpoint_manifest, "sha256_file", recording_sha256)
+    handle = ckpt.save_async(tmp_path / "step-1", net, opt, step=1)
+    path = Path(handle.wait())
+    monkeypatch.undo()
+    marker = json.loads((path / ckpt.MARKER).read_text())
+    assert marker["format_version"] == 2
+    assert set(marker["sha256"]) == set(marker["files"]) and "__0_0.distcp" in marker["files"]
+    assert hashed_in["__0_0.distcp"] != threading.main_thread().name, "an async save hashes in the background"
+
+    # 8 flipped bytes in the shard (same size): refused by default, naming the file; loads with verify=False.
+    _flip_bytes(path / "__0_0.distcp")
+    ckpt.validate(path)  # the quick check (sizes, small files) cannot see it ...
+    with pytest.raises(CheckpointError, match=r"'__0_0.distcp' does not match its SHA-256"):
+        ckpt.validate(path, checksums=True)  # ... the full one can
+    target, target_opt, _, _ = _setup(None, seed=3)
+    before = _snapshot(target, target_opt)
+    with pytest.raises(CheckpointError, match=r"'__0_0.distcp' does not match its SHA-256"):
+        ckpt.load(path, target, target_opt)
+    assert all(torch.equal(v, _snapshot(target, target_opt)[k]) for k, v in before.items())
+    with pytest.raises(CheckpointError, match=r"'__0_0.distcp' does not match its SHA-256"):
+        ckpt.export_safetensors(path, tmp_path / "w.safetensors")
+    ckpt.load(path, target, target_opt, verify=False)  # the user's choice for huge checkpoints
+    assert not _same_weights(target, net), "the flipped bytes reached a tensor"
+    ckpt.export_safetensors(path, tmp_path / "w.safetensors", verify=False)
+
+    # A checkpoint of format version 1 (hashes of .metadata and the state JSON only) still loads.
+    v1 = Path(ckpt.save(tmp_path / "v1", net, opt, step=1))
+    _rewrite_marker(
+        v1, lambda m: m.update(format_version=1, sha256={k: m["sha256"][k] for k in (".metadata", ckpt.STATE_FILE)})
+    )
+    ckpt.load(v1, target, target_opt)
+    assert _same_weights(target, net)
+
+
+def test_a_non_finite_state_is_never_committed_nor_prunes_a_finite_one(tmp_path):
+    net, opt, sched, _ = _setup(None)
+    _train(net, opt, sched, None, 1)
+    for step in (1, 2):
+        ckpt.save(tmp_path / f"step-{step}", net, opt, step=step, keep_last=2)
+    with torch.no_grad():
+        net.layers[1].attention.wq.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.attention.wq.weight' has NaN or inf"):
+        ckpt.save(tmp_path / "step-3", net, opt, step=3, keep_last=2)
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.attention.wq.weight' has NaN or inf"):
+        ckpt.save_async(tmp_path / "step-3", net, opt, step=3, keep_last=2)
+    assert _names(tmp_path) == ["step-1", "step-2"], "nothing written, nothing pruned"
+    with torch.no_grad():
+        net.layers[1].attention.wq.weight[0, 0] = 0.0
+        next(iter(opt.state.values()))["exp_avg_sq"].fill_(float("inf"))
+    with pytest.raises(CheckpointError, match=r"'optimizer.state.* has NaN or inf"):
+        ckpt.save(tmp_path / "step-3", net, opt, step=3, keep_last=2)
+    assert _names(tmp_path) == ["step-1", "step-2"]
+    ckpt.save(tmp_path / "inspect", net, opt, allow_nonfinite=True)  # on purpose, e.g. to debug a divergence
+    assert ckpt.latest(tmp_path) == str(tmp_path / "inspect")

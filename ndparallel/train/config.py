@@ -60,6 +60,9 @@ class LoopConfig:
     """Per-device peak for the MFU estimate; default: bf16 dense peak of known GPUs, none on CPU."""
     timeout_s: float = 600.0
     """A rank that waits this long for its peers ends the job, naming the rank(s) behind (``--timeout``)."""
+    max_nonfinite_steps: int = 1
+    """Stop the job after this many steps in a row whose loss or gradient norm is NaN/inf (such a step
+    applies no update and is not saved); 1: at the first."""
 
 
 @dataclass
@@ -71,6 +74,8 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: bool | str = False
     """true: continue from the newest complete checkpoint under dir; a path: from that checkpoint."""
+    verify: bool = True
+    """Check every file of the checkpoint resumed from against its SHA-256 (false: sizes only)."""
 
 
 _SECTIONS = {
@@ -142,6 +147,7 @@ class TrainConfig:
             ("train.device", t.device in (None, "cpu", "cuda"), "must be cpu, cuda or null"),
             ("train.peak_tflops", t.peak_tflops is None or t.peak_tflops > 0, "must be > 0 (or null)"),
             ("train.timeout_s", math.isfinite(t.timeout_s) and t.timeout_s > 0, "must be a number of seconds > 0"),
+            ("train.max_nonfinite_steps", t.max_nonfinite_steps >= 1, "must be >= 1"),
             ("data.seq_len", d.seq_len >= 1, "must be >= 1"),
             ("data.max_bytes", d.max_bytes >= 1, "must be >= 1"),
             ("checkpoint.every", c.every >= 0, "must be >= 0 (0: only at the end)"),

@@ -33,8 +33,10 @@ from ndparallel.models import Transformer
 from ndparallel.parallelize import parallelize
 from ndparallel.peak import device_peak
 from ndparallel.plans.context_parallel import context_parallel
+from ndparallel.train.checkpointing import hold_checkpoint_dir
 from ndparallel.train.config import TrainConfig, job_device
 from ndparallel.train.data import BatchLoader, ByteCorpus
+from ndparallel.train.nonfinite import NonFiniteGuard
 from ndparallel.train.progress import Progress, format_duration, format_rate
 from ndparallel.train.watchdog import Watchdog, process_group_timeout
 
@@ -156,7 +158,10 @@ def _resume_path(cfg: TrainConfig) -> str | None:
         return c.resume
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if c.dir and (c.resume or restarted):
-        return checkpoint.resolve_latest(c.dir)
+        found = checkpoint.resolve_latest(c.dir)
+        if found is None and c.resume and dist.get_rank() == 0:
+            print(f"ndparallel train: nothing to resume in checkpoint.dir={c.dir!r}: starting at step 0", flush=True)
+        return found
     return None
 
 
@@ -177,7 +182,8 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     mesh = mesh or init_distributed(cfg.parallelism, device_type=job_device(cfg), timeout_s=timeout)
     watchdog = Watchdog.for_job(cfg.train.timeout_s)
     try:
-        return _train(cfg, mesh, watchdog)
+        with hold_checkpoint_dir(cfg.checkpoint):  # rank 0 locks checkpoint.dir for the whole job
+            return _train(cfg, mesh, watchdog)
     except RuntimeError as err:
         lost = watchdog.explain(err)
         if lost is None:
@@ -211,7 +217,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     resume = _resume_path(cfg)
     if resume:
         watchdog.phase(f"loading checkpoint {resume}")
-        state = checkpoint.load(resume, model, optimizer)
+        state = checkpoint.load(resume, model, optimizer, verify=cfg.checkpoint.verify)
         loader.load_state_dict(state["data"])
         result.start_step = int(state["step"])
     if rank0:
@@ -226,6 +232,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     metrics_file = _open_metrics_file(t.metrics_file, rank0, device)
     progress = Progress(t.steps, enabled=rank0, every=t.log_every, start_step=result.start_step)
     stop = _StopRequest()
+    nonfinite = NonFiniteGuard(t.max_nonfinite_steps, device, verbose=rank0)
     start = time.perf_counter()
     step = result.start_step
     try:
@@ -251,7 +258,9 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
                 step_loss += loss.detach()
             watchdog.phase(f"step {step + 1}: gradient clipping and optimizer step")
             grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
-            optimizer.step()
+            finite = nonfinite.step_is_finite(step + 1, step_loss, grad_norm)  # raises after N bad steps in a row
+            if finite:  # a NaN/inf never reaches the weights
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             loader.step = step
@@ -274,7 +283,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
             signalled = stop.agreed(device)
             interrupted = signalled is not None
             every = cfg.checkpoint.every
-            if cfg.checkpoint.dir and (step == t.steps or interrupted or (every and step % every == 0)):
+            if cfg.checkpoint.dir and finite and (step == t.steps or interrupted or (every and step % every == 0)):
                 watchdog.phase(f"step {step}: checkpoint save")
                 _save(cfg, step, model, optimizer, loader, rank0)
             if interrupted:

@@ -1,0 +1,104 @@
+"""Cross-rank agreement for checkpoint operations: text over tensors, and one error for every rank.
+
+Checkpoint code does rank-local checks (a file one node cannot see, a bad argument on one rank)
+between collectives. :func:`agree` turns a failure on any rank into the same
+:class:`~ndparallel.errors.CheckpointError` on every rank before anyone reaches the next
+collective, instead of a hang until the process-group timeout. Strings travel as UTF-8 bytes in
+tensors (:func:`broadcast_text`, :func:`gather_text`): nothing is pickled. Without a process
+group every function is its single-process identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ndparallel.errors import CheckpointError
+
+__all__ = ["agree", "broadcast_text", "distributed", "failed_ranks", "gather_text", "rank", "world_size"]
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
+def _device() -> torch.device:
+    # NCCL moves only CUDA tensors; gloo (and the rest) take CPU tensors.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_text(text: str, src: int = 0) -> str:
+    """Rank ``src``'s ``text`` on every rank, sent as UTF-8 bytes in a tensor (nothing is pickled)."""
+    if not distributed() or dist.get_world_size() == 1:
+        return text
+    data = text.encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=_device())
+    dist.broadcast(size, src=src)
+    n = int(size.item())
+    if n == 0:
+        return ""
+    if dist.get_rank() == src:
+        buf = torch.tensor(list(data), dtype=torch.uint8, device=_device())
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=_device())
+    dist.broadcast(buf, src=src)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+def gather_text(text: str) -> list[str]:
+    """Every rank's ``text``, on every rank, as UTF-8 bytes in tensors (nothing is pickled)."""
+    if not distributed() or dist.get_world_size() == 1:
+        return [text]
+    data = text.encode()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=_device()))
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8, device=_device())
+    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    bufs = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(bufs, buf)
+    return [bytes(b[: int(n.item())].cpu().tolist()).decode() for b, n in zip(bufs, sizes, strict=True)]
+
+
+def failed_ranks(failed: bool) -> list[int]:
+    """Collective: the ranks on which ``failed`` is true (one all_reduce of a one-hot vector)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
+    flags[dist.get_rank()] = int(failed)
+    dist.all_reduce(flags)
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    return text if len(text) <= 4000 else text[:4000] + "..."
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Collective: if any rank has an ``error``, every rank raises, before any rank reaches the next collective.
+
+    A rank-local failure (a file one node cannot see, one reader's corrupt view, a bad argument on
+    one rank) must not leave the other ranks waiting in a collective until the process-group
+    timeout. Every rank raises the same :class:`CheckpointError`, naming the first failing rank and
+    its reason (on that rank chained from ``error``). Without a process group, ``error`` itself is raised.
+    """
+    if not distributed() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    failed = failed_ranks(error is not None)
+    if not failed:
+        return
+    src = failed[0]
+    reason = broadcast_text(_reason(error) if dist.get_rank() == src else "", src)
+    others = f" (ranks {failed[1:]} failed too)" if len(failed) > 1 else ""
+    raise CheckpointError(f"{what}: rank {src} of {dist.get_world_size()}: {reason}{others}") from error

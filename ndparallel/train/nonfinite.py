@@ -1,0 +1,69 @@
+"""Stop a diverging job: a NaN/inf loss or gradient norm, agreed by every rank, never reaches the weights.
+
+Each step every rank checks its own loss and the global gradient norm; one ``all_reduce`` of a
+per-rank flag makes every rank take the same decision. A bad step applies no optimizer update (so
+the weights stay those of the last good step, and nothing non-finite can be saved); after
+``train.max_nonfinite_steps`` bad steps in a row (default 1: the first) every rank raises
+:class:`~ndparallel.errors.DivergenceError` naming the step and the ranks that saw it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ndparallel.errors import DivergenceError
+
+__all__ = ["NonFiniteGuard"]
+
+
+def _local_value(loss: torch.Tensor) -> float:
+    local = loss.to_local() if isinstance(loss, DTensor) else loss
+    return float(local.detach().float().sum())
+
+
+class NonFiniteGuard:
+    """Counts consecutive steps whose loss or gradient norm is NaN/inf; raises after ``limit`` of them."""
+
+    def __init__(self, limit: int, device: torch.device, verbose: bool = False) -> None:
+        self.limit = limit
+        self.device = device
+        self.verbose = verbose  # print each skipped step (rank 0)
+        self.streak = 0
+
+    def step_is_finite(self, step: int, loss: torch.Tensor, grad_norm: float) -> bool:
+        """Collective (every rank calls it): True if every rank's loss and the gradient norm are finite.
+
+        A False step must not be applied. Raises :class:`DivergenceError` on every rank once
+        ``limit`` steps in a row were not finite. ``step`` is the 1-based number of this step.
+        """
+        value = _local_value(loss)
+        bad = not (math.isfinite(value) and math.isfinite(grad_norm))
+        bad_ranks = [0] if bad else []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=self.device)
+            flags[dist.get_rank()] = int(bad)
+            dist.all_reduce(flags)
+            bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if not bad_ranks:
+            self.streak = 0
+            return True
+        self.streak += 1
+        detail = f"loss {value:.4g}, grad norm {grad_norm:.4g}"
+        if self.streak >= self.limit:
+            raise DivergenceError(
+                f"training stopped at step {step}: the loss or the gradient norm is NaN/inf on rank(s) {bad_ranks} "
+                f"(this rank: {detail}) for {self.streak} step(s) in a row "
+                f"(train.max_nonfinite_steps={self.limit}); the bad steps updated nothing and no checkpoint of them "
+                "was saved. Lower train.lr, check the data, or resume from the last checkpoint"
+            )
+        if self.verbose:
+            print(
+                f"step {step}: the loss or the gradient norm is NaN/inf on rank(s) {bad_ranks} ({detail} here): "
+                f"update skipped ({self.streak} of at most {self.limit - 1} in a row)",
+                flush=True,
+            )
+        return False
