@@ -232,9 +232,9 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
                 ):
                     with autocast:
                         logits = model(x, positions)
-                    loss = cross_entropy_loss(logits.float(), y) / accumulation
+                    loss = cross_entropy_loss(logits, y) / accumulation  # fp32 or wider (float64 stays)
                     loss.backward()
-                step_loss += loss.detach()
+                step_loss = step_loss + loss.detach()  # out of place: a float64 loss is not rounded to fp32
             grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
