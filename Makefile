@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/ndparallel train --config configs/demo.yaml --cpu-ranks $(CPU_RANKS)
 
+# The whole suite on this machine's best CPU kernels, then the kernel-sensitive parity checks (marker
+# `capability`: fp32 smoke bounds and two float64 shapes) again on ATen's portable `default` kernels.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m capability
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml
