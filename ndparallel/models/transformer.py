@@ -48,9 +48,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
-    compute = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = cos[:, :, None, :].to(compute), sin[:, :, None, :].to(compute)
-    x1, x2 = x.to(compute).chunk(2, dim=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # type promotion lifts the products: no saved copies
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.type_as(x)
 
