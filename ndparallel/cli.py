@@ -23,7 +23,7 @@ __all__ = ["main"]
 def _cmd_mesh(args: argparse.Namespace) -> int:
     from ndparallel.mesh import format_rank_table
 
-    cfg = ParallelismConfig.from_dict(load_yaml_mapping(args.config)).with_overrides(args.overrides)
+    cfg = ParallelismConfig.from_sources(load_yaml_mapping(args.config), os.environ, args.overrides)
     world = args.world_size
     if world is None:
         if -1 in cfg.sizes.values():
@@ -68,8 +68,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace):
-    """The TrainConfig of ``ndparallel train``: the YAML (or defaults), overrides, --steps, --resume."""
-    from ndparallel.train.config import TrainConfig, apply_overrides
+    """``ndparallel train``'s TrainConfig: the YAML (or defaults), the environment, overrides, --steps, --resume."""
+    from ndparallel.train.config import TrainConfig
 
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -78,9 +78,7 @@ def _train_config(args: argparse.Namespace):
         overrides.append(f"train.timeout_s={args.timeout}")
     if args.resume:
         overrides.append("checkpoint.resume=true")
-    if args.config:
-        return TrainConfig.from_yaml(args.config, overrides)
-    return TrainConfig.from_dict(apply_overrides({}, overrides))
+    return TrainConfig.from_sources(args.config, overrides, os.environ)
 
 
 def _parser() -> argparse.ArgumentParser:

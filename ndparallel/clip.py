@@ -6,6 +6,13 @@ tensors. Here gradients are grouped by mesh, each group's norm is computed with 
 reduction its placements imply (Shard: sum over the mesh; Replicate: local; Partial: reduced),
 the group norms are combined into the true global norm, and every group is scaled by one
 coefficient.
+
+Numerics: each group's norm keeps its gradients' dtype and the groups are combined in the widest
+of them (at least fp32), so float64 gradients give a float64 norm. Every rank must hold gradients for
+the same parameters: under DTensor the norm is a collective, and a rank without a gradient that
+another rank has would compute something no single process computes (a Replicate gradient's norm
+would differ between ranks, a Shard's would miss a piece). That is checked with one small
+all-reduce and refused with the same error on every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
@@ -47,31 +55,78 @@ def _quiet_sequential_reduce_warning() -> Iterator[None]:
 
 
 def _combine(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    stacked = torch.stack(norms)
+    """One norm from the groups' norms, in the widest of their dtypes (at least fp32): never below a gradient's."""
+    dtype = torch.float32
+    for norm in norms:
+        dtype = torch.promote_types(dtype, norm.dtype)
+    stacked = torch.stack([n.to(norms[0].device, dtype) for n in norms])
     if math.isinf(norm_type):
         return stacked.max()
     return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
+def _agreement_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _check_same_grads_on_every_rank(parameters: list[torch.Tensor]) -> None:
+    """Raise the same error on every rank unless all ranks hold gradients for the same parameters.
+
+    One all-reduce (MAX of ``[has_grad, 1 - has_grad]`` per parameter) over the world, when the
+    parameters hold DTensors whose meshes span it (every ndparallel mesh does); with plain tensors
+    only there is no collective and nothing to check. On disagreement, one all-gather names the ranks.
+    """
+    meshes = {p.device_mesh: None for p in parameters if isinstance(p, DTensor)}
+    if not meshes or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    ranks = set()
+    for mesh in meshes:
+        ranks.update(mesh.mesh.flatten().tolist())
+    if len(ranks) != dist.get_world_size():
+        return  # a sub-world job: no group spans exactly its ranks without a collective new_group
+    has = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32)
+    flags = torch.cat([has, 1 - has]).to(_agreement_device(next(iter(meshes))))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    split = flags.cpu().view(2, -1)
+    disputed = [i for i in range(len(parameters)) if split[0, i] and split[1, i]]
+    if not disputed:
+        return
+    missing: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(missing, [i for i in disputed if not has[i]])
+    first = disputed[0]
+    lacking = [r for r, idx in enumerate(missing) if idx and first in idx]
+    having = [r for r in range(len(missing)) if r not in lacking]
+    raise RuntimeError(
+        f"clip_grad_norm_: parameter {first} (shape {list(parameters[first].shape)}) has a gradient on rank(s) "
+        f"{having} but not on rank(s) {lacking} ({len(disputed)} parameter(s) disagree): the global norm would "
+        "differ from one process's. Run the same forward/backward on every rank before clipping (a rank that "
+        "skipped backward or set .grad = None alone)"
+    )
+
+
 def total_grad_norm(
     parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, foreach: bool | None = None
 ) -> torch.Tensor:
-    """The norm of all gradients together, as one process holding the full model would compute it."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
+    """The norm of all gradients together, as one process holding the full model would compute it.
+
+    Returned in the widest gradient dtype (at least fp32). Raises ``RuntimeError`` on every rank when
+    ranks hold gradients for different parameters (see the module docstring).
+    """
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
+    _check_same_grads_on_every_rank(parameters)
     norms = []
-    device = None
     for grads in _grads_by_mesh(parameters).values():
         with _quiet_sequential_reduce_warning():
             norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()  # reduces Partial placements over the mesh
-        norms.append(norm.float())
-        device = device or norm.device
+        norms.append(norm)
     if not norms:
         return torch.tensor(0.0)
-    return _combine([n.to(device) for n in norms], norm_type)
+    return _combine(norms, norm_type)
 
 
 def clip_grad_norm_(

@@ -7,6 +7,11 @@ lives here, and every error names the field and a fix::
     cfg = ParallelismConfig(dp_shard_size=-1, tp_size=2).resolve(world_size=8)   # dp_shard 4
     cfg = ParallelismConfig.from_yaml("configs/2d.yaml").with_overrides(["tp_size=4"])
     cfg = ParallelismConfig.from_env()            # NDP_TP_SIZE=2 ... (or accelerate's names)
+    cfg = ParallelismConfig.from_sources(file_mapping, os.environ, ["tp_size=4"])   # what the CLI does
+
+Precedence, defined once (``from_sources``): defaults < file < environment < command line. An
+``NDP_<FIELD>`` and a ``PARALLELISM_CONFIG_<FIELD>`` variable that set one field to different values
+are an error (never "whichever the environment lists last").
 """
 
 from __future__ import annotations
@@ -26,8 +31,17 @@ import yaml
 
 from ndparallel.accelerate_config import AccelerateNames, accelerate_settings, is_accelerate_file
 from ndparallel.errors import ConfigError
+from ndparallel.yaml_loader import UniqueKeyLoader
 
-__all__ = ["MESH_DIMS", "ConfigError", "ParallelismConfig", "coerce_fields", "load_yaml_mapping", "parse_overrides"]
+__all__ = [
+    "MESH_DIMS",
+    "ConfigError",
+    "ParallelismConfig",
+    "coerce_fields",
+    "environment_fields",
+    "load_yaml_mapping",
+    "parse_overrides",
+]
 
 # Mesh dimensions, outer -> inner, and the size field of each.
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -108,6 +122,8 @@ class ParallelismConfig(AccelerateNames):
                 break
         values = {}
         for key, value in data.items():
+            if _refuse_sequence_parallel(str(key), value):
+                continue
             values[_canonical_key(str(key))] = value
         return cls(**values)
 
@@ -118,16 +134,21 @@ class ParallelismConfig(AccelerateNames):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, base: ParallelismConfig | None = None):
-        """Override ``base`` (default: defaults) with ``NDP_<FIELD>`` or ``PARALLELISM_CONFIG_<FIELD>`` variables."""
-        environ = os.environ if environ is None else environ
-        overrides = {}
-        for name, value in environ.items():
-            for prefix in _ENV_PREFIXES:
-                if name.startswith(prefix):
-                    key = name[len(prefix) :].lower()
-                    if key in _field_names() or key in _ALIASES:
-                        overrides[_canonical_key(key)] = _parse_scalar(value)
-        return dataclasses.replace(base or cls(), **overrides)
+        """Override ``base`` (default: defaults) with ``NDP_<FIELD>`` or ``PARALLELISM_CONFIG_<FIELD>`` variables
+        (see :func:`environment_fields`)."""
+        return dataclasses.replace(base or cls(), **environment_fields(environ))
+
+    @classmethod
+    def from_sources(
+        cls,
+        file: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        overrides: Iterable[str] | Mapping[str, Any] = (),
+    ) -> ParallelismConfig:
+        """The one precedence rule: defaults < ``file`` (a mapping, as :meth:`from_dict` reads it) <
+        environment (``environ``, default ``os.environ``) < command-line ``overrides``."""
+        cfg = cls.from_dict(file or {})
+        return cls.from_env(environ, base=cfg).with_overrides(overrides)
 
     def with_overrides(self, overrides: Iterable[str] | Mapping[str, Any]) -> ParallelismConfig:
         """A copy with ``["tp_size=2", "mixed_precision=bf16"]`` (or a dict) applied."""
@@ -220,6 +241,67 @@ class ParallelismConfig(AccelerateNames):
 
 def _field_names() -> set[str]:
     return {f.name for f in dataclasses.fields(ParallelismConfig)}
+
+
+# Accelerate's DeepSpeed-Ulysses sequence-parallel settings: a dimension ndparallel does not have.
+_SEQUENCE_PARALLEL_KEYS = (
+    "sp_size",
+    "sp_backend",
+    "sp_seq_length",
+    "sp_seq_length_is_variable",
+    "sp_attn_implementation",
+)
+
+
+def _refuse_sequence_parallel(key: str, value: Any, source: str | None = None) -> bool:
+    """True for an Accelerate ``sp_*`` key that has no effect (sp_size 1, or a companion of it); ConfigError
+    for ``sp_size > 1``, naming the key and the ndparallel way to get the same split."""
+    name = key.lower()
+    name = name[len(_ACCELERATE_PREFIX) :] if name.startswith(_ACCELERATE_PREFIX) else name
+    if name not in _SEQUENCE_PARALLEL_KEYS:
+        return False
+    if name == "sp_size" and value not in (None, 1, "1"):
+        raise ConfigError(
+            f"{source or key}={value!r}: Accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism, which "
+            f"ndparallel does not run as a separate dimension; split the sequence with cp_size={value} and "
+            "cp_rotate_method=alltoall instead (Accelerate: parallelism_config_cp_size + cp_comm_strategy: alltoall)"
+        )
+    return True  # sp_size 1 and the sp_* companions change nothing, as in Accelerate without sp
+
+
+def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Parallelism fields set by ``NDP_<FIELD>`` / ``PARALLELISM_CONFIG_<FIELD>`` variables (default ``os.environ``).
+
+    Every ``PARALLELISM_CONFIG_*`` variable is honoured or refused by name: our field names, Accelerate's
+    aliases (``CP_COMM_STRATEGY``), ``SP_SIZE`` 1 (and its ``SP_*`` companions, which then do nothing);
+    ``SP_SIZE > 1`` and unknown names raise ConfigError. ``NDP_*`` variables that are not parallelism fields
+    (``NDP_DEVICE``, ...) belong to other settings. Two variables that set one field to different values
+    raise ConfigError naming both.
+    """
+    environ = os.environ if environ is None else environ
+    found: dict[str, tuple[str, Any]] = {}
+    for name in sorted(environ):
+        prefix = next((p for p in _ENV_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        key, value = name[len(prefix) :].lower(), _parse_scalar(environ[name])
+        if _refuse_sequence_parallel(key, value, source=name):
+            continue
+        if key not in _field_names() and key not in _ALIASES:
+            if prefix == "NDP_":
+                continue
+            raise ConfigError(
+                f"environment variable {name} is not a parallelism setting ndparallel knows"
+                f"{_did_you_mean(key, sorted(_field_names() | set(_ALIASES)))}; unset it"
+            )
+        field = _canonical_key(key)
+        if field in found and found[field][1] != value:
+            other, before = found[field]
+            raise ConfigError(
+                f"environment variables {other}={before!r} and {name}={value!r} both set {field}; unset one"
+            )
+        found[field] = (name, value)
+    return {field: value for field, (_, value) in found.items()}
 
 
 def _canonical_key(key: str) -> str:
@@ -330,9 +412,11 @@ def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    except ConfigError as err:  # a duplicate key
+        raise ConfigError(f"{path}: {err}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path} is not a text file (byte {err.start} is not UTF-8); a config is YAML text") from None
     except RecursionError:

@@ -33,9 +33,10 @@ def average_over(mesh_or_group: DeviceMesh | dist.ProcessGroup | None, value: fl
     """
     if isinstance(value, DTensor):
         value = value.full_tensor()
-    tensor = (
-        value.detach().float().reshape(()).clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-    )
+    if isinstance(value, torch.Tensor):  # averaged in fp32 or wider: a float64 loss keeps its digits
+        tensor = value.detach().reshape(()).to(torch.promote_types(value.dtype, torch.float32)).clone()
+    else:
+        tensor = torch.tensor(float(value), dtype=torch.float64)
     if not dist.is_initialized():
         return tensor.item()
     group = _group(mesh_or_group)

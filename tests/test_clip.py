@@ -1,4 +1,6 @@
-"""clip_grad_norm_ with gradients on different meshes, mixing Shard/Replicate/Partial DTensors and plain tensors."""
+"""clip_grad_norm_ with gradients on different meshes, mixing Shard/Replicate/Partial DTensors and plain tensors:
+float64 gradients give the float64 norm to 1e-12 (fp32 in the norm would show as ~1e-8), and ranks that
+disagree on which parameters have gradients get the same error, naming the ranks."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ from ndparallel.testing import run_distributed
 NORM_TYPES = (2.0, 1.0, 3.0, math.inf)
 
 
-def _full_grads() -> list[torch.Tensor]:
+def _full_grads(dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     shapes = [(8, 3), (4, 6), (4, 4), (5,), (6, 2)]
-    grads = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [torch.randn(s, generator=generator, dtype=dtype) for s in shapes]
     grads[2][1, 2] = 9.0  # the inf-norm lives in a Shard(1) piece on a 2-D mesh
     return grads
 
@@ -44,7 +46,7 @@ def _params_on_meshes(full: list[torch.Tensor]) -> list[torch.Tensor]:
     partial = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full[4]), sub, [Replicate()]))
     partial.grad = DTensor.from_local(full[4] * weight, sub, [Partial()])
     params.append(partial)
-    params.append(torch.nn.Parameter(torch.zeros(3)))  # no gradient: ignored
+    params.append(torch.nn.Parameter(torch.zeros(3, dtype=full[0].dtype)))  # no gradient: ignored
     assert dist.get_world_size() == 4
     return params
 
@@ -77,24 +79,51 @@ def _clip_checks() -> dict:
             clipped_err=clipped_err,
             after=after,
             max_norm=max_norm,
+            dtype=str(norm.dtype),
         )
+    out["some_ranks"] = _grads_on_some_ranks_only()
     return out
 
 
+def _grads_on_some_ranks_only() -> dict:
+    """Rank 0 alone has gradients: every rank must raise the same error (today: rank 0 waited in a collective
+    the others never entered, "Connection closed by peer"), and the group stays usable afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    world = init_device_mesh("cpu", (4,))
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros(8, 2, dtype=torch.float64), world, [Shard(0)]))]
+    if dist.get_rank() == 0:  # from_local: no collective, so only rank 0 builds it
+        params[0].grad = DTensor.from_local(torch.ones(2, 2, dtype=torch.float64), world, [Shard(0)])
+    try:
+        clip_grad_norm_(params, 1.0)
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    return {"message": message, "after": flag.item()}
+
+
 def test_clip_across_meshes_and_tensor_kinds_4_ranks():
-    for rank_out in run_distributed(_clip_checks, 4):
+    for rank, rank_out in enumerate(run_distributed(_clip_checks, 4)):
+        some = rank_out.pop("some_ranks")
+        assert "has a gradient on rank(s) [0] but not on rank(s) [1, 2, 3]" in some["message"], (rank, some)
+        assert some["after"] == 4.0, "the process group must stay usable after the refusal"
         for norm_type, r in rank_out.items():
             label = f"norm_type={norm_type}"
-            assert math.isclose(r["unclipped"], r["ref"], rel_tol=1e-6), (label, r)
-            assert math.isclose(r["norm"], r["ref"], rel_tol=1e-6), (label, r)
+            assert r["dtype"] == "torch.float64", f"{label}: float64 gradients give a float64 norm"
+            assert math.isclose(r["unclipped"], r["ref"], rel_tol=1e-12), (label, r)
+            assert math.isclose(r["norm"], r["ref"], rel_tol=1e-12), (label, r)
             assert r["plain"], f"{label}: the returned norm must be a plain tensor"
-            assert r["unchanged"] < 1e-6, f"{label}: max_norm above the norm must not change gradients"
-            assert r["clipped_err"] < 1e-6, (label, r)
-            assert math.isclose(r["after"], r["max_norm"], rel_tol=1e-5), (label, r)
+            assert r["unchanged"] < 1e-12, f"{label}: max_norm above the norm must not change gradients"
+            assert r["clipped_err"] < 1e-12, (label, r)
+            assert math.isclose(r["after"], r["max_norm"] * r["ref"] / (r["ref"] + 1e-6), rel_tol=1e-12), (label, r)
 
 
 def test_clip_single_process_matches_torch():
-    full = _full_grads()
+    full = _full_grads(torch.float32)
     for norm_type in NORM_TYPES:
         ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
         theirs = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]

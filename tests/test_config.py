@@ -208,3 +208,81 @@ def test_train_config_overrides(tmp_path):
     assert (cfg.train.steps, cfg.parallelism.tp_size, cfg.model.n_layers) == (3, 2, 3)
     assert cfg.accumulation_steps(dp_size=2) == 4  # 16 / 2 ranks / 2 per micro-batch
     assert TrainConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
+# ------------------------------------------------------------------- environment, duplicates, precedence
+def test_environment_variables_are_honoured_or_refused_by_name():
+    from ndparallel.config import environment_fields
+
+    # Accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism: refused, pointing at cp + alltoall.
+    with pytest.raises(ConfigError, match=r"PARALLELISM_CONFIG_SP_SIZE=2: .*cp_size=2 and cp_rotate_method=alltoall"):
+        environment_fields({"PARALLELISM_CONFIG_SP_SIZE": "2"})
+    # sp_size 1 and its companions change nothing (as in Accelerate without sp).
+    quiet = {"PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+    assert environment_fields(quiet) == {}
+    with pytest.raises(ConfigError, match=r"PARALLELISM_CONFIG_TP_SIZ is not a parallelism setting.*'tp_size'"):
+        environment_fields({"PARALLELISM_CONFIG_TP_SIZ": "2"})
+    assert environment_fields({"NDP_DEVICE": "cpu", "NDP_STORE_PATH": "/x"}) == {}, "other NDP_ settings"
+    # Two names for one field: the same value is fine; different values are refused whatever the order.
+    assert environment_fields({"NDP_TP_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"}) == {"tp_size": 2}
+    for env in (
+        {"NDP_TP_SIZE": "4", "PARALLELISM_CONFIG_TP_SIZE": "2"},
+        {"PARALLELISM_CONFIG_TP_SIZE": "2", "NDP_TP_SIZE": "4"},
+    ):
+        with pytest.raises(ConfigError, match=r"NDP_TP_SIZE=4 and PARALLELISM_CONFIG_TP_SIZE=2 both set tp_size"):
+            environment_fields(env)
+    alias = {"PARALLELISM_CONFIG_CP_COMM_STRATEGY": "allgather", "NDP_CP_ROTATE_METHOD": "ring"}
+    with pytest.raises(ConfigError, match="both set cp_rotate_method"):
+        environment_fields(alias)
+
+
+def test_yaml_duplicate_keys_and_accelerate_sp_size_are_errors(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("parallelism:\n  tp_size: 2\n  cp_size: 1\n  tp_size: 4\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: duplicate key 'tp_size' on lines 2 and 4"):
+        ParallelismConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match="duplicate key 'train'"):
+        TrainConfig.from_yaml(_write(tmp_path, "train:\n  steps: 2\ntrain:\n  steps: 3\n"))
+    merged = _write(tmp_path, "base: &b {tp_size: 2}\nparallelism:\n  <<: *b\n  tp_size: 4\n")
+    assert ParallelismConfig.from_yaml(merged).tp_size == 4, "a YAML merge key overrides on purpose"
+    accelerate = _write(tmp_path, "parallelism_config:\n  parallelism_config_sp_size: 2\n")
+    with pytest.raises(ConfigError, match="parallelism_config_sp_size=2: Accelerate's sp_size is DeepSpeed-Ulysses"):
+        ParallelismConfig.from_yaml(accelerate)
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / f"cfg{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_file_then_environment_then_command_line(tmp_path):
+    """Defaults < file < environment < command line, for ParallelismConfig and for ndparallel train's config."""
+    path = _write(tmp_path, "parallelism:\n  tp_size: 2\n  cp_size: 2\ntrain:\n  steps: 7\n")
+    env = {"NDP_TP_SIZE": "4", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "-1"}
+    file = {"parallelism": {"tp_size": 2, "cp_size": 2}}
+    assert ParallelismConfig.from_sources(file, {}).sizes == {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}
+    assert ParallelismConfig.from_sources(file, env).sizes == {"dp_replicate": 1, "dp_shard": -1, "cp": 2, "tp": 4}
+    assert ParallelismConfig.from_sources(file, env, ["tp_size=8"]).tp_size == 8
+    cfg = TrainConfig.from_sources(path, ["train.steps=3"], env)
+    assert (cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.parallelism.dp_shard_size) == (4, 2, -1)
+    assert cfg.train.steps == 3
+    for override in ("tp_size=8", "parallelism.tp_size=8"):
+        assert TrainConfig.from_sources(path, [override], env).parallelism.tp_size == 8, override
+    assert TrainConfig.from_sources(None, [], env).parallelism.tp_size == 4, "no file: defaults < environment"
+    assert TrainConfig.from_sources(path, [], {}).parallelism.tp_size == 2
+
+
+def test_mesh_command_reads_the_environment(tmp_path, monkeypatch, capsys):
+    """`NDP_TP_SIZE=4 ndparallel mesh CONFIG` used to print the file's tp size."""
+    from ndparallel.cli import main
+
+    path = _write(tmp_path, "parallelism:\n  dp_shard_size: -1\n  tp_size: 2\n")
+    monkeypatch.setenv("NDP_TP_SIZE", "4")
+    assert main(["mesh", str(path), "--world-size", "8"]) == 0
+    assert "mesh dp_shard=2 x tp=4" in capsys.readouterr().out
+    assert main(["mesh", str(path), "--world-size", "8", "tp_size=8"]) == 0
+    assert "mesh tp=8" in capsys.readouterr().out
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    assert main(["mesh", str(path), "--world-size", "8"]) == 2
+    assert "NDP_TP_SIZE=4 and PARALLELISM_CONFIG_TP_SIZE=2 both set tp_size" in capsys.readouterr().err

@@ -1,6 +1,8 @@
-"""Context parallel on the whole model vs one process: losses over 5 AdamW steps, grad norms, step-1
-gradients (fp32, 1e-5), on cp 2 alone and combined with FSDP and TP; plus the context manager's
-in-place sharding, the module swap and the ConfigErrors."""
+"""Context parallel on the whole model vs one process, in float64 (losses over 3 AdamW steps, grad norms,
+step-1 gradients within 1e-10): cp 2 with both rotate methods, with and without load balancing, cp 4, and
+cp combined with FSDP, TP and activation checkpointing (the 3-D dp_shard x cp x tp shape runs in
+tests/test_parallelize.py's 8-rank group); plus the context manager's in-place sharding, the module swap,
+the positions derived for a model called without them, and the ConfigErrors."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from ndparallel.metrics import cross_entropy_loss
 from ndparallel.testing import run_distributed
 from tests.parity import NO_CLIP, assert_parity, build_model, full_grads, make_batches, reference, run_many
 
-STEPS = 5
+STEPS = 3
 DATA = {"lr": 1e-2, "global_batch": 8, "seq_len": 32}  # explicit, so the hand-written loop below matches
+F64 = {"dtype": "float64"}
 BF16_LOSS_TOL = 2e-2  # bf16 parameters/compute vs the fp32 reference (as in tests/test_parallelize.py)
 
 
@@ -31,25 +34,39 @@ def cp_loss(model, tokens, labels, mesh):
         return cross_entropy_loss(model(tokens, positions), labels)
 
 
-def _run(parallel: dict, **kwargs) -> tuple[dict, dict]:
-    return parallel, {"steps": STEPS, "loss_fn": cp_loss, **DATA, **kwargs}
+def cp_loss_as_users_write_it(model, tokens, labels, mesh):
+    """The same loss as users often write it: tokens and labels as overlapping views of one tensor, labels
+    listed twice (Accelerate's ``labels`` / ``shift_labels`` are one object), no positions (derived)."""
+    from ndparallel.plans.context_parallel import context_parallel
+
+    data = torch.cat([tokens, labels[:, -1:]], dim=1)
+    tokens, labels = data[:, :-1], data[:, 1:]
+    buffers = [tokens, labels, labels]
+    with context_parallel(mesh, buffers, seq_dims=[1, 1, 1], no_restore=buffers):
+        return cross_entropy_loss(model(tokens), labels)
+
+
+def _run(parallel: dict, dtype: str = "float64", loss_fn=cp_loss, **kwargs) -> tuple[dict, dict]:
+    return parallel, {"steps": STEPS, "loss_fn": loss_fn, "dtype": dtype, **DATA, **kwargs}
 
 
 RUNS = {
     2: {
         "cp2": _run({"cp_size": 2}),
         "cp2_allgather_unbalanced": _run({"cp_size": 2, "cp_rotate_method": "allgather", "cp_load_balance": False}),
-        "cp2_bf16": _run({"cp_size": 2, "mixed_precision": "bf16"}),  # bf16 kernels; compared at BF16_LOSS_TOL
+        "cp2_ring_unbalanced": _run({"cp_size": 2, "cp_load_balance": False}),
+        # bf16 kernels vs the fp32 reference; compared at BF16_LOSS_TOL
+        "cp2_bf16": _run({"cp_size": 2, "mixed_precision": "bf16"}, dtype="float32"),
     },
     4: {
-        "cp4": _run({"cp_size": 4}),
-        "dp_shard2_cp2": _run({"dp_shard_size": 2, "cp_size": 2}),
+        # derived positions (head-tail over 4 ranks), overlapping views and a buffer listed twice: exact too
+        "cp4_users_loss": _run({"cp_size": 4}, loss_fn=cp_loss_as_users_write_it),
+        "dp_shard2_cp2_users_loss": _run({"dp_shard_size": 2, "cp_size": 2}, loss_fn=cp_loss_as_users_write_it),
         "cp2_tp2": _run({"cp_size": 2, "tp_size": 2}),
         "dp_shard2_cp2_allgather_ac": _run(
             {"dp_shard_size": 2, "cp_size": 2, "cp_rotate_method": "allgather", "activation_checkpointing": "full"}
         ),
     },
-    8: {"dp_shard2_cp2_tp2": _run({"dp_shard_size": 2, "cp_size": 2, "tp_size": 2})},
 }
 
 
@@ -57,17 +74,17 @@ RUNS = {
 
 
 def manual_cp_training(steps: int = STEPS, lr: float = DATA["lr"]) -> dict:
-    """apply_context_parallel alone, gradients averaged over the cp group by hand; same model, data and
-    optimizer (AdamW, weight decay 0.1) as tests.parity.train_steps, so its single-process reference applies."""
+    """apply_context_parallel alone (float64), gradients averaged over the cp group by hand; same model, data
+    and optimizer (AdamW, weight decay 0.1) as tests.parity.train_steps, so its single-process reference applies."""
     import ndparallel as ndp
     from ndparallel.plans.context_parallel import apply_context_parallel
 
     torch.manual_seed(0)
     mesh = ndp.init_distributed(ndp.ParallelismConfig(cp_size=dist.get_world_size()))
-    model = apply_context_parallel(build_model(seed=0), mesh, mesh.config)
+    model = apply_context_parallel(build_model(seed=0, dtype="float64"), mesh, mesh.config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     group = mesh["cp"].get_group()
-    result = {"losses": [], "grad_norms": []}
+    result = {"losses": [], "grad_norms": [], "dtype": "float64"}
     batches = make_batches(steps, DATA["global_batch"], DATA["seq_len"], model.config.vocab_size, 1)
     for step, (tokens, labels) in enumerate(batches):
         loss = cp_loss(model, tokens, labels, mesh)
@@ -140,6 +157,25 @@ def api_checks() -> dict:
     error("torch_backend_buffers", lambda: enter(_mesh(cp_size=2, cp_backend="torch"), [torch.zeros(2, 8)], [1]))
     unbalanced = mesh.config.with_overrides({"cp_load_balance": False})
     error("cfg_vs_mesh", lambda: ndp.parallelize(build_model(), unbalanced, mesh))
+    # A tensor listed twice is sharded once; overlapping views shard exactly here, are refused by torch's backend.
+    twice = torch.arange(24).view(2, 12)
+    with context_parallel(mesh, [twice, twice], seq_dims=[1, 1]):
+        out["twice_shape"] = tuple(twice.shape)
+    out["twice_restored"] = torch.equal(twice, keep)
+    error("twice_other_dim", lambda: enter(mesh, [twice, twice], [1, 0]))
+    data = torch.arange(26).view(2, 13)
+    views = [data[:, :-1], data[:, 1:]]
+    with context_parallel(mesh, views, seq_dims=[1, 1]):
+        out["views"] = torch.equal(views[0], keep[:, idx] // 12 + keep[:, idx]) and torch.equal(views[1] - 1, views[0])
+    error("views_torch", lambda: enter(_mesh(cp_size=2, cp_backend="torch"), views, [1, 1]))
+    # The reference model called without positions: derived inside context_parallel, refused outside.
+    model = apply_context_parallel(build_model(dtype="float64"), mesh, mesh.config)
+    full = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    tokens, positions = full.clone(), torch.arange(16)
+    with torch.no_grad(), context_parallel(mesh, [tokens, positions], seq_dims=[1, 0]):
+        out["derived_positions"] = torch.equal(model(tokens), model(tokens, positions))
+        error("positions_unsharded", lambda: model(tokens, torch.arange(16)))
+    error("positions_outside", lambda: model(full[:, :8]))
     named = apply_context_parallel(build_model(), mesh, mesh.config, targets=["layers.0.attention.core_attention"])
     out["swapped"] = [type(layer.attention.core_attention).__name__ for layer in named.layers]
     return out
@@ -163,8 +199,8 @@ def _results(world_size: int):
 
 
 @functools.cache
-def _reference() -> dict:
-    return reference(steps=STEPS, max_norm=None, **DATA)
+def _reference(dtype: str = "float64") -> dict:
+    return reference(steps=STEPS, max_norm=None, dtype=dtype, **DATA)
 
 
 # -------------------------------------------------------------------------------------------- tests
@@ -185,6 +221,13 @@ def test_context_manager_and_module_swap():
     assert "cfg.cp_load_balance=False differs from the mesh's True" in errors["cfg_vs_mesh"]
     for key in ("torch_backend_model", "torch_backend_buffers"):
         assert "cp_backend='torch' needs CUDA" in errors[key]
+    assert api["twice_shape"] == (2, 6) and api["twice_restored"], "a tensor listed twice is sharded once"
+    assert "same tensor as an earlier buffer but with seq dim 0" in errors["twice_other_dim"]
+    assert api["views"], "overlapping views are sharded exactly by ndparallel's backend"
+    assert "overlapping memory" in errors["views_torch"] and ".clone()" in errors["views_torch"]
+    assert api["derived_positions"], "positions derived inside context_parallel equal the explicit global ones"
+    assert "positions has 16 entries but each rank holds 8" in errors["positions_unsharded"]
+    assert "called without positions outside ndparallel.context_parallel" in errors["positions_outside"]
 
 
 def test_cp2_by_hand_matches_one_process():
@@ -193,14 +236,28 @@ def test_cp2_by_hand_matches_one_process():
         assert_parity(got, _reference(), label=f"manual cp2 rank {rank}")
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_parallelize_with_cp_matches_one_process(world_size):
-    results = _results(world_size)
-    per_rank = [r["runs"] for r in results] if world_size == 2 else results
-    for i, label in enumerate(RUNS[world_size]):
+def _check_runs(labels, per_rank) -> None:
+    for i, label in enumerate(labels):
         for rank, runs in enumerate(per_rank):
             if label.endswith("bf16"):
-                dloss = max(abs(a - b) for a, b in zip(runs[i]["losses"], _reference()["losses"], strict=True))
+                dloss = max(abs(a - b) for a, b in zip(runs[i]["losses"], _reference("float32")["losses"], strict=True))
                 assert dloss <= BF16_LOSS_TOL, f"{label} rank {rank}: max |dloss| {dloss:.3g}"
             else:
+                assert runs[i]["dtype"] == "float64", label
                 assert_parity(runs[i], _reference(), label=f"{label} rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallelize_with_cp_matches_one_process(world_size):
+    results = _results(world_size)
+    _check_runs(list(RUNS[world_size]), [r["runs"] for r in results] if world_size == 2 else results)
+
+
+def test_dp_shard2_cp2_tp2_matches_one_process():
+    """The 8-rank shape, trained in tests/test_parallelize.py's 8-rank group (one spawn for both files)."""
+    from tests.test_parallelize import RUNS_8, results
+    from tests.test_parallelize import STEPS as PARALLELIZE_STEPS
+
+    assert RUNS_8["dp_shard2_cp2_tp2"][1]["loss_fn"].__name__ == "context_parallel_loss_fn"
+    assert PARALLELIZE_STEPS == STEPS
+    _check_runs(["dp_shard2_cp2_tp2"], [[r] for r in results(8)["dp_shard2_cp2_tp2"]])

@@ -1,9 +1,11 @@
 """Hugging Face decoders (Llama, Qwen2 with tied embeddings, Mistral) under ndparallel vs the plain HF model.
 
 One spawned group of 4 gloo ranks trains every family on dp_shard 2 x tp 2, dp_shard 2 x cp 2 and tp 2 x cp 2
-with activation checkpointing (5 AdamW steps, fp32: losses, grad norms and step-1 gradients within 1e-5),
-loads a save_pretrained folder straight into a sharded model (fp32 and bf16) and writes it back, and checks
-the ConfigErrors that need a mesh, including refusals that must be raised on every rank alike.
+with activation checkpointing (3 AdamW steps in float64: losses, grad norms and step-1 gradients within 1e-10),
+and a Qwen3 (q_norm/k_norm, outside the families) with the plan docs/huggingface.md gives; loads a
+save_pretrained folder straight into a sharded model (fp32 and bf16) and writes it back, and checks the
+ConfigErrors that need a mesh, including refusals that must be raised on every rank alike and a wrapped
+lm_head. fp32 smoke runs live in tests/test_fp32_smoke.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from ndparallel.testing import run_distributed  # noqa: E402
 from tests.parity import NO_CLIP, assert_parity, full_grads, make_batches  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "mistral")
-STEPS, GLOBAL_BATCH, SEQ, LR = 5, 4, 16, 1e-2
+STEPS, GLOBAL_BATCH, SEQ, LR = 3, 4, 16, 1e-2
+TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MESHES = {
     "dp2_tp2": {"dp_shard_size": 2, "tp_size": 2},
     "dp2_cp2": {"dp_shard_size": 2, "cp_size": 2},
@@ -52,13 +55,27 @@ def tiny_config(family: str, **overrides):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=64, tie_word_embeddings=False)
+    if family == "qwen3":  # per-head q_norm / k_norm: outside the built-in families
+        return transformers.Qwen3Config(**common, head_dim=8, tie_word_embeddings=False)
     raise ValueError(family)
 
 
-def build(family: str, seed: int = 0, **overrides):
+def build(family: str, seed: int = 0, dtype: str = "float32", **overrides):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa")
-    return model.float()
+    return model.to(TORCH_DTYPES[dtype])
+
+
+def qwen3_plan(model) -> dict:
+    """The plan docs/huggingface.md gives for Qwen3: the derived table, with q_norm / k_norm (RMSNorm over
+    head_dim on ``[batch, seq, heads, head_dim]``) run on the rank's heads with a replicated weight."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from ndparallel.plans.hf_tensor_parallel import hf_tp_plan
+
+    per_head = SequenceParallel(sequence_dim=2, use_local_output=True)  # dim 2 = heads, split by q/k_proj
+    norms = {f"model.layers.*.self_attn.{name}": per_head for name in ("q_norm", "k_norm")}
+    return hf_tp_plan(model, untested=True, overrides=norms)
 
 
 def hf_loss(model, tokens, labels, mesh, explicit_positions: bool = False) -> torch.Tensor:
@@ -76,20 +93,21 @@ def hf_loss(model, tokens, labels, mesh, explicit_positions: bool = False) -> to
         return cross_entropy_loss(model(input_ids=buffers[0], position_ids=positions).logits, buffers[1])
 
 
-def train(family: str, parallel: dict | None, steps: int = STEPS) -> dict:
+def train(family: str, parallel: dict | None, steps: int = STEPS, dtype: str = "float64") -> dict:
     """``steps`` AdamW steps on the family's tiny model; ``parallel=None``: one process, plain HF model."""
     import ndparallel as ndp
     from ndparallel.clip import clip_grad_norm_
     from ndparallel.metrics import average_over
 
-    model, mesh, dp, dp_rank = build(family), None, 1, 0
+    model, mesh, dp, dp_rank = build(family, dtype=dtype), None, 1, 0
     if parallel is not None:
         mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
-        model = ndp.parallelize(model, mesh.config, mesh)
+        plan = qwen3_plan(model) if family == "qwen3" and mesh.size("tp") > 1 else None
+        model = ndp.parallelize(model, mesh.config, mesh, plan=plan)
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = GLOBAL_BATCH // dp
-    result = {"losses": [], "grad_norms": []}
+    result = {"losses": [], "grad_norms": [], "dtype": dtype}
     for step, (tokens, labels) in enumerate(make_batches(steps, GLOBAL_BATCH, SEQ, model.config.vocab_size)):
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         loss = hf_loss(model, tokens[rows], labels[rows], mesh, explicit_positions=family == "mistral")
@@ -104,8 +122,8 @@ def train(family: str, parallel: dict | None, steps: int = STEPS) -> dict:
 
 
 @functools.cache
-def reference(family: str) -> dict:
-    return train(family, None)
+def reference(family: str, dtype: str = "float64") -> dict:
+    return train(family, None, dtype=dtype)
 
 
 # -------------------------------------------------------------------------------- load / save
@@ -246,14 +264,60 @@ def dp_errors() -> dict[str, str]:
     return errors
 
 
+class LmHeadWrapper(torch.nn.Module):
+    """A module holding the output Linear (as accelerate's fsdp2_tp_preparation test wraps lm_head)."""
+
+    def __init__(self, lm_head: torch.nn.Linear):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+
+def wrapped_llama():
+    model = build("llama", dtype="float64")
+    model.lm_head = LmHeadWrapper(model.lm_head)
+    return model
+
+
+def wrapped_plan(model) -> dict:
+    """docs/huggingface.md's way out for a wrapped lm_head: shard the Linear inside it instead."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from ndparallel.plans.hf_tensor_parallel import hf_tp_plan
+
+    head = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    return hf_tp_plan(model, overrides={"lm_head": None, "lm_head.lm_head": head})
+
+
+def wrapped_lm_head() -> dict:
+    """tp 2 x cp 2: the built-in plan refuses a wrapped lm_head by name, before touching the model; the
+    documented plan then gives the one-process loss (float64)."""
+    import ndparallel as ndp
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(tp_size=2, cp_size=2))
+    model = wrapped_llama()
+    out = {"error": raised(lambda: ndp.parallelize(model, mesh.config, mesh))}
+    out["untouched"] = type(model.lm_head.lm_head.weight).__name__
+    ndp.parallelize(model, mesh.config, mesh, plan=wrapped_plan(model))
+    tokens, labels = make_batches(1, GLOBAL_BATCH, SEQ, model.config.vocab_size)[0]
+    with torch.no_grad():
+        out["loss"] = ndp.average_over(mesh["dp_cp"], hf_loss(model, tokens, labels, mesh))
+    return out
+
+
 def run_group(paths: dict[str, str], out_root: str) -> dict:
     """Everything that needs 4 ranks, in one spawned group."""
     runs = {(family, name): train(family, parallel) for family in FAMILIES for name, parallel in MESHES.items()}
+    runs[("qwen3", QWEN3_MESH)] = train("qwen3", MESHES[QWEN3_MESH])
     return {
         "runs": runs,
         "load_save": load_and_save(paths, out_root),
         "errors": mesh_errors(paths["llama"]),
         "dp_errors": dp_errors(),
+        "wrapped": wrapped_lm_head(),
     }
 
 
@@ -265,13 +329,19 @@ def group(tmp_path_factory):
     return {"paths": paths, "out": root / "out", "ranks": results}
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@pytest.mark.parametrize("family", FAMILIES)
+QWEN3_MESH = "tp2_cp2_ac"  # TP (the per-head norms), CP, FSDP over cp and activation checkpointing at once
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh_name"), [(f, m) for f in FAMILIES for m in sorted(MESHES)] + [("qwen3", QWEN3_MESH)]
+)
 def test_parity_with_unparallelised_model(group, family, mesh_name):
     ref = reference(family)
     assert max(ref["losses"]) - min(ref["losses"]) > 1e-3, "the reference does not train: the test could not fail"
     for rank, result in enumerate(group["ranks"]):
-        assert_parity(result["runs"][(family, mesh_name)], ref, label=f"{family} {mesh_name} rank {rank}")
+        got = result["runs"][(family, mesh_name)]
+        assert got["dtype"] == ref["dtype"] == "float64"
+        assert_parity(got, ref, label=f"{family} {mesh_name} rank {rank}")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -333,6 +403,27 @@ def test_refusals_are_collective_and_name_the_fix(group):
             assert f"rope_type={kind!r}" in errors[kind] and "cp_size=1" in errors[kind], (rank, errors)
 
 
+def test_wrapped_lm_head_is_refused_by_name_and_the_documented_plan_is_exact(group):
+    model = wrapped_llama()
+    tokens, labels = make_batches(1, GLOBAL_BATCH, SEQ, model.config.vocab_size)[0]
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1), labels.flatten())
+    for rank, result in enumerate(group["ranks"]):
+        out = result["wrapped"]
+        message = out["error"]
+        for part in (
+            "'lm_head' (LmHeadWrapper)",
+            "not an nn.Linear",
+            "'lm_head.lm_head'",
+            "plan=",
+            "blocks=",
+            "fsdp_groups=",
+        ):
+            assert part in message, (rank, part, message)
+        assert out["untouched"] == "Parameter", "the refusal must come before the model is sharded"
+        assert abs(out["loss"] - ref.item()) <= 1e-12, (rank, out["loss"], ref.item())
+
+
 def test_forward_errors_under_tp_and_cp(group):
     errors = group["ranks"][0]["errors"]
     assert "padding" in errors["padding"], errors
@@ -371,6 +462,29 @@ def test_unsupported_architecture_is_a_config_error():
         hf_tp_plan(gpt2, untested=True)  # GPT-2's fused c_attn / LayerNorm biases are not in the derived table
     with pytest.raises(ConfigError, match="not a Hugging Face"):
         hf_tp_plan(torch.nn.Linear(2, 2))
+
+
+def test_models_outside_the_families_are_refused_naming_the_module():
+    from ndparallel.plans.hf_tensor_parallel import hf_fsdp_groups, hf_tp_plan
+
+    with pytest.raises(ConfigError) as err:
+        hf_tp_plan(build("qwen3"))
+    message = str(err.value)
+    for part in (
+        "model_type='qwen3'",
+        "'model.layers.*.self_attn.q_norm' (Qwen3RMSNorm)",
+        "plan=",
+        "blocks=",
+        "fsdp_groups=",
+    ):
+        assert part in message, (part, message)
+    plan = qwen3_plan(build("qwen3"))  # the documented way out (trained on tp 2 x cp 2 in the group above)
+    assert plan["model.layers.*.self_attn.q_norm"].sequence_sharding[0].dim == 2
+    with pytest.raises(ConfigError, match=r"cannot place 'lm_head' \(LmHeadWrapper\).*'lm_head.lm_head'"):
+        hf_tp_plan(wrapped_llama())
+    assert "lm_head" not in wrapped_plan(wrapped_llama()) and "lm_head.lm_head" in wrapped_plan(wrapped_llama())
+    # FSDP alone needs no placement inside lm_head: the wrapper is one unit with the final norm.
+    assert hf_fsdp_groups(wrapped_llama()) == [["model.embed_tokens"], ["model.norm", "lm_head"]]
 
 
 def test_load_pretrained_needs_a_local_folder(tmp_path):

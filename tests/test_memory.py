@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 
-from tests.parity import reference
-from tests.test_parallelize import ALL_RUNS, STEPS, results
+from tests.test_parallelize import ALL_RUNS, reference_for, results
 
 TOLERANCE = 0.05
 KINDS = ("param_bytes", "grad_bytes", "optim_bytes")
@@ -26,12 +25,14 @@ def shard_factor(parallel: dict) -> int:
 
 
 def memory_rows() -> list[dict]:
-    """One row per run: shape, per-rank bytes (max over ranks), expected bytes and their ratio."""
-    total = sum(reference(steps=STEPS, max_norm=None)["memory"][k] for k in KINDS)
+    """One row per run: shape, per-rank bytes (max over ranks), expected bytes and their ratio.
+
+    The single-process total is the run's own reference (same dtype: float64 runs hold 8 bytes per value)."""
     rows = []
     for world_size, runs in ALL_RUNS.items():
         for label, ranks in results(world_size).items():
-            parallel = runs[label][0]
+            parallel, kwargs = runs[label]
+            total = sum(reference_for(kwargs)["memory"][k] for k in KINDS)
             per_rank = max(sum(r["memory"][k] for k in KINDS) for r in ranks)
             expected = total / shard_factor(parallel)
             rows.append(
@@ -71,5 +72,5 @@ def format_table(rows: list[dict]) -> str:
 
 if __name__ == "__main__":
     rows = memory_rows()
-    print(f"single process: {rows[0]['single']:,} bytes (params + grads + AdamW state, fp32, tiny preset)")
+    print(f"single process: {rows[0]['single']:,} bytes (params + grads + AdamW state, float64, tiny preset)")
     print(format_table(rows))

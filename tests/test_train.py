@@ -58,48 +58,58 @@ def _train_many(configs: list[dict]) -> list[dict]:
 
 
 def test_train_loop_on_4_ranks_matches_one_process(tmp_path):
-    """The whole job (data slicing, accumulation, cp sharding, clipping, loss averaging, lr schedule),
-    and bf16 on a mesh without FSDP (the loop's autocast) against bf16 in one process."""
+    """The whole job (data slicing, accumulation, cp sharding, clipping, loss averaging, lr schedule) in
+    float64 (model.dtype) within 1e-10 of one process, and bf16 on a mesh without FSDP (the loop's autocast)
+    against bf16 in one process."""
     configs = []
-    for parallelism in (
-        {"dp_shard_size": 2, "cp_size": 2},
-        {"dp_replicate_size": 2, "dp_shard_size": 2},
-        {"dp_replicate_size": 2, "tp_size": 2, "mixed_precision": "bf16"},
+    for parallelism, dtype in (
+        ({"dp_shard_size": 2, "cp_size": 2}, "float64"),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, "float64"),
+        ({"dp_replicate_size": 2, "tp_size": 2, "mixed_precision": "bf16"}, "float32"),
     ):
         config = _config(parallelism, None)
-        config["train"].update(steps=5, micro_batch=2, max_grad_norm=0.5)  # 8 / dp 2 / 2 = 2 micro-batches
+        config["model"]["dtype"] = dtype
+        config["train"].update(steps=4, micro_batch=2, max_grad_norm=0.5)  # 8 / dp 2 / 2 = 2 micro-batches
         configs.append(config)
     singles = []
-    for precision in ("no", "bf16"):
+    for precision, dtype in (("no", "float64"), ("bf16", "float32")):
         single = _config({"mixed_precision": precision}, None)
-        single["train"].update(steps=5, max_grad_norm=0.5)
+        single["model"]["dtype"] = dtype
+        single["train"].update(steps=4, max_grad_norm=0.5)
         singles.append(single)
     reference, reference_bf16 = run_distributed(_train_many, 1, singles)[0]
     assert reference["grad_norms"][0] > 0.5, "clipping must be active"
     fsdp_cp, hsdp, replicate_tp_bf16 = run_distributed(_train_many, 4, configs)[0]
     for got in (fsdp_cp, hsdp):
-        assert got["losses"] == pytest.approx(reference["losses"], abs=1e-5)
-        assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
+        assert got["losses"] == pytest.approx(reference["losses"], abs=1e-10)
+        assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-10)
     # bf16: same recipe in both, different reduction order -> a looser, stated tolerance.
     assert replicate_tp_bf16["losses"] == pytest.approx(reference_bf16["losses"], abs=2e-2)
     assert replicate_tp_bf16["losses"] != reference["losses"], "bf16 autocast must actually be on"
 
 
+def _float64(config: dict) -> dict:
+    config["model"]["dtype"] = "float64"
+    return config
+
+
 def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
+    """float64: resuming on the same mesh is bit-identical; on another mesh or one process, within 1e-10."""
     ckpt = str(tmp_path / "ckpt")
-    straight = run_distributed(_train, 2, _config({"dp_shard_size": 2}, ckpt, every=5, keep_last=5))[0]
+    straight = run_distributed(_train, 2, _float64(_config({"dp_shard_size": 2}, ckpt, every=5, keep_last=5)))[0]
     assert sorted(os.listdir(ckpt)) == ["step-00000005", "step-00000010"]
     assert straight["losses"][-1] < straight["losses"][0]
     middle = f"{ckpt}/step-00000005"
 
-    same = run_distributed(_train, 2, _config({"dp_shard_size": 2}, str(tmp_path / "a"), resume=middle))[0]
+    same = run_distributed(_train, 2, _float64(_config({"dp_shard_size": 2}, str(tmp_path / "a"), resume=middle)))[0]
     assert same["start_step"] == 5
-    assert same["losses"] == straight["losses"][5:], "same mesh: identical fp32 losses"
+    assert same["losses"] == straight["losses"][5:], "same mesh: identical losses"
 
-    other = run_distributed(_train, 4, _config({"dp_shard_size": 2, "tp_size": 2}, str(tmp_path / "b"), resume=middle))
-    single = run_distributed(_train, 1, _config({}, str(tmp_path / "c"), resume=middle))
+    other_mesh = _float64(_config({"dp_shard_size": 2, "tp_size": 2}, str(tmp_path / "b"), resume=middle))
+    other = run_distributed(_train, 4, other_mesh)
+    single = run_distributed(_train, 1, _float64(_config({}, str(tmp_path / "c"), resume=middle)))
     for got in (other[0], single[0]):
-        assert got["losses"] == pytest.approx(straight["losses"][5:], abs=1e-5)
+        assert got["losses"] == pytest.approx(straight["losses"][5:], abs=1e-10)
 
 
 def _train_until_signalled(config: dict, metrics: str) -> dict:

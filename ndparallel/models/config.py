@@ -5,10 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ndparallel.config import coerce_fields
 from ndparallel.errors import ConfigError
 
-__all__ = ["PRESETS", "TransformerConfig"]
+__all__ = ["DTYPES", "PRESETS", "TransformerConfig"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
@@ -25,6 +29,9 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     seed: int = 0
+    dtype: str = "float32"
+    """Parameter dtype: ``float32``, or ``float64`` (the exactness proof of the parity tests; bf16/fp16
+    training is ``parallelism.mixed_precision``)."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -39,10 +46,18 @@ class TransformerConfig:
             raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} (dim / n_heads) must be even for rotary embeddings")
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"model.dtype={self.dtype!r} must be one of {list(DTYPES)} (bf16/fp16: parallelism.mixed_precision)"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> TransformerConfig:

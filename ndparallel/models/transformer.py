@@ -32,19 +32,24 @@ from ndparallel.models.config import TransformerConfig
 __all__ = ["CoreAttention", "Transformer", "apply_rotary", "rotary_tables"]
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape ``[max_seq_len, head_dim // 2]`` (fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, device=None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape ``[max_seq_len, head_dim // 2]``, computed in ``dtype`` (fp32 or float64)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=dtype), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by position; cos/sin are ``[(batch,) seq, head_dim/2]``."""
+    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by position; cos/sin are ``[(batch,) seq, head_dim/2]``.
+
+    Computed in fp32 or wider (bf16 inputs are upcast, float64 stays float64), returned in ``x``'s dtype.
+    """
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # type promotion lifts the products: no saved copies
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.type_as(x)
 
@@ -69,11 +74,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        dtype = cfg.torch_dtype
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, dtype=dtype)
         self.core_attention = CoreAttention()
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -89,9 +95,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False, dtype=cfg.torch_dtype)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False, dtype=cfg.torch_dtype)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False, dtype=cfg.torch_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -100,9 +106,9 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
         self.attention = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,8 +119,11 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only language model: ``forward(tokens[, positions]) -> logits``.
 
-    ``positions`` (``[seq]`` or ``[batch, seq]``, default ``0..seq-1``) index the rotary tables;
-    context parallel passes each rank's shard of them. Weights are initialised from
+    ``positions`` (``[seq]`` or ``[batch, seq]``, default ``0..seq-1``) index the rotary tables.
+    Under context parallel each rank holds a shard of the sequence and needs its tokens' global
+    positions: pass them sharded like the tokens, or omit them inside ``ndparallel.context_parallel``
+    (ndparallel's planner hooks this forward from outside and fills them; outside the block the call
+    is refused). Parameters are created in ``cfg.dtype``. Weights are initialised from
     ``cfg.seed`` with a private generator, so two models built from one config are equal
     whatever the global RNG state. Built under ``torch.device("meta")`` nothing is allocated:
     call ``model.to_empty(device=...)`` then ``model.init_weights()``.
@@ -123,11 +132,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        dtype = cfg.torch_dtype
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, dtype=dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.tok_embeddings.weight.device.type != "meta":
@@ -138,7 +148,7 @@ class Transformer(nn.Module):
         """Deterministic init from ``seed`` (default ``config.seed``); also rebuilds the rotary tables."""
         cfg = self.config
         device = self.tok_embeddings.weight.device
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device, dtype=cfg.torch_dtype)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)

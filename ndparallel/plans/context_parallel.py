@@ -9,8 +9,11 @@ Two pieces, used together::
         loss.backward()
 
 ``context_parallel`` shards the buffers in place (head-tail order when ``cfg.cp_load_balance``) and
-restores them on exit. The model must index its position encodings by the ``positions`` buffer:
-without it every rank would number its shard 0..seq/cp-1. The loss is the mean over the rank's
+restores them on exit; a tensor listed twice is sharded once. The model must index its position
+encodings by the rank's global positions: without them every rank would number its shard 0..seq/cp-1.
+A model whose ``forward`` takes ``positions`` (the reference Transformer) and is called without them
+gets them filled inside ``context_parallel`` (a forward pre-hook that ``apply_context_parallel``
+installs), and raises a ConfigError naming ``positions`` outside it. The loss is the mean over the rank's
 local tokens; FSDP over ``dp_shard_cp`` averages gradients over the cp ranks, and averaging the
 loss over ``mesh["dp_cp"]`` gives the global loss.
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -137,6 +142,18 @@ def _torch_context_parallel(cp_mesh: DeviceMesh, cfg: ParallelismConfig, buffers
 # ----------------------------------------------------------------------------------- context manager
 
 
+@dataclass
+class _Sharding:
+    """One open ``context_parallel`` block: how its buffers were cut (read by the positions hook)."""
+
+    cp_mesh: DeviceMesh
+    load_balance: bool
+    seq_len: int
+
+
+_ACTIVE: list[_Sharding] = []  # open context_parallel blocks, innermost last
+
+
 @contextlib.contextmanager
 def context_parallel(
     mesh: Mesh | DeviceMesh,
@@ -160,6 +177,7 @@ def context_parallel(
     if cp_size == 1:
         yield
         return
+    buffers, seq_dims = _distinct_buffers(buffers, seq_dims, refuse_overlap=cfg.cp_backend == "torch")
     lengths = set()
     for i, (buf, dim) in enumerate(zip(buffers, seq_dims, strict=True)):
         if not isinstance(buf, torch.Tensor) or not -buf.dim() <= dim < buf.dim():
@@ -180,12 +198,65 @@ def context_parallel(
     for buf, dim in zip(buffers, seq_dims, strict=True):
         originals.append(torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf))  # aliases the full data
         buf.set_(shard_sequence(buf, dim, cp_size, rank, cfg.cp_load_balance))
+    _ACTIVE.append(_Sharding(cp_mesh, cfg.cp_load_balance, lengths.pop()))
     try:
         yield
     finally:
+        _ACTIVE.pop()
         for buf, original in zip(buffers, originals, strict=True):
             if not any(buf is x for x in no_restore):
                 buf.set_(original)
+
+
+def _distinct_buffers(
+    buffers: list[torch.Tensor], seq_dims: list[int], refuse_overlap: bool
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Each tensor once (Accelerate's examples list one tensor as both ``labels`` and ``shift_labels``):
+    sharding it twice would cut it to seq / cp**2. Distinct tensors whose memory overlaps are refused
+    where sharding writes into their storage (``cp_backend="torch"`` resizes and copies in place, so one
+    view's shard would overwrite the other's data); ndparallel's own backend re-points each tensor to a
+    new shard and never writes the storage, so overlapping views (``data[:, :-1]``, ``data[:, 1:]``) are
+    sharded exactly."""
+    kept: list[torch.Tensor] = []
+    dims: list[int] = []
+    for i, (buf, dim) in enumerate(zip(buffers, seq_dims, strict=True)):
+        if not isinstance(buf, torch.Tensor):
+            raise ConfigError(f"context_parallel: buffer {i} must be a tensor, got {type(buf).__name__}")
+        same = next((j for j, seen in enumerate(kept) if seen is buf), None)
+        if same is None:
+            kept.append(buf)
+            dims.append(dim)
+        elif dim % max(buf.dim(), 1) != dims[same] % max(buf.dim(), 1):
+            raise ConfigError(
+                f"context_parallel: buffer {i} is the same tensor as an earlier buffer but with seq dim {dim} "
+                f"instead of {dims[same]}; list each tensor once"
+            )
+    if refuse_overlap:
+        for i, a in enumerate(kept):
+            for b in kept[i + 1 :]:
+                if _overlap(a, b):
+                    raise ConfigError(
+                        "context_parallel: two buffers are different views of overlapping memory (e.g. data[:, :-1] "
+                        "and data[:, 1:]); cp_backend='torch' shards in place and would overwrite one with the "
+                        "other: pass .clone() copies, or the same tensor object"
+                    )
+    return kept, dims
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory ranges in one storage intersect (conservative for interleaved strides)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.storage_offset() * t.element_size()
+        extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+        return start, start + (extent + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 # ------------------------------------------------------------------------------------ module swap
@@ -261,4 +332,61 @@ def apply_context_parallel(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, RingAttention(cp_mesh, cfg.cp_rotate_method, cfg.cp_load_balance, mask))
+    _hook_positions(model, cp_mesh)
     return model
+
+
+# ------------------------------------------------------------------------------------- positions
+
+
+def _hook_positions(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """A forward pre-hook on each outermost module whose ``forward`` takes ``positions`` and holds ring
+    attention (the reference Transformer itself): a call without positions gets this rank's global ones."""
+    hooked: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") or outer == "" for outer in hooked):
+            continue
+        index = _positions_index(module)
+        if index is not None and any(isinstance(m, RingAttention) for m in module.modules()):
+            module.register_forward_pre_hook(_positions_hook(cp_mesh, index), with_kwargs=True)
+            hooked.append(name)
+
+
+def _positions_index(module: nn.Module) -> int | None:
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("positions") if "positions" in names else None
+
+
+def _positions_hook(cp_mesh: DeviceMesh, index: int):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        positional = len(args) > index
+        positions = args[index] if positional else kwargs.get("positions")
+        sharding = next((s for s in reversed(_ACTIVE) if s.cp_mesh == cp_mesh), None)
+        cp = cp_mesh.size()
+        if sharding is None:
+            if positions is None:
+                raise ConfigError(
+                    f"{type(module).__name__} under cp_size={cp} was called without positions outside "
+                    "ndparallel.context_parallel: every rank would number its tokens from 0. Call it inside "
+                    "context_parallel (positions are then filled in), or pass each rank's global positions"
+                )
+            return None
+        local = sharding.seq_len // cp
+        if positions is not None:
+            if positions.shape[-1] != local:
+                raise ConfigError(
+                    f"positions has {positions.shape[-1]} entries but each rank holds {local} of the "
+                    f"{sharding.seq_len} tokens (cp_size={cp}): pass positions as a context_parallel buffer "
+                    "(seq dim 0 for [seq], 1 for [batch, seq]) so they are sharded with the tokens, or omit them"
+                )
+            return None
+        device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        positions = sequence_indices(sharding.seq_len, cp, cp_mesh.get_local_rank(), sharding.load_balance, device)
+        if positional:
+            return (*args[:index], positions, *args[index + 1 :]), kwargs
+        return args, {**kwargs, "positions": positions}
+
+    return hook

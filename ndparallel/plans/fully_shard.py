@@ -25,11 +25,25 @@ __all__ = ["apply_fully_shard", "default_shard_groups", "fsdp_mesh", "mixed_prec
 _DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
-    """Parameters (and so compute) in bf16/fp16 during forward/backward; gradients reduced in fp32. With
-    ``no``, gradients reduce in the parameters' own dtype (float64 stays float64: never below the gradients)."""
-    param_dtype = _DTYPES[mixed_precision]
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+def mixed_precision_policy(mixed_precision: str, param_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``cfg.mixed_precision`` on parameters stored in ``param_dtype``.
+
+    ``no``: compute and gradient reduction in the parameters' own dtype (float64 stays float64).
+    ``bf16``/``fp16``: parameters (and so compute) in that dtype during forward/backward, gradients
+    reduced in the wider of fp32 and ``param_dtype``. A reduction never runs below the stored dtype.
+    """
+    low = _DTYPES[mixed_precision]
+    if low is None:
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.promote_types(torch.float32, param_dtype))
+
+
+def _widest_float_dtype(model: nn.Module) -> torch.dtype:
+    dtype = torch.float32
+    for param in model.parameters():
+        if param.is_floating_point():
+            dtype = torch.promote_types(dtype, param.dtype)
+    return dtype
 
 
 def fsdp_mesh(mesh) -> DeviceMesh | None:
@@ -113,7 +127,8 @@ def apply_fully_shard(
     ``groups`` default: :func:`default_shard_groups`. The last block keeps its parameters
     gathered after forward: backward needs them at once, so freeing them would only add an all-gather.
     """
-    kwargs = dict(mesh=dp_mesh, mp_policy=mixed_precision_policy(cfg.mixed_precision))
+    policy = mixed_precision_policy(cfg.mixed_precision, _widest_float_dtype(model))
+    kwargs = dict(mesh=dp_mesh, mp_policy=policy)
     if cfg.cpu_offload:
         # Pinned host memory speeds host<->device copies; it needs an accelerator (CPU-only ranks: no pinning).
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")

@@ -76,10 +76,17 @@ def is_hf_model(model: nn.Module) -> bool:
 
 def _custom_plan_hint(model: nn.Module) -> str:
     return (
-        f"pass plan={{fqn_pattern: ParallelStyle}} to ndparallel.parallelize for {type(model).__name__} "
-        "(start from ndparallel.plans.hf_tensor_parallel.hf_tp_plan(model, untested=True); see docs/huggingface.md), "
-        "or use tp_size=1"
+        f"pass plan={{fqn_pattern: ParallelStyle}} to ndparallel.parallelize for {type(model).__name__} (start from "
+        "ndparallel.plans.hf_tensor_parallel.hf_tp_plan(model, untested=True, overrides={fqn: style})), with "
+        "blocks=[fqn, ...] and fsdp_groups=[[fqn, ...], ...] where the defaults do not fit "
+        "(docs/huggingface.md#another-architecture-pass-a-plan), or use tp_size=1"
     )
+
+
+def _unplaceable(model: nn.Module, fqn: str, module: nn.Module | None, why: str) -> ConfigError:
+    """The refusal when the built-in plan cannot place ``fqn``: names the module, its class and the way out."""
+    kind = f" ({type(module).__name__})" if module is not None else ""
+    return ConfigError(f"the built-in Hugging Face plan cannot place {fqn!r}{kind}: {why}; {_custom_plan_hint(model)}")
 
 
 # ------------------------------------------------------------------------------------------ styles
@@ -158,8 +165,11 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise ConfigError(f"{type(model).__name__} has no nn.ModuleList of decoder layers; {_custom_plan_hint(model)}")
 
 
-def _linear_entries(model: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
-    """The Linear entries: from the HF config's ``base_model_tp_plan`` when present, else Llama names."""
+def _linear_entries(
+    model: nn.Module, prefix: str, overrides: Mapping[str, ParallelStyle | None]
+) -> dict[str, ParallelStyle | None]:
+    """The Linear entries: from the HF config's ``base_model_tp_plan`` when present, else Llama names.
+    An entry in ``overrides`` (prefixed FQN pattern) replaces the translation of that pattern."""
     hf_plan = getattr(model.config, "base_model_tp_plan", None) or {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -171,41 +181,78 @@ def _linear_entries(model: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
     }
     entries = {}
     for pattern, kind in hf_plan.items():
-        if kind not in _HF_STYLES:
-            raise ConfigError(
-                f"the model's base_model_tp_plan entry {pattern!r}: {kind!r} has no ndparallel translation "
-                f"(known: {sorted(_HF_STYLES)}); {_custom_plan_hint(model)}"
+        fqn = f"{prefix}.{pattern}" if prefix else pattern
+        if fqn in overrides:
+            entries[fqn] = overrides[fqn]
+        elif kind in _HF_STYLES:
+            entries[fqn] = _HF_STYLES[kind]()
+        else:
+            raise _unplaceable(
+                model,
+                fqn,
+                _first_match(model, fqn),
+                f"the model's base_model_tp_plan says {kind!r}, which has no ndparallel translation "
+                f"(known: {sorted(_HF_STYLES)})",
             )
-        entries[f"{prefix}.{pattern}" if prefix else pattern] = _HF_STYLES[kind]()
     return entries
 
 
-def hf_tp_plan(model: nn.Module, untested: bool = False) -> dict[str, ParallelStyle]:
+def _first_match(model: nn.Module, pattern: str) -> nn.Module | None:
+    return next((m for name, m in model.named_modules() if _matches(name, pattern)), None)
+
+
+def _check_placeable(model: nn.Module, fqn: str, module: nn.Module, expected: type) -> None:
+    """The embedding / lm_head entries shard a weight directly: the module must be that layer, not a wrapper."""
+    if not isinstance(module, expected):
+        inner = [f"{fqn}.{n}" for n, m in module.named_modules() if n and isinstance(m, expected)]
+        where = f" (the {expected.__name__} inside it is {inner[0]!r})" if inner else ""
+        raise _unplaceable(model, fqn, module, f"it is not an nn.{expected.__name__}{where}")
+
+
+def hf_tp_plan(
+    model: nn.Module, untested: bool = False, overrides: Mapping[str, ParallelStyle | None] | None = None
+) -> dict[str, ParallelStyle]:
     """The TP + SP table for a Hugging Face decoder (see the module docstring).
 
-    Raises :class:`ConfigError` for a ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES` unless
-    ``untested=True`` (then the derived table is returned for you to check and pass as ``plan=``),
-    and whenever some parameter would be left out of the table.
+    Raises :class:`ConfigError` naming the module it cannot place (a wrapped ``lm_head``, a
+    ``base_model_tp_plan`` entry without a translation, a parameter left unsharded), and for a
+    ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES` unless ``untested=True`` (then the derived
+    table is returned for you to check and pass as ``plan=``). ``overrides`` maps prefixed FQN patterns
+    to the style to use instead of the derived one (``None`` leaves the pattern out); it is how a
+    model outside the families gets a plan (docs/huggingface.md).
     """
     if not is_hf_model(model):
         raise ConfigError(f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no config.model_type)")
     model_type = model.config.model_type
+    try:
+        plan = _derive_plan(model, dict(overrides or {}))
+    except ConfigError as err:
+        if model_type in SUPPORTED_MODEL_TYPES:
+            raise
+        raise ConfigError(f"Hugging Face model_type={model_type!r} is not a built-in family: {err}") from None
     if model_type not in SUPPORTED_MODEL_TYPES and not untested:
         raise ConfigError(
             f"Hugging Face model_type={model_type!r} has no built-in tensor-parallel plan "
-            f"(built in: {list(SUPPORTED_MODEL_TYPES)}); {_custom_plan_hint(model)}"
+            f"(built in: {list(SUPPORTED_MODEL_TYPES)}): the derived table is untested; {_custom_plan_hint(model)}"
         )
+    return plan
+
+
+def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -> dict[str, ParallelStyle]:
     base = model.base_model
     prefix = _fqn(model, base) or ""
     dot = f"{prefix}." if prefix else ""
     layers_name, layers = _blocks(model)
     layers_pattern = f"{layers_name}.*"
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding_fqn = _fqn(model, embedding)
+    if embedding_fqn not in overrides:
+        _check_placeable(model, embedding_fqn, embedding, nn.Embedding)
 
-    plan: dict[str, ParallelStyle] = {
-        _fqn(model, embedding): RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    plan: dict[str, ParallelStyle | None] = {
+        embedding_fqn: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     }
-    linear = _linear_entries(model, prefix)
+    linear = _linear_entries(model, prefix, overrides)
     for name, child in layers[0].named_children():
         if _is_norm(child):
             plan[f"{layers_pattern}.{name}"] = SequenceParallel()
@@ -216,9 +263,14 @@ def hf_tp_plan(model: nn.Module, untested: bool = False) -> dict[str, ParallelSt
         if child is not embedding and _is_norm(child):
             plan[f"{dot}{name}"] = SequenceParallel(use_local_output=True)  # HF slices the output: keep it local
     if output is not None:
-        head = dict(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-        tied = output.weight is embedding.weight
-        plan[_fqn(model, output)] = TiedColwiseParallel(embedding, **head) if tied else ColwiseParallel(**head)
+        output_fqn = _fqn(model, output)
+        if output_fqn not in overrides:
+            _check_placeable(model, output_fqn, output, nn.Linear)
+            head = dict(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+            tied = output.weight is embedding.weight
+            plan[output_fqn] = TiedColwiseParallel(embedding, **head) if tied else ColwiseParallel(**head)
+    plan.update(overrides)
+    plan = {fqn: style for fqn, style in plan.items() if style is not None}
     _check_covered(model, plan)
     return plan
 
@@ -236,9 +288,13 @@ def _check_covered(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
         if not any(_matches(owner, p) and not isinstance(s, GatherSequence) for p, s in plan.items()):
             missing.append(name)
     if missing:
-        raise ConfigError(
-            f"the derived tensor-parallel plan leaves parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} "
-            f"of {type(model).__name__} unsharded; {_custom_plan_hint(model)}"
+        owner = missing[0].rpartition(".")[0]
+        raise _unplaceable(
+            model,
+            owner,
+            model.get_submodule(owner),
+            f"no entry covers it, so parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} would stay "
+            "unsharded (every parameter must become a DTensor for foreach optimizers and clipping)",
         )
 
 
@@ -251,10 +307,15 @@ def hf_fsdp_groups(model: nn.Module) -> list[list[str]]:
         return []  # no standard embedding accessors: everything outside the layers stays in the root unit
     prefix = _fqn(model, model.base_model) or ""
     norms = [f"{prefix}.{n}".lstrip(".") for n, child in model.base_model.named_children() if _is_norm(child)]
-    if output is not None and output.weight is embedding.weight:
+    if output is not None and _shares_a_parameter(output, embedding):  # also through a wrapper module
         return []
     head = norms + ([_fqn(model, output)] if output is not None else [])
     return [[_fqn(model, embedding)]] + ([head] if head else [])
+
+
+def _shares_a_parameter(a: nn.Module, b: nn.Module) -> bool:
+    ids = {id(p) for p in b.parameters()}
+    return any(id(p) in ids for p in a.parameters())
 
 
 def hf_parallelize_kwargs(

@@ -177,8 +177,8 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
 
     Works on every mesh: plain logits use ``F.cross_entropy``; logits that are a DTensor
     sharded on the vocabulary (the TP plan's output) are reduced across the tp group without
-    gathering the vocabulary (forward and backward need no context manager). Returns a plain
-    scalar tensor, equal on every rank of the tp group.
+    gathering the vocabulary (forward and backward need no context manager). Computed in fp32 or
+    wider (float64 logits stay float64). Returns a plain scalar tensor, equal on every rank of the tp group.
     """
     labels = labels.to_local() if isinstance(labels, DTensor) else labels
     if isinstance(logits, DTensor):
@@ -193,9 +193,9 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     return F.cross_entropy(_at_least_fp32(logits.flatten(0, -2)), labels.flatten(), ignore_index=ignore_index)
 
 
-def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits in fp32 for the loss; fp32 and fp64 stay as they are."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits upcast to fp32 for the loss; float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _vocab_offset(logits: DTensor) -> int:

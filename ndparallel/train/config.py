@@ -124,6 +124,23 @@ class TrainConfig:
         data = load_yaml_mapping(path)
         return cls.from_dict(apply_overrides(data, overrides))
 
+    @classmethod
+    def from_sources(
+        cls, path: str | os.PathLike | None, overrides: Iterable[str] = (), environ: Mapping[str, str] | None = None
+    ) -> TrainConfig:
+        """What ``ndparallel train`` reads: the YAML (or defaults), then the environment's parallelism
+        variables (default ``os.environ``), then the command-line overrides
+        (:meth:`ndparallel.ParallelismConfig.from_sources` orders the parallelism fields)."""
+        data = load_yaml_mapping(path) if path else {}
+        if not isinstance(data.get("parallelism") or {}, Mapping):
+            return cls.from_dict(data)  # the section's own error
+        parallel, rest = _split_parallel_overrides(overrides)
+        data = {
+            **data,
+            "parallelism": ParallelismConfig.from_sources(data.get("parallelism"), environ, parallel).to_dict(),
+        }
+        return cls.from_dict(apply_overrides(data, rest))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -254,6 +271,20 @@ def job_device(cfg: TrainConfig) -> str:
 
 def _build(section_cls: type, name: str, values: Mapping[str, Any]) -> Any:
     return section_cls(**coerce_fields(section_cls, values, name))
+
+
+def _split_parallel_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+    """``(parallelism field -> value, the other overrides)``: bare fields and ``parallelism.field`` go first."""
+    parallel_fields = {f.name for f in dataclasses.fields(ParallelismConfig)}
+    parallel, rest = {}, []
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        name = key.removeprefix("parallelism.")
+        if name in parallel_fields and (key == name or key.startswith("parallelism.")):
+            parallel[name] = next(iter(parse_overrides([item]).values()))
+        else:
+            rest.append(item)
+    return parallel, rest
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:

@@ -253,9 +253,9 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
                 ):
                     with autocast:
                         logits = model(x, positions)
-                    loss = cross_entropy_loss(logits.float(), y) / accumulation
+                    loss = cross_entropy_loss(logits, y) / accumulation  # fp32 or wider (float64 stays)
                     loss.backward()
-                step_loss += loss.detach()
+                step_loss = step_loss + loss.detach()  # out of place: a float64 loss is not rounded to fp32
             watchdog.phase(f"step {step + 1}: gradient clipping and optimizer step")
             grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
             finite = nonfinite.step_is_finite(step + 1, step_loss, grad_norm)  # raises after N bad steps in a row
