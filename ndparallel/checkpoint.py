@@ -20,7 +20,7 @@ The new concepts live beside this module (for the ``checkpoint/`` package of a l
 ``checkpoint_manifest`` (the marker, field by field, and the SHA-256 of every file),
 ``checkpoint_metadata`` (DCP's pickled ``.metadata`` read with an allow-list: no code runs),
 ``checkpoint_leftovers`` (only directories with our stamp are ever removed), ``checkpoint_lock``
-(one job per folder) and ``checkpoint_agree`` (one error on every rank).
+(one job per folder) and ``comm.agree`` (one error on every rank).
 """
 
 from __future__ import annotations
@@ -59,12 +59,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ndparallel import checkpoint_leftovers as leftovers
-from ndparallel.checkpoint_agree import agree as _agree
-from ndparallel.checkpoint_agree import broadcast_text as _broadcast_text
-from ndparallel.checkpoint_agree import distributed as _distributed
-from ndparallel.checkpoint_agree import gather_text as _gather_text
-from ndparallel.checkpoint_agree import rank as _rank
-from ndparallel.checkpoint_agree import world_size as _world_size
 from ndparallel.checkpoint_manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -78,6 +72,12 @@ from ndparallel.checkpoint_manifest import (
     verify_share,
 )
 from ndparallel.checkpoint_metadata import SafeFileSystemReader, read_metadata
+from ndparallel.comm.agree import agree as _agree
+from ndparallel.comm.agree import broadcast_text as _broadcast_text
+from ndparallel.comm.agree import distributed as _distributed
+from ndparallel.comm.agree import gather_text as _gather_text
+from ndparallel.comm.agree import rank as _rank
+from ndparallel.comm.agree import world_size as _world_size
 from ndparallel.errors import CheckpointError
 
 __all__ = [

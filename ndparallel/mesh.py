@@ -109,6 +109,13 @@ class Mesh:
     def device_type(self) -> str:
         return self.device_mesh.device_type
 
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: its current CUDA device on a cuda mesh, else the CPU (the one place that says so)."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         if isinstance(names, str):
             if names in self._views:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ndparallel import checkpoint
-from ndparallel.checkpoint_agree import agree
 from ndparallel.checkpoint_lock import CheckpointDirLock, check_not_locked
+from ndparallel.comm.agree import agree
 from ndparallel.errors import CheckpointError
 from ndparallel.train.config import CheckpointConfig
 

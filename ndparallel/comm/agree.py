@@ -1,9 +1,10 @@
-"""Cross-rank agreement for checkpoint operations: text over tensors, and one error for every rank.
+"""Cross-rank agreement: one rank's failure becomes the same error on every rank; text over tensors.
 
-Checkpoint code does rank-local checks (a file one node cannot see, a bad argument on one rank)
-between collectives. :func:`agree` turns a failure on any rank into the same
-:class:`~ndparallel.errors.CheckpointError` on every rank before anyone reaches the next
-collective, instead of a hang until the process-group timeout. Strings travel as UTF-8 bytes in
+The one home of the rule "a rank-local failure must fail every rank". Code that does rank-local
+checks between collectives (a file one node cannot see, one rank's bad input, a bad argument on
+one rank) calls :func:`agree`, which turns a failure on any rank into the same error on every
+rank before anyone reaches the next collective, instead of a hang until the process-group
+timeout. Strings travel as UTF-8 bytes in
 tensors (:func:`broadcast_text`, :func:`gather_text`): nothing is pickled. Without a process
 group every function is its single-process identity.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ndparallel.errors import CheckpointError
+from ndparallel.errors import CheckpointError, ConfigError
 
 __all__ = ["agree", "broadcast_text", "distributed", "failed_ranks", "gather_text", "rank", "world_size"]
 
@@ -78,20 +79,27 @@ def failed_ranks(failed: bool) -> list[int]:
     return [r for r, flag in enumerate(flags.tolist()) if flag]
 
 
-def _reason(error: BaseException) -> str:
-    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+def _reason(error: BaseException | str) -> str:
+    if isinstance(error, str):
+        text = error
+    else:
+        text = str(error) if isinstance(error, (CheckpointError, ConfigError)) else f"{type(error).__name__}: {error}"
     return text if len(text) <= 4000 else text[:4000] + "..."
 
 
-def agree(error: BaseException | None, what: str) -> None:
+def agree(error: BaseException | str | None, what: str, error_type: type[Exception] = CheckpointError) -> None:
     """Collective: if any rank has an ``error``, every rank raises, before any rank reaches the next collective.
 
-    A rank-local failure (a file one node cannot see, one reader's corrupt view, a bad argument on
-    one rank) must not leave the other ranks waiting in a collective until the process-group
-    timeout. Every rank raises the same :class:`CheckpointError`, naming the first failing rank and
-    its reason (on that rank chained from ``error``). Without a process group, ``error`` itself is raised.
+    ``error`` is this rank's problem: an exception, a message, or None. A rank-local failure (a
+    file one node cannot see, one reader's corrupt view, a bad argument on one rank) must not leave
+    the other ranks waiting in a collective until the process-group timeout. Every rank raises the
+    same ``error_type``, naming the first failing rank and its reason (on that rank chained from
+    ``error``). Costs one all-reduce of a flag vector when nothing failed; nothing is pickled.
+    Without a process group, ``error`` itself is raised (a message as ``error_type``).
     """
     if not distributed() or dist.get_world_size() == 1:
+        if isinstance(error, str):
+            raise error_type(f"{what}: {error}" if what else error)
         if error is not None:
             raise error
         return
@@ -101,4 +109,6 @@ def agree(error: BaseException | None, what: str) -> None:
     src = failed[0]
     reason = broadcast_text(_reason(error) if dist.get_rank() == src else "", src)
     others = f" (ranks {failed[1:]} failed too)" if len(failed) > 1 else ""
-    raise CheckpointError(f"{what}: rank {src} of {dist.get_world_size()}: {reason}{others}") from error
+    prefix = f"{what}: " if what else ""
+    cause = error if isinstance(error, BaseException) else None
+    raise error_type(f"{prefix}rank {src} of {dist.get_world_size()}: {reason}{others}") from cause
