@@ -215,7 +215,7 @@ def test_bad_inputs_raise_config_error():
     messages = run_distributed(bad_inputs, 2)[0]
     assert "cp_rotate_method='ulysses'" in messages[0]
     assert "kv heads=3 must divide query heads=4" in messages[1]
-    assert "local sequence length 3 must be even" in messages[2]
+    assert "local sequence length 3 on cp_size=2" in messages[2] and "2 x cp_size = 4" in messages[2]
 
 
 # ------------------------------------------------------------------- CUDA kernels (GPU machines only)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ndparallel.comm.ulysses import ulysses_attention
+from ndparallel.comm.ulysses import check_local_sequence, ulysses_attention
 from ndparallel.errors import ConfigError
 
 __all__ = ["ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
@@ -403,11 +403,7 @@ def ring_attention(
         raise ConfigError(f"kv heads={k.shape[2]} must divide query heads={q.shape[2]} (grouped-query attention)")
     cp = dist.get_world_size(group if group is not None else dist.group.WORLD)
     load_balanced = load_balanced and causal and cp > 1
-    if load_balanced and q.shape[1] % 2:
-        raise ConfigError(
-            f"local sequence length {q.shape[1]} must be even with cp_load_balance=true (two chunks per rank): "
-            f"make the global sequence length divisible by 2 x cp_size = {2 * cp}"
-        )
+    check_local_sequence(q.shape[1], cp, load_balanced)
     if rotate == "alltoall":
         if kernel is not None:
             raise ConfigError(
