@@ -139,7 +139,7 @@ def parallelize(
         )
     cfg, mesh = _resolve(cfg, mesh)
     family = family_for(model)
-    block_list = find_blocks(model, blocks)
+    block_list = family.blocks(model) if blocks is None else find_blocks(model, blocks)
     tp, cp = mesh.size("tp"), mesh.size("cp")
     if tp > 1:
         plan = _tp_table(model, family, plan)
