@@ -35,7 +35,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh
 from ndparallel.plans.context_parallel import apply_context_parallel
 
-__all__ = ["ModelFamily", "block_list", "family_for", "register_family", "registered_families"]
+__all__ = ["ModelFamily", "block_list", "config_sizes", "family_for", "register_family", "registered_families"]
 
 # The built-in families, asked after the registered ones. Each module defines FAMILY. The last one is the
 # default: it answers for every model that no other family claims.
