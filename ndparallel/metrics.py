@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ndparallel.plans.tensor_parallel import cross_entropy_loss  # re-exported: the loss lives with the TP plan
+from ndparallel.loss import cross_entropy_loss  # re-exported: its home is ndparallel/loss.py
 
 __all__ = ["average_over", "cross_entropy_loss"]
 

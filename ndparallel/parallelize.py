@@ -13,6 +13,10 @@ Why this order: TP must see plain ``nn.Linear`` weights and produce DTensors tha
 shards on the outer dims (FSDP2 composes with a DTensor parameter, not the reverse);
 checkpointing and compile wrap the block's computation, TP communication included; FSDP
 comes last so its all-gather/reduce-scatter hooks sit outside all of it.
+
+What is particular to a kind of model (its TP table, blocks, FSDP units, attention seam, position
+handling, refusals) comes from its :class:`ndparallel.family.ModelFamily`; this module never branches
+on one.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ from torch import nn
 from ndparallel.comm.ulysses import check_alltoall_heads
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
+from ndparallel.family import ModelFamily, config_sizes, family_for
 from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.plans.activation_checkpoint import apply_activation_checkpointing
 from ndparallel.plans.compile import apply_compile, check_compile
 from ndparallel.plans.fully_shard import apply_fully_shard, fsdp_mesh
-from ndparallel.plans.hf_tensor_parallel import apply_hf_attention, hf_parallelize_kwargs, is_hf_model
-from ndparallel.plans.tensor_parallel import TPPlan, apply_tensor_parallel, check_tp_divisibility, transformer_tp_plan
+from ndparallel.plans.tensor_parallel import TPTable, apply_tensor_parallel, check_tp_divisibility
 
 __all__ = ["find_blocks", "parallelize"]
 
@@ -41,17 +45,13 @@ _PARALLELIZED = "_ndparallel_parallelized"  # set on a model parallelize has cha
 def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[nn.Module]:
     """The transformer blocks of ``model``.
 
-    ``blocks``: ``None`` (default) -> the children of the first ``nn.ModuleList`` (our
-    Transformer's ``layers``, a Hugging Face decoder's ``model.layers``); a list of FQNs; or a
-    predicate ``(fqn, module) -> bool`` applied to every submodule.
+    ``blocks``: ``None`` (default) -> the model family's answer (the children of the first
+    ``nn.ModuleList`` for the built-in families: our Transformer's ``layers``, a Hugging Face
+    decoder's ``model.layers``); a list of FQNs; or a predicate ``(fqn, module) -> bool`` applied to
+    every submodule.
     """
     if blocks is None:
-        for module in model.modules():
-            if isinstance(module, nn.ModuleList):
-                return list(module)
-        raise ConfigError(
-            f"{type(model).__name__} has no nn.ModuleList of blocks; pass blocks=[fqn, ...] or a predicate"
-        )
+        return family_for(model).blocks(model)
     if callable(blocks):
         return [m for name, m in model.named_modules() if name and blocks(name, m)]
     found = []
@@ -87,14 +87,23 @@ def _resolve(cfg: ParallelismConfig | None, mesh: Mesh | None) -> tuple[Parallel
     return resolved, mesh
 
 
-def _check_alltoall_heads(model: nn.Module, tp: int, cp: int) -> None:
+def _check_alltoall_heads(model: nn.Module, family: ModelFamily, tp: int, cp: int) -> None:
     """Ulysses splits each tp rank's query heads over cp: refuse a model config whose heads do not divide."""
-    config = getattr(model, "config", None)
-    for name in ("n_heads", "num_attention_heads"):  # ours, Hugging Face's
-        heads = getattr(config, name, None)
-        if isinstance(heads, int) and not isinstance(heads, bool):
-            check_alltoall_heads(heads, tp, cp, what=name)
-            return
+    for name, heads in config_sizes(model, [family.heads_field] if family.heads_field else []).items():
+        check_alltoall_heads(heads, tp, cp, what=name)
+
+
+def _tp_table(model: nn.Module, family: ModelFamily, plan: TPTable | None) -> TPTable:
+    """The caller's ``plan``, else the family's table."""
+    if plan is not None:
+        return plan
+    table = family.tp_plan(model)
+    if table is None:
+        raise ConfigError(
+            f"tp_size > 1 but {type(model).__name__} has no tensor-parallel table (model family {family.name!r}): "
+            "pass plan={fqn_pattern: ParallelStyle} to ndparallel.parallelize (docs/parallelize.md)"
+        )
+    return table
 
 
 def parallelize(
@@ -102,7 +111,7 @@ def parallelize(
     cfg: ParallelismConfig | None = None,
     mesh: Mesh | None = None,
     *,
-    plan: TPPlan | None = None,
+    plan: TPTable | None = None,
     blocks: BlockSpec = None,
     fsdp_groups: Sequence[Sequence[str]] | None = None,
 ) -> nn.Module:
@@ -113,11 +122,12 @@ def parallelize(
         cfg: sizes and knobs; default ``mesh.config``. With ``mesh=None`` the mesh is built
             from it with :func:`ndparallel.init_distributed`.
         mesh: the :class:`ndparallel.Mesh` to use.
-        plan: tensor-parallel table ``{fqn_pattern: ParallelStyle}``; default the reference
-            Transformer's (:func:`ndparallel.plans.tensor_parallel.transformer_tp_plan`).
-        blocks: which modules are transformer blocks (see :func:`find_blocks`).
-        fsdp_groups: extra FSDP units as lists of child FQNs; default ``[[tok_embeddings], [norm, output]]``
-            when the model has them.
+        plan: tensor-parallel table ``{fqn_pattern: ParallelStyle}``; default the model family's
+            (:func:`ndparallel.family.family_for`; the reference Transformer's is
+            :func:`ndparallel.models.family.transformer_tp_plan`).
+        blocks: which modules are transformer blocks (see :func:`find_blocks`); default the family's.
+        fsdp_groups: extra FSDP units as lists of FQNs; default the family's (the reference Transformer's:
+            ``[[tok_embeddings], [norm, output]]`` when the model has them).
 
     Returns the same ``model`` object; parameter names are unchanged. Calling it twice on one
     model is refused (its weights are already split and wrapped).
@@ -128,26 +138,23 @@ def parallelize(
             f"this {type(model).__name__} was already parallelized ({done}); call parallelize once, on the plain model"
         )
     cfg, mesh = _resolve(cfg, mesh)
-    block_list = find_blocks(model, blocks)
+    family = family_for(model)
+    block_list = family.blocks(model) if blocks is None else find_blocks(model, blocks)
     tp, cp = mesh.size("tp"), mesh.size("cp")
-    hf = is_hf_model(model)
-    if hf:  # Hugging Face decoder: its TP table and FSDP units, unless the caller passes them
-        hf_kwargs = hf_parallelize_kwargs(model, cfg, mesh, plan=plan, fsdp_groups=fsdp_groups)
-        plan, fsdp_groups = hf_kwargs["plan"], hf_kwargs["fsdp_groups"]
     if tp > 1:
-        check_tp_divisibility(model, tp, transformer_tp_plan() if plan is None else plan)
+        plan = _tp_table(model, family, plan)
+    family.check(model, cfg, mesh)
+    if fsdp_groups is None:
+        fsdp_groups = family.fsdp_groups(model)
+    if tp > 1:
+        check_tp_divisibility(model, tp, plan, fields=family.split_fields)
     if cp > 1 and cfg.cp_rotate_method == "alltoall":
-        _check_alltoall_heads(model, tp, cp)
+        _check_alltoall_heads(model, family, tp, cp)
     check_compile(cfg.compile, tp)  # every refusal happens before the model is touched
 
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], plan)
-    if hf:
-        model = apply_hf_attention(model, mesh, cfg)  # tp/cp > 1: attention function + position_ids seam
-    elif cp > 1:
-        from ndparallel.plans.context_parallel import apply_context_parallel
-
-        model = apply_context_parallel(model, mesh, cfg)
+    model = family.apply_attention(model, mesh, cfg)  # tp/cp: attention seam, positions, input checks
     apply_activation_checkpointing(block_list, cfg.activation_checkpointing)
     apply_compile(model, block_list, cfg.compile, tp)
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ndparallel.comm.ring import attention_kernel, block_plan, ring_attention
+from ndparallel.comm.ring import attention_kernel, ring_attention, visible_blocks
 from ndparallel.errors import ConfigError
 from ndparallel.plans.context_parallel import (
     gather_sequence,
@@ -175,13 +175,13 @@ def test_load_balanced_layout_is_a_permutation_with_equal_causal_work(cp):
     assert torch.cat(plain).tolist() == list(range(seq))
 
 
-def test_block_plan_covers_exactly_the_causal_pairs():
+def test_visible_blocks_cover_exactly_the_causal_pairs():
     cp, local = 3, 4
     for balanced in (True, False):
         positions = [sequence_indices(cp * local, cp, r, balanced) for r in range(cp)]
         for rank, src in itertools.product(range(cp), repeat=2):
             visible = torch.zeros(local, local, dtype=torch.bool)
-            for rows, cols, causal in block_plan(rank, src, True, balanced, local):
+            for rows, cols, causal in visible_blocks(rank, src, True, balanced, local):
                 block = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
                 visible[rows, cols] = block.tril() if causal else block
             expected = positions[rank][:, None] >= positions[src][None, :]
@@ -215,7 +215,7 @@ def test_bad_inputs_raise_config_error():
     messages = run_distributed(bad_inputs, 2)[0]
     assert "cp_rotate_method='ulysses'" in messages[0]
     assert "kv heads=3 must divide query heads=4" in messages[1]
-    assert "local sequence length 3 must be even" in messages[2]
+    assert "local sequence length 3 on cp_size=2" in messages[2] and "2 x cp_size = 4" in messages[2]
 
 
 # ------------------------------------------------------------------- CUDA kernels (GPU machines only)

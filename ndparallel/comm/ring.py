@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ndparallel.comm.ulysses import ulysses_attention
+from ndparallel.comm.ulysses import check_local_sequence, ulysses_attention
 from ndparallel.errors import ConfigError
 
 __all__ = ["ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
@@ -219,10 +219,10 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, na
     return MATH  # float64 (gradcheck), other devices, unusual head sizes
 
 
-# -------------------------------------------------------------------------------------- block plan
+# ---------------------------------------------------------------------------------- visible blocks
 
 
-def block_plan(rank: int, src: int, causal: bool, load_balanced: bool, seq: int) -> list[tuple[slice, slice, bool]]:
+def visible_blocks(rank: int, src: int, causal: bool, load_balanced: bool, seq: int) -> list[tuple[slice, slice, bool]]:
     """Which (query rows, kv rows, causal) of rank ``rank``'s queries see rank ``src``'s K/V block.
 
     ``seq`` is the local length. Head-tail layout: local = [chunk r | chunk 2cp-1-r], so the own block
@@ -240,6 +240,9 @@ def block_plan(rank: int, src: int, causal: bool, load_balanced: bool, seq: int)
     if src < rank:
         return [(whole, slice(0, half), False)]
     return [(slice(half, seq), whole, False)]
+
+
+block_plan = visible_blocks  # the earlier name ("plan" now means a TP table or a planner only)
 
 
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -273,7 +276,7 @@ def _fold(grad: torch.Tensor, repeats: int) -> torch.Tensor:
 
 
 def _forward_block(s: _Setup, q, kv, rank, src, out, lse, aux: list) -> None:
-    for rows, cols, causal in block_plan(rank, src, s.causal, s.load_balanced, q.shape[2]):
+    for rows, cols, causal in visible_blocks(rank, src, s.causal, s.load_balanced, q.shape[2]):
         k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
         block_out, block_lse, block_aux = s.kernel.forward(q[:, :, rows], k, v, causal, s.scale)
         merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse.to(s.acc))
@@ -281,7 +284,7 @@ def _forward_block(s: _Setup, q, kv, rank, src, out, lse, aux: list) -> None:
 
 
 def _backward_block(s: _Setup, dout, q, kv, out, lse, rank, src, dq, dkv, aux) -> None:
-    for rows, cols, causal in block_plan(rank, src, s.causal, s.load_balanced, q.shape[2]):
+    for rows, cols, causal in visible_blocks(rank, src, s.causal, s.load_balanced, q.shape[2]):
         k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
         dq_b, dk_b, dv_b = s.kernel.backward(
             dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], causal, s.scale, aux
@@ -403,11 +406,7 @@ def ring_attention(
         raise ConfigError(f"kv heads={k.shape[2]} must divide query heads={q.shape[2]} (grouped-query attention)")
     cp = dist.get_world_size(group if group is not None else dist.group.WORLD)
     load_balanced = load_balanced and causal and cp > 1
-    if load_balanced and q.shape[1] % 2:
-        raise ConfigError(
-            f"local sequence length {q.shape[1]} must be even with cp_load_balance=true (two chunks per rank): "
-            f"make the global sequence length divisible by 2 x cp_size = {2 * cp}"
-        )
+    check_local_sequence(q.shape[1], cp, load_balanced)
     if rotate == "alltoall":
         if kernel is not None:
             raise ConfigError(

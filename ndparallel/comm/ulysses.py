@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ndparallel.errors import ConfigError
+from ndparallel.sequence import sequence_problem
 
-__all__ = ["check_alltoall_heads", "chunk_positions", "kv_heads_sent", "ulysses_attention"]
+__all__ = ["check_alltoall_heads", "check_local_sequence", "chunk_positions", "kv_heads_sent", "ulysses_attention"]
 
 
 def check_alltoall_heads(heads: int, tp: int, cp: int, what: str = "n_heads") -> None:
@@ -43,6 +44,14 @@ def check_alltoall_heads(heads: int, tp: int, cp: int, what: str = "n_heads") ->
         "cp_rotate_method='ring' or 'allgather' (no rule on heads; Accelerate's cp_comm_strategy: alltoall also "
         "selects Ulysses here)"
     )
+
+
+def check_local_sequence(local: int, cp: int, load_balanced: bool) -> None:
+    """ConfigError unless ``local`` rows per rank make a sequence that splits over ``cp`` ranks: the one rule of
+    :mod:`ndparallel.sequence`, applied where ring and all-to-all attention see only this rank's rows."""
+    problem = sequence_problem(local * cp, cp, 1, load_balanced, what="global sequence length")
+    if problem:
+        raise ConfigError(f"local sequence length {local} on cp_size={cp}: {problem}")
 
 
 def kv_heads_sent(kv_heads: int, cp: int) -> int:
@@ -164,8 +173,7 @@ def ulysses_attention(
         )  # fmt: skip
         return out.transpose(1, 2)
     load_balanced = load_balanced and causal
-    if q.shape[1] % (2 if load_balanced else 1):
-        raise ConfigError(f"local sequence length {q.shape[1]} must be even with cp_load_balance=true")
+    check_local_sequence(q.shape[1], cp, load_balanced)
     sent = kv_heads_sent(kv_heads, cp)
     if sent != kv_heads:  # repeat each kv head so cp divides them and every query head keeps its own
         k, v = (t.repeat_interleave(sent // kv_heads, dim=2) for t in (k, v))

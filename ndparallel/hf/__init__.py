@@ -1,13 +1,36 @@
 """Hugging Face ``transformers`` models on ndparallel meshes (optional extra: ``pip install 'ndparallel[hf]'``).
 
-``ndparallel.parallelize(hf_model, cfg, mesh)`` recognises a PreTrainedModel and applies the plans of
-:mod:`ndparallel.plans.hf_tensor_parallel`; this package adds loading and saving of weights::
+Everything Hugging Face lives in this folder, as one model family (docs/huggingface.md)::
+
+    family.py      what ndparallel.parallelize asks of an HF model (ndparallel.family.ModelFamily)
+    plan.py        the TP + SP table and FSDP units, derived from the model's own names
+    styles.py      GatherSequence, TiedColwiseParallel: the TP styles the table needs beyond torch's
+    attention.py   the attention seam under tp/cp (registry functions) and its pre-flight refusals
+    inputs.py      forward inputs under tp/cp: collective refusals, global position_ids
+    loss.py        outputs.loss under tp/cp, exactly as in one process
+    pretrained.py  load_pretrained / save_pretrained: sharded safetensors straight into / out of a mesh
+
+``ndparallel.parallelize(hf_model, cfg, mesh)`` recognises a PreTrainedModel by itself; load and save::
 
     from ndparallel.hf import load_pretrained, save_pretrained
     model = load_pretrained("path/to/folder", cfg, mesh)   # meta init, each rank reads its shards
     save_pretrained(model, "path/to/out")                 # full tensors gathered on rank 0
 """
 
+from ndparallel.hf.attention import apply_hf_attention
+from ndparallel.hf.plan import SUPPORTED_MODEL_TYPES, hf_fsdp_groups, hf_tp_plan, is_hf_model
 from ndparallel.hf.pretrained import load_pretrained, local_region, save_pretrained
+from ndparallel.hf.styles import GatherSequence, TiedColwiseParallel
 
-__all__ = ["load_pretrained", "local_region", "save_pretrained"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "GatherSequence",
+    "TiedColwiseParallel",
+    "apply_hf_attention",
+    "hf_fsdp_groups",
+    "hf_tp_plan",
+    "is_hf_model",
+    "load_pretrained",
+    "local_region",
+    "save_pretrained",
+]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ndparallel.comm.agree import agree
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh, init_distributed
@@ -166,8 +167,7 @@ def load_pretrained(
         model = build(config)
     _cast_parameters(model, dtype)
     model = parallelize(model, cfg, mesh, **parallelize_kwargs)
-    device = _device(mesh)
-    model.to_empty(device=device)
+    model.to_empty(device=mesh.device)
     _init_buffers(model)
     _fill_from_files(model, files)
     return model
@@ -194,12 +194,6 @@ def _check_meta_init(mesh: Mesh) -> None:
             "(meta-device init): use dp_shard_size instead (HSDP with dp_replicate_size works), or "
             "from_pretrained + ndparallel.parallelize"
         )
-
-
-def _device(mesh: Mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 # ------------------------------------------------------------------------------------------- saving
@@ -241,11 +235,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> str | None:
             save_file(tensors, str(path / SAFE_WEIGHTS), metadata={"format": "pt"})
             model.config.save_pretrained(str(path))
         except Exception as err:  # every rank must learn of it, or the others wait forever
-            failure = f"{type(err).__name__}: {err}"
-    if dist.is_initialized():
-        status = [failure]
-        dist.broadcast_object_list(status, src=0)  # also the barrier: rank 0 has finished writing
-        failure = status[0]
-    if failure is not None:
-        raise ConfigError(f"save_pretrained could not write {str(path)!r} on rank 0 ({failure}); pass a writable path")
+            failure = f"could not write {str(path)!r} ({type(err).__name__}: {err}); pass a writable path"
+    # Collective, and the barrier: every rank returns once rank 0 has finished writing, or raises with it.
+    agree(failure, "save_pretrained", error_type=ConfigError)
     return str(path) if rank == 0 else None

@@ -89,8 +89,9 @@ class TransformerConfig:
         return 6 * matmul_params + attention
 
 
-# Shapes: tiny/small are for tests and CPU demos; 1b is the 953M-parameter model that the GPU
-# baseline in DESIGN.md was measured on; 8b and 70b follow the public Llama-3 shapes.
+# Shapes: tiny/small are for tests and CPU demos; 1b is the 953M-parameter model of the one-GPU
+# baseline (docs/benchmarks.md, "One GPU: ndparallel vs plain PyTorch"); 8b and 70b follow the
+# public Llama-3 shapes.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192, max_seq_len=256),
     "small": dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704, max_seq_len=1024),

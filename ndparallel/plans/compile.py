@@ -4,7 +4,8 @@
 ``OptimizedModule`` (whose ``_orig_mod.`` prefix would change every state-dict key).
 Per-block compile keeps graphs small and reused across identical blocks; whole-model compile
 sees across block boundaries. Per-block compile together with tensor/sequence parallelism
-fails in AOT autograd on torch 2.13 (DESIGN.md facts), so that combination is refused.
+fails in AOT autograd on torch 2.13 (docs/parallelize.md, "Refused combinations"), so that
+combination is refused.
 """
 
 from __future__ import annotations

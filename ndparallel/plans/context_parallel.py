@@ -23,7 +23,6 @@ loss over ``mesh["dp_cp"]`` gives the global loss.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +37,8 @@ from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh
 from ndparallel.models.transformer import CoreAttention
+from ndparallel.plans.fqn import fqn_matches
+from ndparallel.sequence import check_sequence_length, cp_chunks
 
 __all__ = [
     "MASKS",
@@ -58,22 +59,14 @@ MASKS = ("causal", "none")
 
 
 def validate_sequence_length(seq_len: int, cp_size: int, load_balance: bool, what: str = "sequence length") -> None:
-    """Raise ConfigError unless ``seq_len`` splits evenly: by ``2 * cp_size`` with load balancing, else ``cp_size``."""
-    parts = 2 * cp_size if load_balance else cp_size
-    if seq_len % parts:
-        if load_balance:
-            fix = f"pad or crop it to a multiple of {parts}, or set cp_load_balance=false (then {cp_size} suffices)"
-            raise ConfigError(
-                f"{what} {seq_len} is not divisible by 2 x cp_size = {parts} (cp_load_balance=true "
-                f"cuts it into 2 chunks per rank): {fix}"
-            )
-        raise ConfigError(f"{what} {seq_len} is not divisible by cp_size={cp_size}: pad or crop it to a multiple")
+    """Raise ConfigError unless ``seq_len`` splits over ``cp_size`` ranks (the one rule: :mod:`ndparallel.sequence`)."""
+    check_sequence_length(seq_len, cp_size, 1, load_balance, what)
 
 
 def sequence_indices(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool, device=None) -> torch.Tensor:
     """Global positions held by ``cp_rank``: chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` (head-tail), else block ``r``."""
-    validate_sequence_length(seq_len, cp_size, load_balance)
-    if not load_balance:
+    check_sequence_length(seq_len, cp_size, 1, load_balance)
+    if cp_chunks(cp_size, load_balance) == cp_size:  # one contiguous block per rank
         n = seq_len // cp_size
         return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
     c = seq_len // (2 * cp_size)
@@ -185,7 +178,7 @@ def context_parallel(
         if buf.requires_grad:
             raise ConfigError(f"context_parallel: buffer {i} requires grad; shard inputs, not parameters")
         lengths.add(buf.shape[dim])
-        validate_sequence_length(buf.shape[dim], cp_size, cfg.cp_load_balance, what=f"buffer {i} sequence length")
+        check_sequence_length(buf.shape[dim], cp_size, 1, cfg.cp_load_balance, what=f"buffer {i} sequence length")
     if len(lengths) > 1:
         raise ConfigError(f"context_parallel: buffers have different sequence lengths {sorted(lengths)}; align them")
     if cfg.cp_backend == "torch":
@@ -291,7 +284,7 @@ class RingAttention(nn.Module):
 
 def _is_target(name: str, module: nn.Module, targets: Sequence[type | str]) -> bool:
     for target in targets:
-        if isinstance(target, str) and fnmatch.fnmatchcase(name, target):
+        if isinstance(target, str) and fqn_matches(name, target):
             return True
         if isinstance(target, type) and isinstance(module, target):
             return True
@@ -304,12 +297,16 @@ def apply_context_parallel(
     cfg: ParallelismConfig | None = None,
     targets: Iterable[type | str] = (),
     mask: str = "causal",
+    positions_arg: str = "positions",
 ) -> nn.Module:
     """Replace every ``CoreAttention`` (and every module matching ``targets``: classes, or FQN patterns
-    such as ``"layers.*.attn.core"``) with a ``RingAttention`` on ``mesh["cp"]``; returns ``model``.
+    such as ``"layers.*.attn.core"``, ``*`` inside one atom: :mod:`ndparallel.plans.fqn`) with a
+    ``RingAttention`` on ``mesh["cp"]``; returns ``model``.
 
-    Targets must take ``forward(q, k, v)`` on ``[batch, seq, heads, head_dim]``. No-op when cp is 1,
-    and with ``cp_backend="torch"`` (torch's SDPA dispatch does the ring inside ``context_parallel``).
+    Targets must take ``forward(q, k, v)`` on ``[batch, seq, heads, head_dim]``. The outermost module
+    whose ``forward`` takes ``positions_arg`` gets it filled with the rank's global positions when called
+    without it inside :func:`context_parallel`. No-op when cp is 1, and with ``cp_backend="torch"``
+    (torch's SDPA dispatch does the ring inside ``context_parallel``).
     """
     cp_mesh, cfg = _cp_parts(mesh, cfg)
     if cp_mesh.size() == 1:
@@ -326,50 +323,51 @@ def apply_context_parallel(
     if not found:
         raise ConfigError(
             f"cp_size={cp_mesh.size()} but the model has no CoreAttention (nor any module matching {list(targets)}): "
-            "pass targets=[YourAttentionClass or 'fqn.pattern'] to apply_context_parallel"
+            "pass targets=[YourAttentionClass or 'fqn.pattern'] to apply_context_parallel (through "
+            "ndparallel.parallelize: a ModelFamily whose cp_attention names it, docs/parallelize.md#model-families)"
         )
     for name in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, RingAttention(cp_mesh, cfg.cp_rotate_method, cfg.cp_load_balance, mask))
-    _hook_positions(model, cp_mesh)
+    _hook_positions(model, cp_mesh, positions_arg)
     return model
 
 
 # ------------------------------------------------------------------------------------- positions
 
 
-def _hook_positions(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """A forward pre-hook on each outermost module whose ``forward`` takes ``positions`` and holds ring
+def _hook_positions(model: nn.Module, cp_mesh: DeviceMesh, arg: str) -> None:
+    """A forward pre-hook on each outermost module whose ``forward`` takes ``arg`` (``positions``) and holds ring
     attention (the reference Transformer itself): a call without positions gets this rank's global ones."""
     hooked: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(f"{outer}.") or outer == "" for outer in hooked):
             continue
-        index = _positions_index(module)
+        index = _positions_index(module, arg)
         if index is not None and any(isinstance(m, RingAttention) for m in module.modules()):
-            module.register_forward_pre_hook(_positions_hook(cp_mesh, index), with_kwargs=True)
+            module.register_forward_pre_hook(_positions_hook(cp_mesh, index, arg), with_kwargs=True)
             hooked.append(name)
 
 
-def _positions_index(module: nn.Module) -> int | None:
+def _positions_index(module: nn.Module, arg: str) -> int | None:
     try:
         names = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         return None
-    return names.index("positions") if "positions" in names else None
+    return names.index(arg) if arg in names else None
 
 
-def _positions_hook(cp_mesh: DeviceMesh, index: int):
+def _positions_hook(cp_mesh: DeviceMesh, index: int, arg: str):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         positional = len(args) > index
-        positions = args[index] if positional else kwargs.get("positions")
+        positions = args[index] if positional else kwargs.get(arg)
         sharding = next((s for s in reversed(_ACTIVE) if s.cp_mesh == cp_mesh), None)
         cp = cp_mesh.size()
         if sharding is None:
             if positions is None:
                 raise ConfigError(
-                    f"{type(module).__name__} under cp_size={cp} was called without positions outside "
+                    f"{type(module).__name__} under cp_size={cp} was called without {arg} outside "
                     "ndparallel.context_parallel: every rank would number its tokens from 0. Call it inside "
                     "context_parallel (positions are then filled in), or pass each rank's global positions"
                 )
@@ -378,8 +376,8 @@ def _positions_hook(cp_mesh: DeviceMesh, index: int):
         if positions is not None:
             if positions.shape[-1] != local:
                 raise ConfigError(
-                    f"positions has {positions.shape[-1]} entries but each rank holds {local} of the "
-                    f"{sharding.seq_len} tokens (cp_size={cp}): pass positions as a context_parallel buffer "
+                    f"{arg} has {positions.shape[-1]} entries but each rank holds {local} of the "
+                    f"{sharding.seq_len} tokens (cp_size={cp}): pass {arg} as a context_parallel buffer "
                     "(seq dim 0 for [seq], 1 for [batch, seq]) so they are sharded with the tokens, or omit them"
                 )
             return None
@@ -387,6 +385,6 @@ def _positions_hook(cp_mesh: DeviceMesh, index: int):
         positions = sequence_indices(sharding.seq_len, cp, cp_mesh.get_local_rank(), sharding.load_balance, device)
         if positional:
             return (*args[:index], positions, *args[index + 1 :]), kwargs
-        return args, {**kwargs, "positions": positions}
+        return args, {**kwargs, arg: positions}
 
     return hook

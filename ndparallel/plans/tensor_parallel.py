@@ -1,82 +1,46 @@
 """Tensor + sequence parallelism as declarative tables: module FQN pattern -> torch ``ParallelStyle``.
 
-The table for the reference Transformer (``*`` matches one path atom, as in ``parallelize_module``)::
-
-    tok_embeddings              RowwiseParallel, output Shard(1)       (vocab split; output sequence-sharded)
-    layers.*.attention_norm     SequenceParallel                        (norm runs on seq/tp tokens)
-    layers.*.attention          PrepareModuleInput Shard(1) -> Replicate (all-gather the sequence)
-    layers.*.attention.wq/wk/wv ColwiseParallel                         (heads split)
-    layers.*.attention.wo       RowwiseParallel, output Shard(1)        (reduce-scatter back to seq shards)
-    layers.*.ffn_norm           SequenceParallel
-    layers.*.feed_forward       PrepareModuleInput Shard(1) -> Replicate
-    layers.*.feed_forward.w1/w3 ColwiseParallel
-    layers.*.feed_forward.w2    RowwiseParallel, output Shard(1)
-    norm                        SequenceParallel
-    output                      ColwiseParallel, input Shard(1), output Shard(-1) as a DTensor (loss parallel)
+A table (:data:`TPTable`, the ``plan=`` of :func:`ndparallel.parallelize`) maps FQN patterns (``*``
+matches inside one path atom: :mod:`ndparallel.plans.fqn`) to torch's styles; each model family supplies
+its own (the reference Transformer's is in ``ndparallel/models/family.py``, Hugging Face's in
+``ndparallel/hf/plan.py``). :func:`apply_tensor_parallel` checks the table against the model (every entry
+must match a module, every sharded dimension must divide by tp) and applies it with torch's
+``parallelize_module``.
 
 Every parameter is a DTensor on the tp mesh afterwards, so foreach optimizers and
 :func:`ndparallel.clip.clip_grad_norm_` see one kind of tensor. The logits stay vocab-sharded:
-compute the loss with :func:`cross_entropy_loss`, which never gathers the full vocabulary.
+compute the loss with :func:`ndparallel.loss.cross_entropy_loss`, which never gathers the full vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from ndparallel.errors import ConfigError
+from ndparallel.loss import cross_entropy_loss  # re-exported: its home is ndparallel/loss.py
+from ndparallel.models.family import transformer_tp_plan  # re-exported, and apply_tensor_parallel's default
+from ndparallel.plans.fqn import first_match, matching_modules
 
 __all__ = [
+    "TPPlan",
+    "TPTable",
     "apply_tensor_parallel",
     "check_tp_divisibility",
     "cross_entropy_loss",
     "transformer_tp_plan",
 ]
 
-TPPlan = Mapping[str, ParallelStyle]
+TPTable = Mapping[str, ParallelStyle]  # {fqn_pattern: ParallelStyle}: the ``plan=`` of parallelize
+TPPlan = TPTable  # the earlier name, kept for imports
 
 
-def transformer_tp_plan() -> dict[str, ParallelStyle]:
-    """The TP + SP plan for :class:`ndparallel.models.Transformer` (and Llama-shaped models named alike)."""
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None),
-            desired_input_layouts=(Replicate(), None, None),
-        ),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-        ),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    }
-
-
-# Model config fields that tensor parallelism splits, in our names and in Hugging Face's.
+# Without a family's split_fields: the config fields TP splits, in the reference model's names and in Hugging
+# Face's (callers that check a model outside parallelize, such as the bench, rely on it).
 _SPLIT_FIELDS = (
     ("n_heads", "num_attention_heads"),
     ("n_kv_heads", "num_key_value_heads"),
@@ -85,16 +49,20 @@ _SPLIT_FIELDS = (
 )
 
 
-def check_tp_divisibility(model: nn.Module, tp_size: int, plan: TPPlan | None = None) -> None:
+def check_tp_divisibility(
+    model: nn.Module, tp_size: int, plan: TPTable | None = None, fields: Sequence[str] | None = None
+) -> None:
     """Raise :class:`ConfigError` when ``tp_size`` cannot split the model evenly.
 
-    Checks the model config's head counts, FFN width and vocabulary (if the model has a
-    ``config`` with those fields), then every Linear/Embedding the plan shards.
+    Checks the ``model.config`` fields in ``fields`` (a family's ``split_fields``: head counts, FFN width,
+    vocabulary; default: the first present of each pair in ``_SPLIT_FIELDS``), then every
+    Linear/Embedding the plan shards.
     """
     if tp_size <= 1:
         return
     config = getattr(model, "config", None)
-    for names in _SPLIT_FIELDS:
+    groups = [(name,) for name in fields] if fields is not None else _SPLIT_FIELDS
+    for names in groups:
         for name in names:
             value = getattr(config, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -106,24 +74,13 @@ def check_tp_divisibility(model: nn.Module, tp_size: int, plan: TPPlan | None = 
     if plan is None:
         return
     for fqn, module in model.named_modules():
-        style = _style_for(fqn, plan)
+        style = first_match(fqn, plan)
         dim = _sharded_size(module, style)
         if dim is not None and dim[1] % tp_size:
             raise ConfigError(
                 f"tp_size={tp_size} does not divide {fqn}.{dim[0]}={dim[1]} (sharded by {type(style).__name__}); "
                 "choose a tp_size that divides it"
             )
-
-
-def _style_for(fqn: str, plan: TPPlan) -> ParallelStyle | None:
-    from fnmatch import fnmatch
-
-    atoms = fqn.split(".")
-    for pattern, style in plan.items():
-        parts = pattern.split(".")
-        if len(parts) == len(atoms) and all(fnmatch(a, p) for a, p in zip(atoms, parts, strict=True)):
-            return style
-    return None
 
 
 def _sharded_size(module: nn.Module, style: ParallelStyle | None) -> tuple[str, int] | None:
@@ -140,11 +97,11 @@ def _sharded_size(module: nn.Module, style: ParallelStyle | None) -> tuple[str, 
     return None
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan | None = None) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPTable | None = None) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` following ``plan`` (default: the Transformer table)."""
     plan = dict(transformer_tp_plan() if plan is None else plan)
     check_tp_divisibility(model, tp_mesh.size(), plan)
-    unmatched = [p for p in plan if not any(_style_for(fqn, {p: plan[p]}) for fqn, _ in model.named_modules())]
+    unmatched = [pattern for pattern in plan if next(matching_modules(model, pattern), None) is None]
     if unmatched:
         raise ConfigError(
             f"tensor-parallel plan entries {unmatched} match no module of {type(model).__name__}; "
@@ -169,70 +126,3 @@ def _grad_like_param(param: DTensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-# ---------------------------------------------------------------------------------------- loss
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean token cross entropy for ``logits [batch, seq, vocab]`` and ``labels [batch, seq]``.
-
-    Works on every mesh: plain logits use ``F.cross_entropy``; logits that are a DTensor
-    sharded on the vocabulary (the TP plan's output) are reduced across the tp group without
-    gathering the vocabulary (forward and backward need no context manager). Computed in fp32 or
-    wider (float64 logits stay float64). Returns a plain scalar tensor, equal on every rank of the tp group.
-    """
-    labels = labels.to_local() if isinstance(labels, DTensor) else labels
-    if isinstance(logits, DTensor):
-        shard_dims = [p.dim % logits.ndim for p in logits.placements if isinstance(p, Shard)]
-        if logits.device_mesh.ndim == 1 and shard_dims == [logits.ndim - 1]:
-            local = logits.to_local()
-            group = logits.device_mesh.get_group()
-            return _VocabParallelCrossEntropy.apply(
-                _at_least_fp32(local.flatten(0, -2)), labels.flatten(), _vocab_offset(logits), group, ignore_index
-            )
-        logits = logits.full_tensor()
-    return F.cross_entropy(_at_least_fp32(logits.flatten(0, -2)), labels.flatten(), ignore_index=ignore_index)
-
-
-def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """bf16/fp16 logits upcast to fp32 for the loss; float64 stays float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _vocab_offset(logits: DTensor) -> int:
-    """First vocabulary index of this rank's shard (DTensor's Shard splits like ``torch.chunk``)."""
-    vocab = logits.shape[-1]
-    ranks = logits.device_mesh.size()
-    chunk = -(-vocab // ranks)
-    return min(chunk * logits.device_mesh.get_local_rank(), vocab)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross entropy over vocabulary shards: max, sum-exp and target logit are all-reduced in the group."""
-
-    @staticmethod
-    def forward(ctx, local, labels, start, group, ignore_index):
-        local = local.detach()
-        row_max = local.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = local - row_max[:, None]
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        in_shard = (labels >= start) & (labels < start + local.shape[-1])
-        index = (labels - start).clamp(0, local.shape[-1] - 1)
-        target = shifted.gather(1, index[:, None])[:, 0] * in_shard
-        dist.all_reduce(target, group=group)
-        valid = labels != ignore_index
-        count = valid.sum().clamp(min=1)
-        loss = ((sum_exp.log() - target) * valid).sum() / count
-        ctx.save_for_backward(exp / sum_exp[:, None], index, in_shard, valid, count)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, index, in_shard, valid, count = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, index] -= in_shard.to(grad.dtype)
-        grad *= (valid.to(grad.dtype) * grad_loss / count)[:, None]
-        return grad, None, None, None, None

@@ -1,0 +1,64 @@
+"""Hugging Face causal LMs (Llama, Qwen2, Mistral) as a model family: what ``parallelize`` asks of them.
+
+The answers live beside this file: the TP + SP table and FSDP units in :mod:`ndparallel.hf.plan`, the
+attention seam, position handling and input checks in :mod:`ndparallel.hf.attention` /
+:mod:`ndparallel.hf.inputs`, ``outputs.loss`` in :mod:`ndparallel.hf.loss`. Models are recognised by
+``config.model_type`` without importing ``transformers``. Decoder layers are the first ``nn.ModuleList``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ndparallel.config import ParallelismConfig
+from ndparallel.family import ModelFamily
+from ndparallel.hf.attention import apply_hf_attention, check_attention
+from ndparallel.hf.plan import hf_fsdp_groups, hf_tp_plan, is_hf_model
+from ndparallel.mesh import Mesh
+
+__all__ = ["FAMILY", "HuggingFaceFamily", "hf_parallelize_kwargs"]
+
+
+class HuggingFaceFamily(ModelFamily):
+    """A ``transformers`` PreTrainedModel: built-in plans for :data:`ndparallel.hf.plan.SUPPORTED_MODEL_TYPES`."""
+
+    name = "huggingface"
+    split_fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    heads_field = "num_attention_heads"
+
+    def matches(self, model: nn.Module) -> bool:
+        return is_hf_model(model)
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        return hf_tp_plan(model)  # refuses, naming the module, what it cannot place
+
+    def check(self, model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> None:
+        check_attention(model, cfg, mesh)  # an attention the seam cannot route, cp_backend, dynamic rope
+
+    def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
+        return hf_fsdp_groups(model)
+
+    def apply_attention(self, model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> nn.Module:
+        return apply_hf_attention(model, mesh, cfg)  # tp or cp > 1: registry function, input hook, loss
+
+
+FAMILY = HuggingFaceFamily()
+
+
+def hf_parallelize_kwargs(
+    model: nn.Module,
+    cfg: ParallelismConfig,
+    mesh: Mesh,
+    *,
+    plan: dict[str, ParallelStyle] | None = None,
+    fsdp_groups: list[list[str]] | None = None,
+) -> dict[str, Any]:
+    """``plan`` and ``fsdp_groups`` as :func:`ndparallel.parallelize` picks them for an HF model: the caller's
+    where given, else the family's (the plan only when tp > 1), after the family's pre-flight refusals."""
+    if plan is None and mesh.size("tp") > 1:
+        plan = FAMILY.tp_plan(model)
+    FAMILY.check(model, cfg, mesh)
+    return {"plan": plan, "fsdp_groups": FAMILY.fsdp_groups(model) if fsdp_groups is None else fsdp_groups}
