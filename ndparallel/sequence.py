@@ -45,7 +45,7 @@ def sequence_problem(
         return f"{what} {seq_len} is not divisible by cp_size={cp_size}: pad or crop it to a multiple of {multiple}"
     if (seq_len // cp_size) % tp_size:
         per_rank = seq_len // cp_size
-        where = f" split over cp_size={cp_size} leaves {per_rank} tokens per rank," if cp_size > 1 else ""
+        where = f" split over cp_size={cp_size} leaves {per_rank} tokens per rank," if cp_size > 1 else " is"
         return (
             f"{what} {seq_len}{where} not divisible by tp_size={tp_size} (sequence parallel splits each rank's "
             f"tokens over tp): use a multiple of {multiple}"
