@@ -427,7 +427,7 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     _train(net, opt, sched, mesh, 1)  # move away from step 6, so loading it back is visible
 
     # Rank 1 sees every checkpoint as corrupt (its reads hash to something else).
-    from ndparallel import checkpoint_manifest
+    from ndparallel.checkpoint import manifest as checkpoint_manifest
 
     real_sha256 = checkpoint_manifest.sha256_file
     if rank == 1:
@@ -771,7 +771,7 @@ def _flip_bytes(file: Path, offset: int = 20000, count: int = 8) -> None:
 def test_every_file_is_checksummed_at_save_and_verified_at_load(tmp_path, monkeypatch):
     import threading
 
-    from ndparallel import checkpoint_manifest
+    from ndparallel.checkpoint import manifest as checkpoint_manifest
 
     net, opt, sched, _ = _setup(None)
     _train(net, opt, sched, None, 1)

@@ -16,11 +16,10 @@ every file on every rank, and the ranks agree, before DCP touches the model: a f
 rank raises the same error on all of them instead of hanging. "Latest" means most recently
 committed (not highest step), so a rollback's new branch wins. Layout and guarantees: docs/checkpointing.md.
 
-The new concepts live beside this module (for the ``checkpoint/`` package of a later split):
-``checkpoint_manifest`` (the marker, field by field, and the SHA-256 of every file),
-``checkpoint_metadata`` (DCP's pickled ``.metadata`` read with an allow-list: no code runs),
-``checkpoint_leftovers`` (only directories with our stamp are ever removed), ``checkpoint_lock``
-(one job per folder) and ``comm.agree`` (one error on every rank).
+The concepts live in modules of this package: ``manifest`` (the marker, field by field, and the
+SHA-256 of every file), ``dcp_metadata`` (DCP's pickled ``.metadata`` read with an allow-list: no
+code runs), ``leftovers`` (only directories with our stamp are ever removed), ``lock`` (one job per
+folder), and ``ndparallel.comm.agree`` (one error on every rank).
 """
 
 from __future__ import annotations
@@ -58,8 +57,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ndparallel import checkpoint_leftovers as leftovers
-from ndparallel.checkpoint_manifest import (
+from ndparallel.checkpoint import leftovers
+from ndparallel.checkpoint.dcp_metadata import SafeFileSystemReader, read_metadata
+from ndparallel.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     MARKER,
@@ -71,7 +71,6 @@ from ndparallel.checkpoint_manifest import (
     sha256_file,
     verify_share,
 )
-from ndparallel.checkpoint_metadata import SafeFileSystemReader, read_metadata
 from ndparallel.comm.agree import agree as _agree
 from ndparallel.comm.agree import broadcast_text as _broadcast_text
 from ndparallel.comm.agree import distributed as _distributed
@@ -315,7 +314,7 @@ def _commit(tmp: Path, path: Path, token: str, skeleton: Any, info: dict[str, An
 
 
 def _remove_stale_tmp(path: Path) -> None:
-    """Rank 0: remove what earlier crashed saves of ``path`` left (ours only: see checkpoint_leftovers)."""
+    """Rank 0: remove what earlier crashed saves of ``path`` left (ours only: see leftovers)."""
     for p in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
         if leftovers.is_leftover(p, path.name):
             shutil.rmtree(p, ignore_errors=True)
@@ -563,7 +562,7 @@ def validate(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, A
     """Check that ``path`` is a complete, intact checkpoint; return its marker. Raises :class:`CheckpointError`.
 
     Checks: the marker exists and parses, each of its fields has the right type and range (see
-    checkpoint_manifest), its format version is known, every file it lists exists with the recorded
+    the manifest module), its format version is known, every file it lists exists with the recorded
     size, and DCP's ``.metadata`` and the state JSON match their recorded SHA-256 (which must be
     there). Reads only; no process group needed.
     """
