@@ -29,11 +29,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from ndparallel.checkpoint.format import METADATA_FILE
 from ndparallel.errors import CheckpointError
 
 __all__ = ["METADATA_FILE", "SafeFileSystemReader", "read_metadata"]
-
-METADATA_FILE = ".metadata"
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # (module, name) in the pickle -> (module, name) to resolve. These are the globals of the .metadata
