@@ -20,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from ndparallel.comm.agree import failed_ranks
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
@@ -40,18 +43,54 @@ def _grads_by_mesh(parameters: Iterable[torch.Tensor]) -> dict[object, list[torc
     return groups
 
 
-@contextlib.contextmanager
-def _quiet_sequential_reduce_warning() -> Iterator[None]:
-    # Reducing a scalar norm that is Partial over a 2-D/3-D mesh makes DTensor log, on every rank
-    # and every step, that it runs one all-reduce per mesh dim. For one scalar that costs nothing
-    # measurable, and the message would flood the training output.
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+# Reducing a scalar norm that is Partial over a 2-D/3-D mesh makes DTensor log a warning, on every
+# rank, that it runs one all-reduce per mesh dim (torch 2.13 logs it once per mesh and dims). For
+# one scalar that costs nothing measurable, and the message would flood the training output.
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+class _QuietInScope(logging.Filter):
+    """Drops the records below ERROR that a thread logs while it is inside :func:`_quiet_sequential_reduce_warning`.
+
+    Scoped and thread-safe: the logger's level is never changed (that would silence every thread
+    and clear every logger's cache), the filter is attached only while some thread is inside the
+    block, and it drops only the records of the threads that are.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._inside = threading.local()
+        self._lock = threading.Lock()
+        self._threads_inside = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or getattr(self._inside, "depth", 0) == 0
+
+    @contextlib.contextmanager
+    def scope(self, logger: logging.Logger) -> Iterator[None]:
+        depth = getattr(self._inside, "depth", 0)
+        if depth == 0:
+            with self._lock:
+                if self._threads_inside == 0:
+                    logger.addFilter(self)
+                self._threads_inside += 1
+        self._inside.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._inside.depth = depth
+            if depth == 0:
+                with self._lock:
+                    self._threads_inside -= 1
+                    if self._threads_inside == 0:
+                        logger.removeFilter(self)
+
+
+_QUIET = _QuietInScope()
+
+
+def _quiet_sequential_reduce_warning() -> contextlib.AbstractContextManager[None]:
+    return _QUIET.scope(logging.getLogger(_REDISTRIBUTE_LOGGER))
 
 
 def _combine(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -76,7 +115,8 @@ def _check_same_grads_on_every_rank(parameters: list[torch.Tensor]) -> None:
 
     One all-reduce (MAX of ``[has_grad, 1 - has_grad]`` per parameter) over the world, when the
     parameters hold DTensors whose meshes span it (every ndparallel mesh does); with plain tensors
-    only there is no collective and nothing to check. On disagreement, one all-gather names the ranks.
+    only there is no collective and nothing to check. On disagreement,
+    :func:`ndparallel.comm.agree.failed_ranks` names the ranks (the same list on every rank).
     """
     meshes = {p.device_mesh: None for p in parameters if isinstance(p, DTensor)}
     if not meshes or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -93,11 +133,9 @@ def _check_same_grads_on_every_rank(parameters: list[torch.Tensor]) -> None:
     disputed = [i for i in range(len(parameters)) if split[0, i] and split[1, i]]
     if not disputed:
         return
-    missing: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(missing, [i for i in disputed if not has[i]])
     first = disputed[0]
-    lacking = [r for r, idx in enumerate(missing) if idx and first in idx]
-    having = [r for r in range(len(missing)) if r not in lacking]
+    lacking = failed_ranks(not has[first])  # one all-reduce of a one-hot vector: no pickles
+    having = [r for r in range(dist.get_world_size()) if r not in lacking]
     raise RuntimeError(
         f"clip_grad_norm_: parameter {first} (shape {list(parameters[first].shape)}) has a gradient on rank(s) "
         f"{having} but not on rank(s) {lacking} ({len(disputed)} parameter(s) disagree): the global norm would "

@@ -427,11 +427,11 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     _train(net, opt, sched, mesh, 1)  # move away from step 6, so loading it back is visible
 
     # Rank 1 sees every checkpoint as corrupt (its reads hash to something else).
-    from ndparallel import checkpoint_manifest
+    from ndparallel.checkpoint import checksums
 
-    real_sha256 = checkpoint_manifest.sha256_file
+    real_sha256 = checksums.sha256_file
     if rank == 1:
-        checkpoint_manifest.sha256_file = lambda path: "0" * 64
+        checksums.sha256_file = lambda path: "0" * 64
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out["own_latest"] = ckpt.latest(run)  # rank 1 alone would resume from nothing
@@ -440,7 +440,7 @@ def job_rollback_and_agreement(root: str) -> dict[str, Any]:
     start = time.monotonic()
     out["corrupt"] = _caught(ckpt.load, out["resolved"], net, opt)
     out["corrupt_s"] = time.monotonic() - start
-    checkpoint_manifest.sha256_file = real_sha256
+    checksums.sha256_file = real_sha256
     after = _full_state(net, opt)  # a collective: every rank calls it
     out["untouched"] = before is None or all(np.array_equal(v, before[k]) for k, v in after.items())
 
@@ -518,7 +518,7 @@ def test_keep_last_prune_replace_and_async(tmp_path, monkeypatch):
     # Replacing an existing checkpoint: atomic exchange (Linux), and the two-rename fallback.
     for exchange in (True, False):
         if not exchange:
-            monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+            monkeypatch.setattr(ckpt.storage, "_exchange", lambda a, b: False)
         net = Transformer(TransformerConfig.from_preset("tiny", seed=20 + exchange))
         ckpt.save(tmp_path / "step-9", net, step=9)
         assert [p.name for p in tmp_path.iterdir()] == ["step-9"]
@@ -771,18 +771,18 @@ def _flip_bytes(file: Path, offset: int = 20000, count: int = 8) -> None:
 def test_every_file_is_checksummed_at_save_and_verified_at_load(tmp_path, monkeypatch):
     import threading
 
-    from ndparallel import checkpoint_manifest
+    from ndparallel.checkpoint import checksums
 
     net, opt, sched, _ = _setup(None)
     _train(net, opt, sched, None, 1)
     hashed_in: dict[str, str] = {}
-    real_sha256 = checkpoint_manifest.sha256_file
+    real_sha256 = checksums.sha256_file
 
     def recording_sha256(path: Path) -> str:
         hashed_in.setdefault(Path(path).name, threading.current_thread().name)
         return real_sha256(path)
 
-    monkeypatch.setattr(checkpoint_manifest, "sha256_file", recording_sha256)
+    monkeypatch.setattr(checksums, "sha256_file", recording_sha256)
     handle = ckpt.save_async(tmp_path / "step-1", net, opt, step=1)
     path = Path(handle.wait())
     monkeypatch.undo()

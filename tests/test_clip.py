@@ -145,3 +145,41 @@ def test_clip_nonfinite_raises_when_asked():
         assert "non-finite" in str(err)
     else:
         raise AssertionError("expected a RuntimeError for a NaN gradient")
+
+
+def test_the_reduce_warning_is_quiet_only_inside_the_block_and_its_thread():
+    """The DTensor warning silenced around the norm reduction: below ERROR, in that block, on that thread only;
+    the logger's level and filters are as before afterwards (no process-wide logging change)."""
+    import logging
+    import threading
+
+    from ndparallel.clip import _REDISTRIBUTE_LOGGER, _quiet_sequential_reduce_warning
+
+    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    level, filters = logger.level, list(logger.filters)
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    logger.addHandler(keep)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with _quiet_sequential_reduce_warning():
+            logger.warning("inside")
+            with _quiet_sequential_reduce_warning():
+                logger.info("nested")
+            logger.warning("inside, after the nested block")
+            logger.error("an error")
+            other = threading.Thread(target=logger.warning, args=("another thread",))
+            other.start()
+            other.join()
+        logger.warning("after")
+        assert seen == ["an error", "another thread", "after"]
+        assert logger.filters == filters
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
+    assert logger.level == level
