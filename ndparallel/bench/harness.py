@@ -49,12 +49,6 @@ __all__ = ["BenchCase", "CaseResult", "group_labels", "inside_launcher", "measur
 # ------------------------------------------------------------------------------------ one rank
 
 
-def _device(mesh: Mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,7 +60,7 @@ class _Job:
     def __init__(self, case: BenchCase, mesh: Mesh):
         from ndparallel.parallelize import parallelize
 
-        self.case, self.mesh, self.device = case, mesh, _device(mesh)
+        self.case, self.mesh, self.device = case, mesh, mesh.device
         mcfg = case.model_config()
         with self.device:
             model = Transformer(mcfg)

@@ -79,10 +79,7 @@ def _autocast_unless_fsdp(cfg: TrainConfig, model: nn.Module, device_type: str) 
 def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
     # parallelize warns that mixed precision without FSDP needs autocast: this loop provides it.
     warnings.filterwarnings("ignore", message=r"mixed_precision=.* is applied by FSDP")
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else None
-    model = Transformer(cfg.model)
-    if device is not None:
-        model = model.to(device)
+    model = Transformer(cfg.model).to(mesh.device)
     return parallelize(model, mesh.config, mesh=mesh)
 
 

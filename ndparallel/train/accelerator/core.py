@@ -28,7 +28,6 @@ from ndparallel.grad_sync import no_sync
 from ndparallel.mesh import Mesh, destroy_distributed, init_distributed
 from ndparallel.parallelize import find_blocks, parallelize
 from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.plans.fully_shard import fsdp_mesh
 from ndparallel.plans.hf_tensor_parallel import is_hf_model
 from ndparallel.train.accelerator import data, precision, saving, stepping, trackers
 from ndparallel.train.accelerator.options import (
@@ -73,7 +72,7 @@ class Accelerator:
         device_type = "cpu" if cpu else (device_type or os.environ.get("NDP_DEVICE") or None)  # launch --cpu-ranks
         self.mesh = mesh or init_distributed(cfg, device_type=device_type)
         self._config = cfg.resolve(self.mesh.size())
-        self._autocast = precision.autocast_dtype(self._config, fsdp=fsdp_mesh(self.mesh) is not None)
+        self._autocast = precision.autocast_dtype(self._config, fsdp=self.mesh.fsdp is not None)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.project_dir = None if project_dir is None else str(project_dir)
         self.step = 0  # micro-batches seen inside accumulate() since the last sync at the end of a loader
@@ -87,9 +86,7 @@ class Accelerator:
     # ------------------------------------------------------------------ where am I
     @property
     def device(self) -> torch.device:
-        if self.mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.mesh.device_type)
+        return self.mesh.device
 
     @property
     def parallelism_config(self) -> ParallelismConfig:
