@@ -76,6 +76,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="context-parallel attention: ring (default), allgather, alltoall (Ulysses; heads / tp must divide by cp)",
     )  # fmt: skip
     train.add_argument(
+        "--no-cp-load-balance", action="store_true",
+        help="context parallel cuts the sequence into cp pieces, not 2 x cp (cp_load_balance=false)",
+    )  # fmt: skip
+    train.add_argument(
         "--grad-sync-every-microbatch", action="store_true",
         help="reduce gradients after every micro-batch (default: once per step, as ndparallel train does)",
     )  # fmt: skip
@@ -133,6 +137,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingSpec:
         activation_checkpointing=args.ac,
         reshard_after_forward=not args.no_reshard_after_forward,
         cp_rotate_method=args.cp_rotate_method,
+        cp_load_balance=not args.no_cp_load_balance,
         grad_sync_every_microbatch=args.grad_sync_every_microbatch,
     )
 

@@ -205,7 +205,7 @@ def test_planner_shape_rules_and_pins():
     result = plan(model, TrainingSpec(global_batch=6, seq_len=100), cluster, fixed={"tp": 2})
     assert {e.mesh.tp for e in result.ranked + result.rejected} == {2}
     reasons = {e.mesh: e.reason() for e in result.rejected}
-    assert "seq_len=100 is not divisible by 2 x cp=8" in reasons[MeshShape(cp=4, tp=2)]
+    assert "seq_len 100 is not divisible by 2 x cp_size = 8" in reasons[MeshShape(cp=4, tp=2)]
     assert "global_batch=6 not divisible" in reasons[MeshShape(dp_shard=4, tp=2)]
     with pytest.raises(ConfigError, match="matches the pinned sizes"):
         plan(model, TrainingSpec(), cluster, fixed={"tp": 3})

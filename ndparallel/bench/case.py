@@ -11,6 +11,7 @@ import torch
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.sequence import check_sequence_length
 
 __all__ = ["BenchCase"]
 
@@ -74,10 +75,9 @@ class BenchCase:
                 f"bench case {self.name}: global_batch={self.global_batch} is not divisible by the data-parallel "
                 f"size {dp} (dp_replicate x dp_shard); use a multiple of {dp}"
             )
-        if cfg.cp_size > 1:
-            from ndparallel.plans.context_parallel import validate_sequence_length
-
-            validate_sequence_length(self.seq_len, cfg.cp_size, cfg.cp_load_balance, f"bench case {self.name}: seq_len")
+        check_sequence_length(
+            self.seq_len, cfg.cp_size, cfg.tp_size, cfg.cp_load_balance, what=f"bench case {self.name}: seq_len"
+        )
         if cfg.tp_size > 1:
             from ndparallel.plans.tensor_parallel import check_tp_divisibility
 

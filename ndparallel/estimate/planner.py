@@ -10,6 +10,7 @@ from ndparallel.estimate.comm import Collective, collectives
 from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
+from ndparallel.sequence import sequence_problem
 
 __all__ = ["Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
 
@@ -97,8 +98,9 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
         problems.append(
             f"cp={mesh.cp} does not divide n_heads / tp = {model.n_heads // mesh.tp} (alltoall splits heads)"
         )
-    if mesh.cp > 1 and train.seq_len % (2 * mesh.cp):
-        problems.append(f"seq_len={train.seq_len} is not divisible by 2 x cp={2 * mesh.cp} (load-balanced ring)")
+    sequence = sequence_problem(train.seq_len, mesh.cp, mesh.tp, train.cp_load_balance, what="seq_len")
+    if sequence:
+        problems.append(sequence)
     per_step = mesh.dp * train.micro_batch
     if train.global_batch % per_step:
         problems.append(

@@ -332,6 +332,8 @@ class TrainingSpec:
     """RMSNorm saves only its input and rstd (CUDA fused kernel); False: the composite CPU op's fp32 copies."""
     cp_rotate_method: str = "ring"
     """Context parallel: ``ring``, ``allgather`` or ``alltoall`` (Ulysses): ``ParallelismConfig.cp_rotate_method``."""
+    cp_load_balance: bool = True
+    """Context parallel cuts the sequence into 2 x cp chunks (``ParallelismConfig.cp_load_balance``)."""
     grad_sync_every_microbatch: bool = False
     """Reduce gradients after every micro-batch (FSDP2's default). False (ndparallel's training loop,
     ``ndparallel.grad_sync.no_sync``): once per optimizer step; FSDP then keeps unsharded gradients

@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from ndparallel.config import ParallelismConfig, coerce_fields, load_yaml_mappin
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import check_device_type
 from ndparallel.models import TransformerConfig
+from ndparallel.plans.tensor_parallel import check_tp_divisibility
+from ndparallel.sequence import check_sequence_length
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoopConfig", "TrainConfig", "check_fits_in_memory", "job_device"]
 
@@ -207,20 +210,12 @@ class TrainConfig:
 
         Called before any rank starts (``ndparallel train --cpu-ranks``) and again inside ``train``.
         """
-        p, seq = sizes, self.data.seq_len
-        cp_chunks = 2 * p.cp_size if (p.cp_size > 1 and p.cp_load_balance) else p.cp_size
-        if seq % cp_chunks:
-            raise ConfigError(
-                f"data.seq_len={seq} must be divisible by {cp_chunks} (cp_size={p.cp_size}"
-                + (", x2 for cp_load_balance" if cp_chunks != p.cp_size else "")
-                + ")"
-            )
-        if (seq // p.cp_size) % p.tp_size:
-            raise ConfigError(
-                f"data.seq_len={seq} split over cp_size={p.cp_size} leaves {seq // p.cp_size} tokens per rank, "
-                f"not divisible by tp_size={p.tp_size} (sequence parallel shards them); use a multiple of "
-                f"{p.cp_size * p.tp_size * (2 if cp_chunks != p.cp_size else 1)}"
-            )
+        p = sizes
+        check_sequence_length(self.data.seq_len, p.cp_size, p.tp_size, p.cp_load_balance, what="data.seq_len")
+        if p.tp_size > 1:
+            # With no plan, check_tp_divisibility reads only ``model.config``: the rule parallelize applies
+            # first, checked here on the config alone instead of building the model.
+            check_tp_divisibility(SimpleNamespace(config=self.model), p.tp_size)
         if p.cp_size > 1 and p.cp_rotate_method == "alltoall":
             check_alltoall_heads(self.model.n_heads, p.tp_size, p.cp_size, what="model.n_heads")
         if p.mixed_precision == "fp16" and p.dp_shard_size * p.cp_size == 1:
