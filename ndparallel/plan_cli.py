@@ -80,9 +80,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="context parallel cuts the sequence into cp pieces, not 2 x cp (cp_load_balance=false)",
     )  # fmt: skip
     train.add_argument(
-        "--grad-sync-every-microbatch", action="store_true",
-        help="reduce gradients after every micro-batch (default: once per step, as ndparallel train does)",
+        "--defer-grad-sync", action="store_true",
+        help="FSDP: reduce-scatter gradients once per step, keeping them unsharded between micro-batches "
+        "(train.defer_grad_sync); default: every micro-batch, as ndparallel train does",
     )  # fmt: skip
+    # The default since train.defer_grad_sync; still accepted so scripts that pass it keep working.
+    train.add_argument("--grad-sync-every-microbatch", action="store_true", help=argparse.SUPPRESS)
 
     out = p.add_argument_group("search and output")
     for dim in ("dp_replicate", "dp_shard", "cp", "tp"):
@@ -138,7 +141,7 @@ def _training_from_args(args: argparse.Namespace) -> TrainingSpec:
         reshard_after_forward=not args.no_reshard_after_forward,
         cp_rotate_method=args.cp_rotate_method,
         cp_load_balance=not args.no_cp_load_balance,
-        grad_sync_every_microbatch=args.grad_sync_every_microbatch,
+        defer_grad_sync=args.defer_grad_sync,
     )
 
 

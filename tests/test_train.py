@@ -59,17 +59,20 @@ def _train_many(configs: list[dict]) -> list[dict]:
 
 def test_train_loop_on_4_ranks_matches_one_process(tmp_path):
     """The whole job (data slicing, accumulation, cp sharding, clipping, loss averaging, lr schedule) in
-    float64 (model.dtype) within 1e-10 of one process, and bf16 on a mesh without FSDP (the loop's autocast)
-    against bf16 in one process."""
+    float64 (model.dtype) within 1e-10 of one process, with gradients reduce-scattered every micro-batch (the
+    default) and deferred to the last (train.defer_grad_sync), and bf16 on a mesh without FSDP (the loop's
+    autocast) against bf16 in one process."""
     configs = []
-    for parallelism, dtype in (
-        ({"dp_shard_size": 2, "cp_size": 2}, "float64"),
-        ({"dp_replicate_size": 2, "dp_shard_size": 2}, "float64"),
-        ({"dp_replicate_size": 2, "tp_size": 2, "mixed_precision": "bf16"}, "float32"),
+    for parallelism, dtype, defer in (
+        ({"dp_shard_size": 2, "cp_size": 2}, "float64", False),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, "float64", False),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, "float64", True),
+        ({"dp_replicate_size": 2, "tp_size": 2, "mixed_precision": "bf16"}, "float32", False),
     ):
         config = _config(parallelism, None)
         config["model"]["dtype"] = dtype
-        config["train"].update(steps=4, micro_batch=2, max_grad_norm=0.5)  # 8 / dp 2 / 2 = 2 micro-batches
+        # 8 / dp 2 / 2 = 2 micro-batches
+        config["train"].update(steps=4, micro_batch=2, max_grad_norm=0.5, defer_grad_sync=defer)
         configs.append(config)
     singles = []
     for precision, dtype in (("no", "float64"), ("bf16", "float32")):
@@ -79,8 +82,8 @@ def test_train_loop_on_4_ranks_matches_one_process(tmp_path):
         singles.append(single)
     reference, reference_bf16 = run_distributed(_train_many, 1, singles)[0]
     assert reference["grad_norms"][0] > 0.5, "clipping must be active"
-    fsdp_cp, hsdp, replicate_tp_bf16 = run_distributed(_train_many, 4, configs)[0]
-    for got in (fsdp_cp, hsdp):
+    fsdp_cp, hsdp, hsdp_deferred, replicate_tp_bf16 = run_distributed(_train_many, 4, configs)[0]
+    for got in (fsdp_cp, hsdp, hsdp_deferred):
         assert got["losses"] == pytest.approx(reference["losses"], abs=1e-10)
         assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-10)
     # bf16: same recipe in both, different reduction order -> a looser, stated tolerance.

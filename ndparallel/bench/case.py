@@ -39,6 +39,8 @@ class BenchCase:
     """Also run the compute-only twin (fake process group) to measure exposed communication."""
     micro_batch: int | None = None
     """Sequences per rank per forward (``train.micro_batch``); default the whole per-rank batch."""
+    defer_grad_sync: bool = False
+    """``train.defer_grad_sync``: under FSDP, sync gradients on the last micro-batch only."""
 
     def parallel_config(self) -> ParallelismConfig:
         cfg = ParallelismConfig.from_dict(self.parallelism)

@@ -72,7 +72,9 @@ class _Job:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
         # The compute-only twin's collectives move nothing, so its gradients are garbage: it skips the
         # non-finite check (which would stop it) and steps every time, as the real run does.
-        self.train_step = TrainStep(self.model, self.optimizer, mesh, check_finite=not twin)
+        self.train_step = TrainStep(
+            self.model, self.optimizer, mesh, defer_grad_sync=case.defer_grad_sync, check_finite=not twin
+        )
         self.accumulation = case.accumulation_steps()
         self.steps_taken = 0
         # The same global batch for every mesh shape (this rank takes its dp slice), so the losses of
@@ -139,8 +141,13 @@ def _instrumented_step(job: _Job) -> tuple[list[dict[str, Any]], int]:
     from ndparallel.comm.counter import CommCounter
 
     memory = LiveMemory(job.state_tensors()) if job.device.type == "cpu" else None
-    with CommCounter() as counter, memory or contextlib.nullcontext():
-        job.step()
+    counter = CommCounter()
+    job.train_step.around = lambda: counter  # entered per micro-batch, and around clipping + optimizer
+    try:
+        with memory or contextlib.nullcontext():
+            job.step()
+    finally:
+        job.train_step.around = contextlib.nullcontext
     _sync(job.device)
     labels = group_labels(job.mesh)
     rows: dict[tuple[str, str], dict[str, Any]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
@@ -200,6 +207,8 @@ def _quiet() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing.*")  # CommDebugMode's tracker
+            # FSDP2 on the root's output (the logits); nothing in the step changes them in place.
+            warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
             yield
     finally:
         logger.setLevel(level)

@@ -334,10 +334,10 @@ class TrainingSpec:
     """Context parallel: ``ring``, ``allgather`` or ``alltoall`` (Ulysses): ``ParallelismConfig.cp_rotate_method``."""
     cp_load_balance: bool = True
     """Context parallel cuts the sequence into 2 x cp chunks (``ParallelismConfig.cp_load_balance``)."""
-    grad_sync_every_microbatch: bool = False
-    """Reduce gradients after every micro-batch (FSDP2's default). False (ndparallel's training loop,
-    ``ndparallel.grad_sync.no_sync``): once per optimizer step; FSDP then keeps unsharded gradients
-    between micro-batches."""
+    defer_grad_sync: bool = False
+    """``train.defer_grad_sync`` (the trainer's field, ``ndparallel.grad_sync.micro_batch_sync``): under FSDP,
+    sync gradients on the last micro-batch only, keeping unsharded gradients in between. False (the
+    default): reduce-scatter every micro-batch. HSDP's all-reduce and pure replicate's run once per step."""
 
     def __post_init__(self) -> None:
         for key in ("global_batch", "seq_len", "micro_batch"):
@@ -366,6 +366,12 @@ class TrainingSpec:
         """Micro-batches per optimizer step on each data-parallel rank (0 when the batch does not divide)."""
         per_step = mesh.dp * self.micro_batch
         return self.global_batch // per_step if self.global_batch % per_step == 0 else 0
+
+    def reduce_scatter_steps(self, mesh: MeshShape) -> int:
+        """Micro-batches per step whose backward reduce-scatters gradients: all of them under FSDP, unless
+        ``defer_grad_sync``; else the last one."""
+        micro_steps = self.accumulation_steps(mesh) or 1
+        return micro_steps if mesh.fsdp > 1 and not self.defer_grad_sync else 1
 
 
 # ---------------------------------------------------------------------------------------------- mesh

@@ -75,6 +75,10 @@ class LoopConfig:
     max_nonfinite_steps: int = 1
     """Stop the job after this many steps in a row whose loss or gradient norm is NaN/inf (such a step
     applies no update and is not saved); 1: at the first."""
+    defer_grad_sync: bool = False
+    """Under FSDP with several micro-batches, keep unsharded gradients until the last micro-batch and
+    reduce-scatter once per step (less communication, much more memory); false: reduce-scatter every
+    micro-batch. Pure data parallel always defers. Same field as ``TrainingSpec.defer_grad_sync``."""
 
 
 @dataclass

@@ -76,10 +76,12 @@ class TrainStep:
     """Forward, loss, backward over micro-batches, clipping, the non-finite guard and the optimizer step.
 
     ``model`` is parallelised over ``mesh`` (with :func:`parallelize_config`). ``max_grad_norm`` 0 disables
-    clipping (the norm is still measured).
+    clipping (the norm is still measured). ``defer_grad_sync``: see :func:`ndparallel.grad_sync.micro_batch_sync`.
     ``check_finite=False`` drops the non-finite agreement, only for runs whose numbers mean nothing (the
     bench's compute-only twin). ``phase(text)`` is told what runs next, e.g. ``"step 3: forward/backward"``
-    (the watchdog's heartbeat).
+    (the watchdog's heartbeat). ``around()`` is entered around each micro-batch's forward/backward and around
+    the clipping and optimizer step: the bench counts collectives with it (torch's ``CommDebugMode`` cannot
+    span two forward/backward passes: its module tracker fails with an IndexError, torch 2.13).
     """
 
     def __init__(
@@ -89,17 +91,21 @@ class TrainStep:
         mesh: Mesh,
         *,
         max_grad_norm: float = 1.0,
+        defer_grad_sync: bool = False,
         max_nonfinite_steps: int = 1,
         check_finite: bool = True,
         verbose: bool = False,
         phase: Callable[[str], None] | None = None,
+        around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
         self.model, self.optimizer, self.mesh = model, optimizer, mesh
         self.device = mesh.device
         self.max_grad_norm = max_grad_norm
+        self.defer_grad_sync = defer_grad_sync
         self.autocast_dtype = forward_autocast_dtype(mesh.config)
         self.guard = NonFiniteGuard(max_nonfinite_steps, verbose=verbose) if check_finite else None
         self._phase = phase or (lambda name: None)
+        self.around = around
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -119,7 +125,8 @@ class TrainStep:
             positions = torch.arange(x.shape[1], device=self.device)
             last = index == len(micro_batches) - 1
             with (
-                micro_batch_sync(self.model, last),
+                self.around(),
+                micro_batch_sync(self.model, last, self.defer_grad_sync),
                 context_parallel(self.mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]),
             ):
                 with self._autocast():
@@ -128,11 +135,12 @@ class TrainStep:
                 loss.backward()
             loss_sum = loss_sum + loss.detach()  # out of place: a float64 loss is not rounded to fp32
         self._phase(f"step {step}: gradient clipping and optimizer step")
-        grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
-        # Raises after N bad steps in a row. Unchecked (the bench's compute-only twin, whose collectives move
-        # nothing): every step applies.
-        applied = self.guard.step_is_finite(step, loss_sum, grad_norm) if self.guard else True
-        if applied:  # a NaN/inf never reaches the weights
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.around():
+            grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
+            # Raises after N bad steps in a row. Unchecked (the bench's compute-only twin, whose collectives
+            # move nothing): every step applies.
+            applied = self.guard.step_is_finite(step, loss_sum, grad_norm) if self.guard else True
+            if applied:  # a NaN/inf never reaches the weights
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum, grad_norm, applied)
