@@ -24,9 +24,9 @@ from ndparallel.estimate import (
     parse_bytes,
     plan,
 )
+from ndparallel.estimate.cli import main as plan_main
 from ndparallel.estimate.memory import head_activation_bytes_per_token, layer_activation_bytes_per_token
 from ndparallel.models import Transformer, TransformerConfig
-from ndparallel.plan_cli import main as plan_main
 from ndparallel.testing import run_distributed
 
 GiB = 1024**3

@@ -18,6 +18,7 @@ from typing import Any
 from ndparallel.config import CHOICES
 from ndparallel.errors import ConfigError
 from ndparallel.models.config import PRESETS, TransformerConfig
+from ndparallel.peak import GPU_PEAK_BF16
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
@@ -226,11 +227,12 @@ def model_spec(model: str | os.PathLike | Mapping[str, Any] | TransformerConfig 
 
 
 # ---------------------------------------------------------------------------------------------- cluster
-# peak dense bf16 FLOP/s, memory, NVLink per direction (effective), inter-node per GPU (one 400 Gb/s NIC).
+# Memory, NVLink per direction (effective), inter-node per GPU (one 400 Gb/s NIC); the dense bf16 peak
+# comes from the one peak table, ndparallel.peak.GPU_PEAK_BF16.
 GPU_PRESETS: dict[str, dict[str, float]] = {
-    "h100": dict(gpu_memory=80 * GiB, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9),
-    "h200": dict(gpu_memory=140 * GiB, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9),
-    "a100": dict(gpu_memory=80 * GiB, peak_flops=312e12, intra_node_bw=250e9, inter_node_bw=25e9),
+    "h100": dict(gpu_memory=80 * GiB, peak_flops=GPU_PEAK_BF16["H100"], intra_node_bw=450e9, inter_node_bw=50e9),
+    "h200": dict(gpu_memory=140 * GiB, peak_flops=GPU_PEAK_BF16["H200"], intra_node_bw=450e9, inter_node_bw=50e9),
+    "a100": dict(gpu_memory=80 * GiB, peak_flops=GPU_PEAK_BF16["A100"], intra_node_bw=250e9, inter_node_bw=25e9),
 }
 
 
@@ -246,7 +248,7 @@ class ClusterSpec:
     """Effective bus bandwidth of one GPU inside a node (NVLink), bytes/s per direction."""
     inter_node_bw: float = 50e9
     """Effective network bandwidth per GPU between nodes (InfiniBand / RoCE), bytes/s per direction."""
-    peak_flops: float = 989e12
+    peak_flops: float = GPU_PEAK_BF16["H100"]
     """Dense peak FLOP/s of one GPU in the compute dtype."""
     mfu: float = 0.5
     """Fraction of peak the matmuls reach (model FLOPs utilisation, communication excluded)."""
