@@ -254,19 +254,21 @@ def _wait_for_line_after(path: Path, marker: str, prefix: str, timeout: float = 
 
 
 def test_demo_config_trains_on_four_cpu_ranks():
+    # 12 steps (all in warmup) already take the loss from 5.60 to 4.50 (measured), twice the margin asserted;
+    # 30 steps only made the test slower.
     result = run_ndparallel(
         "train",
         "--config",
         "configs/demo.yaml",
         "--cpu-ranks",
         "4",
-        "train.steps=30",
-        "train.log_every=10",
+        "train.steps=12",
+        "train.log_every=4",
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(4 ranks, cpu)" in result.stdout
-    done = [line for line in result.stdout.splitlines() if line.startswith("done: 30 steps")]
+    done = [line for line in result.stdout.splitlines() if line.startswith("done: 12 steps")]
     assert done, result.stdout
     first, last = (float(x) for x in done[0].split("loss ")[1].split(" |")[0].split(" -> "))
     assert last < first - 0.5, "the loss must visibly fall"
