@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_optional_subcommands(sub: argparse._SubParsersAction) -> None:
     try:
-        from ndparallel.plan_cli import add_plan_parser
+        from ndparallel.estimate.cli import add_plan_parser
     except ImportError:
         pass
     else:

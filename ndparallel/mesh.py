@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -95,6 +96,31 @@ def _flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def _slice_with_flattened(root: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    # Deprecated torch behaviour, isolated here: slicing a flattened dim's name (``dp_shard_cp``) out
+    # of the root mesh, next to a real dim, is the only way to get a 2-D mesh whose second dim is a
+    # flattened view without new process groups. torch 2.11-2.13 allow it with a deprecation warning
+    # (silenced for this call only); later versions may raise, and the caller then unflattens.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return root[names]
+
+
+def _unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    # Private torch API, isolated here: DeviceMesh._unflatten splits a 1-D mesh into named dims;
+    # no public call does. It creates new process groups, so every rank must call it together.
+    return mesh._unflatten(0, sizes, names)
+
+
+def _hsdp_mesh(root: DeviceMesh, views: dict[str, DeviceMesh], sizes: dict[str, int]) -> DeviceMesh:
+    """The 2-D ``(dp_replicate, dp_shard_cp)`` mesh HSDP shards over when cp > 1."""
+    names = ("dp_replicate", "dp_shard_cp")
+    try:
+        return _slice_with_flattened(root, names)
+    except (KeyError, RuntimeError, ValueError):
+        return _unflatten(views["dp_cp"], (sizes["dp_replicate"], sizes["dp_shard"] * sizes["cp"]), names)
+
+
 class Mesh:
     """A named 4-D DeviceMesh plus its flattened views. ``mesh["tp"]``, ``mesh["dp_shard_cp"]``,
     ``mesh["dp_shard", "tp"]`` return torch DeviceMeshes; ``mesh.size("cp")`` and
@@ -104,6 +130,20 @@ class Mesh:
         self.device_mesh = device_mesh
         self.config = config
         self._views = views
+        self.fsdp = self._build_fsdp_mesh()
+        """The data-parallel mesh FSDP shards over: ``self["dp_shard_cp"]`` (1-D) when only sharding; a 2-D
+        ``(dp_replicate, dp_shard_cp)`` mesh for HSDP; None when ``dp_shard x cp == 1`` (no FSDP: pure
+        replicate, or no data parallelism). Built here, with the views, on every rank at once: HSDP with
+        cp > 1 may need new process groups."""
+
+    def _build_fsdp_mesh(self) -> DeviceMesh | None:
+        if self.size("dp_shard_cp") == 1:
+            return None
+        if self.size("dp_replicate") == 1:
+            return self["dp_shard_cp"]
+        if self.size("cp") == 1:
+            return self["dp_replicate", "dp_shard"]  # public slicing: no flattened dim involved
+        return _hsdp_mesh(self.device_mesh, self._views, self.config.sizes)
 
     @property
     def device_type(self) -> str:

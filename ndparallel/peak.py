@@ -15,7 +15,8 @@ import torch
 
 __all__ = ["GPU_PEAK_BF16", "Peak", "cpu_matmul_peak", "device_peak"]
 
-# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from the vendors' data sheets (SXM parts).
+# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from the vendors' data sheets (SXM parts). The one
+# GPU peak table: the trainer's and the bench's MFU and `ndparallel plan`'s GPU presets all read it.
 GPU_PEAK_BF16: dict[str, float] = {
     "H200": 989e12,
     "H100": 989e12,

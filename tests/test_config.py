@@ -114,14 +114,14 @@ BAD_CONFIGS = [
         lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 126}}).check_mesh(
             ParallelismConfig(cp_size=2).resolve(2)
         ),
-        "data.seq_len=126 must be divisible by 4 (cp_size=2, x2 for cp_load",
+        "data.seq_len 126 is not divisible by 2 x cp_size = 4 (cp_load_balance=true",
     ),
     (
         "seq vs tp",
         lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 63}}).check_mesh(
             ParallelismConfig(tp_size=2).resolve(2)
         ),
-        "leaves 63 tokens per rank, not divisible by tp_size=2",
+        "data.seq_len 63 not divisible by tp_size=2 (sequence parallel",
     ),
     (
         "fp16 without fsdp",

@@ -24,9 +24,9 @@ from ndparallel.estimate import (
     parse_bytes,
     plan,
 )
+from ndparallel.estimate.cli import main as plan_main
 from ndparallel.estimate.memory import head_activation_bytes_per_token, layer_activation_bytes_per_token
 from ndparallel.models import Transformer, TransformerConfig
-from ndparallel.plan_cli import main as plan_main
 from ndparallel.testing import run_distributed
 
 GiB = 1024**3
@@ -164,8 +164,9 @@ def test_collective_volumes_and_ring_factors():
 
 def test_gradient_accumulation_sync_policy():
     model, mesh, cluster = model_spec("1b"), MeshShape(dp_shard=8), ClusterSpec(num_gpus=8)
-    deferred = TrainingSpec(global_batch=32, seq_len=4096)  # 4 micro-batches per rank, sync on the last
-    every = TrainingSpec(global_batch=32, seq_len=4096, grad_sync_every_microbatch=True)
+    # 4 micro-batches per rank: reduce-scatter each (the default), or sync on the last (train.defer_grad_sync)
+    deferred = TrainingSpec(global_batch=32, seq_len=4096, defer_grad_sync=True)
+    every = TrainingSpec(global_batch=32, seq_len=4096)
     # FSDP keeps the unsharded fp32 gradient between micro-batches when sync waits for the last one.
     assert estimate_memory(model, deferred, mesh).accumulated_grads == 953_223_168 * 4
     assert estimate_memory(model, every, mesh).accumulated_grads == 0
@@ -205,7 +206,7 @@ def test_planner_shape_rules_and_pins():
     result = plan(model, TrainingSpec(global_batch=6, seq_len=100), cluster, fixed={"tp": 2})
     assert {e.mesh.tp for e in result.ranked + result.rejected} == {2}
     reasons = {e.mesh: e.reason() for e in result.rejected}
-    assert "seq_len=100 is not divisible by 2 x cp=8" in reasons[MeshShape(cp=4, tp=2)]
+    assert "seq_len 100 is not divisible by 2 x cp_size = 8" in reasons[MeshShape(cp=4, tp=2)]
     assert "global_batch=6 not divisible" in reasons[MeshShape(dp_shard=4, tp=2)]
     with pytest.raises(ConfigError, match="matches the pinned sizes"):
         plan(model, TrainingSpec(), cluster, fixed={"tp": 3})
@@ -344,13 +345,14 @@ def _group_dims(mesh) -> dict[tuple[int, ...], str]:
 def _measure_run(shape: MeshShape, precision: str, checkpointing: str, micro_batches: int) -> dict:
     """parallelize the validation model on ``shape``, train one step, count the second step's collectives.
 
-    With several micro-batches, gradients sync on the last one only (``ndparallel.grad_sync.no_sync``,
-    as ``ndparallel train`` accumulates)."""
+    With several micro-batches, gradients sync as ``ndparallel train`` syncs them
+    (``ndparallel.grad_sync.micro_batch_sync``: FSDP reduce-scatters every micro-batch, HSDP all-reduces and
+    replicate all-reduces on the last)."""
     from contextlib import nullcontext
 
     import ndparallel as ndp
     from ndparallel.estimate import CommCounter
-    from ndparallel.grad_sync import no_sync
+    from ndparallel.grad_sync import micro_batch_sync
     from ndparallel.parallelize import parallelize
     from tests.parity import context_parallel_loss_fn, default_loss_fn, local_bytes
 
@@ -368,7 +370,7 @@ def _measure_run(shape: MeshShape, precision: str, checkpointing: str, micro_bat
         opt.zero_grad()  # at the start, so the gradients are still there to measure after the last step
         for micro in range(micro_batches):
             data = torch.randint(0, VALIDATION_MODEL["vocab_size"], (BATCH, SEQ + 1), generator=generator)
-            with counter or nullcontext(), no_sync(model) if micro < micro_batches - 1 else nullcontext():
+            with counter or nullcontext(), micro_batch_sync(model, last=micro == micro_batches - 1):
                 loss_fn(model, data[:, :-1].contiguous(), data[:, 1:].contiguous(), mesh).backward()
         opt.step()
 

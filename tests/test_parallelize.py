@@ -173,11 +173,13 @@ def test_parallelize_api_on_2_ranks():
 # ------------------------------------------------------------------------ HSDP mesh with cp > 1 (4 ranks)
 def _hsdp_cp_mesh() -> dict:
     import ndparallel as ndp
-    from ndparallel.plans.fully_shard import _unflatten_dp_cp, fsdp_mesh
+    from ndparallel.mesh import _unflatten
+    from ndparallel.plans.fully_shard import fsdp_mesh
 
     mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_replicate_size=2, cp_size=2))
     dp_mesh = fsdp_mesh(mesh)
-    fallback = _unflatten_dp_cp(mesh)  # the path taken once torch drops flattened-name slicing
+    # The path Mesh takes once torch drops flattened-name slicing.
+    fallback = _unflatten(mesh["dp_cp"], (2, 2), ("dp_replicate", "dp_shard_cp"))
     # Train a tiny Linear with HSDP over it and compare with the full-batch gradient.
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 4, bias=False)

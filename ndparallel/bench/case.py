@@ -1,4 +1,8 @@
-"""One benchmark configuration: model shape, mesh shape, sequence length and global batch."""
+"""One benchmark configuration: model shape, mesh shape, sequence length, global batch and micro-batch.
+
+A case is checked by the trainer's rules (batch split, sequence length, tp, mixed precision) before any
+process starts: the bench measures what ``ndparallel train`` would run.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ import torch
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.sequence import check_sequence_length
+from ndparallel.train.config import split_batch
+from ndparallel.train.step import forward_autocast_dtype
 
 __all__ = ["BenchCase"]
 
@@ -30,6 +37,10 @@ class BenchCase:
     device: str = "cpu"
     compute_twin: bool = True
     """Also run the compute-only twin (fake process group) to measure exposed communication."""
+    micro_batch: int | None = None
+    """Sequences per rank per forward (``train.micro_batch``); default the whole per-rank batch."""
+    defer_grad_sync: bool = False
+    """``train.defer_grad_sync``: under FSDP, sync gradients on the last micro-batch only."""
 
     def parallel_config(self) -> ParallelismConfig:
         cfg = ParallelismConfig.from_dict(self.parallelism)
@@ -47,6 +58,12 @@ class BenchCase:
     @property
     def world_size(self) -> int:
         return self.parallel_config().world_size
+
+    def accumulation_steps(self) -> int:
+        """Micro-batches per step on each rank (the trainer's rule)."""
+        cfg = self.parallel_config()
+        return split_batch(self.global_batch, self.micro_batch, cfg.dp_replicate_size * cfg.dp_shard_size,
+                           prefix=f"bench case {self.name}: ")  # fmt: skip
 
     @property
     def tokens_per_step(self) -> int:
@@ -68,16 +85,15 @@ class BenchCase:
                 f"bench case {self.name}: seq_len={self.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}; "
                 f"set model.max_seq_len >= {self.seq_len}"
             )
-        dp = cfg.dp_replicate_size * cfg.dp_shard_size
-        if self.global_batch % dp:
-            raise ConfigError(
-                f"bench case {self.name}: global_batch={self.global_batch} is not divisible by the data-parallel "
-                f"size {dp} (dp_replicate x dp_shard); use a multiple of {dp}"
-            )
-        if cfg.cp_size > 1:
-            from ndparallel.plans.context_parallel import validate_sequence_length
-
-            validate_sequence_length(self.seq_len, cfg.cp_size, cfg.cp_load_balance, f"bench case {self.name}: seq_len")
+        if self.micro_batch is not None and (
+            not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool) or self.micro_batch < 1
+        ):
+            raise ConfigError(f"bench case {self.name}: micro_batch={self.micro_batch!r} must be a positive integer")
+        self.accumulation_steps()  # raises for a batch split the trainer would refuse
+        forward_autocast_dtype(cfg)  # the trainer's precision rule: fp16 needs FSDP
+        check_sequence_length(
+            self.seq_len, cfg.cp_size, cfg.tp_size, cfg.cp_load_balance, what=f"bench case {self.name}: seq_len"
+        )
         if cfg.tp_size > 1:
             from ndparallel.plans.tensor_parallel import check_tp_divisibility
 

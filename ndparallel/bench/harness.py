@@ -5,8 +5,9 @@ sequence length and a global batch. :func:`run_cases` runs cases either on simul
 (``ndparallel.testing.run_distributed``: one spawned group per world size) or, when the process is
 already one rank of a torchrun job (``ndparallel launch ... -- bench``), on that job's ranks.
 
-Per rank, per case (the same training step ``ndparallel train`` runs: forward, cross-entropy,
-backward, global-norm clipping, AdamW):
+Per rank, per case (the training step ``ndparallel train`` runs, :class:`ndparallel.train.step.TrainStep`:
+micro-batches with its gradient-sync rule, forward under its precision rule, cross-entropy, backward,
+global-norm clipping, the non-finite agreement, AdamW):
 
 1. ``warmup`` untimed steps, a barrier, then ``steps`` timed steps (CUDA: synchronised). The step
    time of the job is, per step, the slowest rank's.
@@ -33,6 +34,7 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,30 +51,32 @@ __all__ = ["BenchCase", "CaseResult", "group_labels", "inside_launcher", "measur
 # ------------------------------------------------------------------------------------ one rank
 
 
-def _device(mesh: Mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 class _Job:
-    """Model, optimizer and this rank's fixed batch for one case on one mesh."""
+    """Model, optimizer, the trainer's step and this rank's fixed batch for one case on one mesh."""
 
-    def __init__(self, case: BenchCase, mesh: Mesh):
+    def __init__(self, case: BenchCase, mesh: Mesh, twin: bool = False):
         from ndparallel.parallelize import parallelize
+        from ndparallel.train.step import TrainStep, parallelize_config
 
-        self.case, self.mesh, self.device = case, mesh, _device(mesh)
+        self.case, self.mesh, self.device = case, mesh, mesh.device
         mcfg = case.model_config()
         with self.device:
             model = Transformer(mcfg)
-        self.model = parallelize(model, mesh.config, mesh=mesh)
+        self.model = parallelize(model, parallelize_config(mesh.config), mesh=mesh)
         fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
+        # The compute-only twin's collectives move nothing, so its gradients are garbage: it skips the
+        # non-finite check (which would stop it) and steps every time, as the real run does.
+        self.train_step = TrainStep(
+            self.model, self.optimizer, mesh, defer_grad_sync=case.defer_grad_sync, check_finite=not twin
+        )
+        self.accumulation = case.accumulation_steps()
+        self.steps_taken = 0
         # The same global batch for every mesh shape (this rank takes its dp slice), so the losses of
         # one sweep's cases must agree: a built-in check that every shape trains the same model.
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
@@ -80,29 +84,12 @@ class _Job:
         tokens = torch.randint(mcfg.vocab_size, (case.global_batch, case.seq_len + 1), generator=generator)
         local = case.global_batch // dp
         self.tokens = tokens[dp_rank * local : (dp_rank + 1) * local].to(self.device)
-        # Without FSDP nothing casts to bf16: autocast the forward instead (as plain PyTorch would).
-        mp = mesh.config.mixed_precision
-        self.autocast = mp != "no" and mesh.size("dp_shard_cp") == 1
 
     def step(self) -> torch.Tensor:
-        from ndparallel.clip import clip_grad_norm_
-        from ndparallel.metrics import cross_entropy_loss
-        from ndparallel.plans.context_parallel import context_parallel
-
-        x = self.tokens[:, :-1].clone()
-        y = self.tokens[:, 1:].clone()
-        positions = torch.arange(self.case.seq_len, device=self.device)
-        dtype = torch.bfloat16 if self.mesh.config.mixed_precision == "bf16" else torch.float16
-        autocast = torch.autocast(self.device.type, dtype=dtype) if self.autocast else contextlib.nullcontext()
-        with context_parallel(self.mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]):
-            with autocast:
-                logits = self.model(x, positions)
-            loss = cross_entropy_loss(logits.float(), y)
-            loss.backward()
-        clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        """One training step, exactly as ``ndparallel train`` runs it (:class:`ndparallel.train.step.TrainStep`)."""
+        self.steps_taken += 1
+        inputs, labels = self.tokens[:, :-1].clone(), self.tokens[:, 1:].clone()
+        return self.train_step(inputs, labels, self.accumulation, self.steps_taken).loss
 
     def state_tensors(self) -> list[torch.Tensor]:
         tensors = list(self.model.parameters())
@@ -154,8 +141,13 @@ def _instrumented_step(job: _Job) -> tuple[list[dict[str, Any]], int]:
     from ndparallel.comm.counter import CommCounter
 
     memory = LiveMemory(job.state_tensors()) if job.device.type == "cpu" else None
-    with CommCounter() as counter, memory or contextlib.nullcontext():
-        job.step()
+    counter = CommCounter()
+    job.train_step.around = lambda: counter  # entered per micro-batch, and around clipping + optimizer
+    try:
+        with memory or contextlib.nullcontext():
+            job.step()
+    finally:
+        job.train_step.around = contextlib.nullcontext
     _sync(job.device)
     labels = group_labels(job.mesh)
     rows: dict[tuple[str, str], dict[str, Any]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
@@ -168,14 +160,15 @@ def _instrumented_step(job: _Job) -> tuple[list[dict[str, Any]], int]:
     return comm, (memory.peak_bytes if memory is not None else -1)
 
 
-def _measure(case: BenchCase, instrument: bool) -> dict[str, Any]:
+def _measure(case: BenchCase, twin: bool) -> dict[str, Any]:
+    """Time ``case``; the real run (not ``twin``) is also instrumented (communication, memory)."""
     from ndparallel.bench.memory import state_bytes
 
     mesh = init_distributed(case.parallel_config(), device_type=case.device)
-    job = _Job(case, mesh)
+    job = _Job(case, mesh, twin=twin)
     times, losses = _timed_steps(job)
     out: dict[str, Any] = {"step_s": times, "losses": losses}
-    if instrument:
+    if not twin:
         if job.device.type == "cuda":
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(job.device)
             out["memory_method"] = "cuda max_memory_allocated over the timed steps"
@@ -203,13 +196,22 @@ def _init_fake_process_group(rank: int, world_size: int) -> None:
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
-def _quiet() -> None:
-    """Silence warnings that repeat once per rank and case and say nothing about the measurement."""
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Inside the block only: silence warnings that repeat once per rank and case and say nothing about the
+    measurement."""
     # DTensor logs a warning per rank when a 2-D gradient norm reduces over two dims in turn.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    warnings.filterwarnings("ignore", message=".*mixed_precision=.*is applied by FSDP.*")
-    warnings.filterwarnings("ignore", message="Full backward hook is firing.*")  # CommDebugMode's module tracker
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing.*")  # CommDebugMode's tracker
+            # FSDP2 on the root's output (the logits); nothing in the step changes them in place.
+            warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def measure_cases_on_rank(cases: list[BenchCase], progress: list[str] | None = None) -> list[dict[str, Any]]:
@@ -219,12 +221,12 @@ def measure_cases_on_rank(cases: list[BenchCase], progress: list[str] | None = N
     is the ``fake`` one (the twins need it); results must be gathered before the twin phase, which
     ``run_cases`` does. ``progress``: one line prefix per case, printed by rank 0.
     """
-    _quiet()
     rank = dist.get_rank()
     results = []
     for i, case in enumerate(cases):
         start = time.perf_counter()
-        results.append(_measure(case, instrument=True))
+        with _quiet():
+            results.append(_measure(case, twin=False))
         if rank == 0 and progress:
             median = statistics.median(results[-1]["step_s"])
             print(f"{progress[i]} {case.name}: {median * 1e3:.0f} ms/step ({time.perf_counter() - start:.0f}s)",
@@ -234,7 +236,6 @@ def measure_cases_on_rank(cases: list[BenchCase], progress: list[str] | None = N
 
 def measure_twins_on_rank(cases: list[BenchCase]) -> list[list[float] | None]:
     """Replace the process group by a fake one and time each case again (compute only)."""
-    _quiet()
     rank, world = dist.get_rank(), dist.get_world_size()
     wanted = [c.compute_twin and world > 1 for c in cases]
     if not any(wanted):
@@ -244,7 +245,8 @@ def measure_twins_on_rank(cases: list[BenchCase]) -> list[list[float] | None]:
     _init_fake_process_group(rank, world)
     torch.set_flush_denormal(True)  # fake collectives leave garbage in their outputs: keep it from slowing math
     try:
-        return [_measure(c, instrument=False)["step_s"] if w else None for c, w in zip(cases, wanted, strict=True)]
+        with _quiet():
+            return [_measure(c, twin=True)["step_s"] if w else None for c, w in zip(cases, wanted, strict=True)]
     finally:
         torch.set_flush_denormal(False)
 

@@ -8,6 +8,8 @@ File layout (``benchmarks/scaling.yaml`` is the reference)::
       warmup: 2
       steps: 5
       device: cpu              # or cuda (run it through `ndparallel launch`)
+      micro_batch: 2           # optional: sequences per rank per forward (accumulation, as train.micro_batch)
+      defer_grad_sync: false   # optional: as train.defer_grad_sync
       parallelism: {}          # ParallelismConfig knobs shared by all shapes (mixed_precision, ...)
     sweeps:
       - name: strong           # fixed global batch: time per step should fall as ranks are added
@@ -36,7 +38,7 @@ from ndparallel.errors import ConfigError
 
 __all__ = ["cases_from_config", "load_cases"]
 
-_CASE_KEYS = ("seq_len", "warmup", "steps", "device", "compute_twin")
+_CASE_KEYS = ("seq_len", "warmup", "steps", "device", "compute_twin", "micro_batch", "defer_grad_sync")
 _SWEEP_KEYS = {"name", "global_batch", "batch_per_dp_rank", "models", "shapes", "model", "parallelism", *_CASE_KEYS}
 _SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 

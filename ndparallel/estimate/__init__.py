@@ -1,4 +1,8 @@
-"""Analytic memory / communication / step-time model of ndparallel training, and a mesh planner.
+"""Analytic memory / communication / step-time model of ndparallel training, and the mesh search behind
+``ndparallel plan``.
+
+Modules: ``spec`` (model, cluster, training and mesh descriptions), ``memory``, ``comm``, ``timing``
+(the model), ``search`` (estimate one shape, rank them all), ``cli`` (the ``plan`` command).
 
     from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, model_spec, plan
 
@@ -15,7 +19,7 @@ Formulas and validation: docs/planning.md.
 from ndparallel.comm.counter import CommCounter
 from ndparallel.estimate.comm import Collective, collectives, group_link
 from ndparallel.estimate.memory import MemoryEstimate, activation_bytes, estimate_memory, params_per_rank
-from ndparallel.estimate.planner import Estimate, Plan, estimate, mesh_shapes, plan, shape_problems
+from ndparallel.estimate.search import Estimate, Plan, estimate, mesh_shapes, plan, shape_problems
 from ndparallel.estimate.spec import (
     GPU_PRESETS,
     PRECISIONS,

@@ -81,7 +81,7 @@ def group_link(mesh: MeshShape, dims: tuple[str, ...], cluster: ClusterSpec) -> 
 def collectives(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec) -> list[Collective]:
     """Every collective of one optimizer step on one rank (see docs/planning.md for each row)."""
     micro_steps = train.accumulation_steps(mesh) or 1
-    sync_steps = micro_steps if train.grad_sync_every_microbatch else 1
+    rs_steps = train.reduce_scatter_steps(mesh)  # HSDP's all-reduce and replicate's: once per step
     precision = train.bytes
     layers = model.n_layers
     rows: list[Collective] = []
@@ -107,17 +107,17 @@ def collectives(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster:
         add("FSDP all-gather (backward)", "all_gather", fsdp, "fsdp_backward",
             (n_units - 1) * micro_steps, regather * precision.compute * micro_steps)  # fmt: skip
     add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce",
-        n_units * sync_steps, tp_local * precision.reduce * sync_steps)  # fmt: skip
+        n_units * rs_steps, tp_local * precision.reduce * rs_steps)  # fmt: skip
 
     # Data-parallel replicas: HSDP all-reduces the gradient shards, plain replicate whole bucketed gradients.
     replicated = tp_local / mesh.fsdp * precision.reduce
     if mesh.fsdp > 1:
         add("HSDP all-reduce (grad shards)", "all_reduce", ("dp_replicate",), "grad_reduce",
-            n_units * sync_steps, replicated * sync_steps)  # fmt: skip
+            n_units, replicated)  # fmt: skip
     else:
         buckets = max(1, math.ceil(replicated / DDP_BUCKET_BYTES))
         add("replicate all-reduce (grads)", "all_reduce", ("dp_replicate",), "grad_reduce",
-            buckets * sync_steps, replicated * sync_steps)  # fmt: skip
+            buckets, replicated)  # fmt: skip
 
     # Tensor parallel with sequence parallel: per block 2 all-gathers + 2 reduce-scatters of the
     # [micro_batch, seq/cp, dim] activation forward, the same again backward, + recomputed forwards.

@@ -164,7 +164,7 @@ def estimate_memory(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> M
         weight_copy = tp_local * precision.compute if precision.compute != precision.param else 0.0
         transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)
     by_mode = {mode: activation_bytes(model, train, mesh, mode) for mode in ACTIVATION_CHECKPOINTING}
-    deferred_sync = not train.grad_sync_every_microbatch and train.accumulation_steps(mesh) > 1
+    deferred_sync = train.defer_grad_sync and train.accumulation_steps(mesh) > 1
     accumulated = params * mesh.fsdp * precision.reduce if deferred_sync and mesh.fsdp > 1 else 0.0
     return MemoryEstimate(
         params=params * precision.param,

@@ -18,6 +18,7 @@ from typing import Any
 from ndparallel.config import CHOICES
 from ndparallel.errors import ConfigError
 from ndparallel.models.config import PRESETS, TransformerConfig
+from ndparallel.peak import GPU_PEAK_BF16
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
@@ -226,11 +227,12 @@ def model_spec(model: str | os.PathLike | Mapping[str, Any] | TransformerConfig 
 
 
 # ---------------------------------------------------------------------------------------------- cluster
-# peak dense bf16 FLOP/s, memory, NVLink per direction (effective), inter-node per GPU (one 400 Gb/s NIC).
+# Memory, NVLink per direction (effective), inter-node per GPU (one 400 Gb/s NIC); the dense bf16 peak
+# comes from the one peak table, ndparallel.peak.GPU_PEAK_BF16.
 GPU_PRESETS: dict[str, dict[str, float]] = {
-    "h100": dict(gpu_memory=80 * GiB, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9),
-    "h200": dict(gpu_memory=140 * GiB, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9),
-    "a100": dict(gpu_memory=80 * GiB, peak_flops=312e12, intra_node_bw=250e9, inter_node_bw=25e9),
+    "h100": dict(gpu_memory=80 * GiB, peak_flops=GPU_PEAK_BF16["H100"], intra_node_bw=450e9, inter_node_bw=50e9),
+    "h200": dict(gpu_memory=140 * GiB, peak_flops=GPU_PEAK_BF16["H200"], intra_node_bw=450e9, inter_node_bw=50e9),
+    "a100": dict(gpu_memory=80 * GiB, peak_flops=GPU_PEAK_BF16["A100"], intra_node_bw=250e9, inter_node_bw=25e9),
 }
 
 
@@ -246,7 +248,7 @@ class ClusterSpec:
     """Effective bus bandwidth of one GPU inside a node (NVLink), bytes/s per direction."""
     inter_node_bw: float = 50e9
     """Effective network bandwidth per GPU between nodes (InfiniBand / RoCE), bytes/s per direction."""
-    peak_flops: float = 989e12
+    peak_flops: float = GPU_PEAK_BF16["H100"]
     """Dense peak FLOP/s of one GPU in the compute dtype."""
     mfu: float = 0.5
     """Fraction of peak the matmuls reach (model FLOPs utilisation, communication excluded)."""
@@ -332,10 +334,12 @@ class TrainingSpec:
     """RMSNorm saves only its input and rstd (CUDA fused kernel); False: the composite CPU op's fp32 copies."""
     cp_rotate_method: str = "ring"
     """Context parallel: ``ring``, ``allgather`` or ``alltoall`` (Ulysses): ``ParallelismConfig.cp_rotate_method``."""
-    grad_sync_every_microbatch: bool = False
-    """Reduce gradients after every micro-batch (FSDP2's default). False (ndparallel's training loop,
-    ``ndparallel.grad_sync.no_sync``): once per optimizer step; FSDP then keeps unsharded gradients
-    between micro-batches."""
+    cp_load_balance: bool = True
+    """Context parallel cuts the sequence into 2 x cp chunks (``ParallelismConfig.cp_load_balance``)."""
+    defer_grad_sync: bool = False
+    """``train.defer_grad_sync`` (the trainer's field, ``ndparallel.grad_sync.micro_batch_sync``): under FSDP,
+    sync gradients on the last micro-batch only, keeping unsharded gradients in between. False (the
+    default): reduce-scatter every micro-batch. HSDP's all-reduce and pure replicate's run once per step."""
 
     def __post_init__(self) -> None:
         for key in ("global_batch", "seq_len", "micro_batch"):
@@ -364,6 +368,12 @@ class TrainingSpec:
         """Micro-batches per optimizer step on each data-parallel rank (0 when the batch does not divide)."""
         per_step = mesh.dp * self.micro_batch
         return self.global_batch // per_step if self.global_batch % per_step == 0 else 0
+
+    def reduce_scatter_steps(self, mesh: MeshShape) -> int:
+        """Micro-batches per step whose backward reduce-scatters gradients: all of them under FSDP, unless
+        ``defer_grad_sync``; else the last one."""
+        micro_steps = self.accumulation_steps(mesh) or 1
+        return micro_steps if mesh.fsdp > 1 and not self.defer_grad_sync else 1
 
 
 # ---------------------------------------------------------------------------------------------- mesh

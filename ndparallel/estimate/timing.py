@@ -90,18 +90,26 @@ def estimate_step_time(
         return sum(row.time_s for row in by_phase.get(phase, []))
 
     def first_calls(phase: str, count: int) -> float:
-        """What cannot overlap: one call per micro-batch (first gather) or per sync (last reduction)."""
+        """What cannot overlap: one call per micro-batch (first gather)."""
         return sum(row.time_s / row.calls for row in by_phase.get(phase, [])) * count
 
-    # Backward of each micro-batch hides its re-gathers and, on micro-batches that sync, the reductions.
-    sync_steps = micro_steps if train.grad_sync_every_microbatch else 1
+    # Backward of each micro-batch hides its re-gathers and its gradient reductions: a reduce-scatter on each
+    # micro-batch that reduce-scatters (all of them under FSDP unless deferred), the all-reduces (HSDP,
+    # replicate) on the last. The last reduction of the step cannot overlap.
+    rs_steps = train.reduce_scatter_steps(mesh)
+    scatter = [row for row in by_phase.get("grad_reduce", []) if row.kind == "reduce_scatter"]
+    all_reduce = [row for row in by_phase.get("grad_reduce", []) if row.kind != "reduce_scatter"]
+    scatter_per_sync = sum(row.time_s for row in scatter) / rs_steps
     regather, backward = total("fsdp_backward") / micro_steps, backward_s / micro_steps
-    reduce_per_sync = total("grad_reduce") / sync_steps
-    backward_exposed = (micro_steps - sync_steps) * max(0.0, regather - backward)
-    backward_exposed += sync_steps * max(0.0, regather + reduce_per_sync - backward)
+    scattering = scatter_per_sync if rs_steps == micro_steps else 0.0  # on the micro-batches before the last
+    backward_exposed = (micro_steps - 1) * max(0.0, regather + scattering - backward)
+    backward_exposed += max(0.0, regather + scatter_per_sync + sum(row.time_s for row in all_reduce) - backward)
+    last_calls = sum(row.time_s / row.calls for row in scatter) * rs_steps + sum(
+        row.time_s / row.calls for row in all_reduce
+    )
     exposed = {
         "fsdp_forward": max(0.0, total("fsdp_forward") - forward_s) + first_calls("fsdp_forward", micro_steps),
-        "backward": backward_exposed + first_calls("grad_reduce", sync_steps),
+        "backward": backward_exposed + last_calls,
         "tp": total("tp"),
         "cp_ring": max(0.0, total("cp_ring") - attention_s),
         "cp": total("cp"),

@@ -9,7 +9,6 @@ and its gradients reduce-scattered right after its backward, so communication of
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -47,38 +46,13 @@ def _widest_float_dtype(model: nn.Module) -> torch.dtype:
 
 
 def fsdp_mesh(mesh) -> DeviceMesh | None:
-    """The data-parallel mesh FSDP shards over, from an :class:`ndparallel.mesh.Mesh`.
+    """The data-parallel mesh FSDP shards over, from an :class:`ndparallel.mesh.Mesh` (which builds it:
+    :attr:`ndparallel.mesh.Mesh.fsdp`).
 
     ``mesh["dp_shard_cp"]`` (1-D) when only sharding; a 2-D ``(dp_replicate, dp_shard_cp)`` mesh
     for HSDP; ``None`` when ``dp_shard x cp == 1`` (no FSDP: pure replicate or no data parallel).
     """
-    if mesh.size("dp_shard_cp") == 1:
-        return None
-    if mesh.size("dp_replicate") == 1:
-        return mesh["dp_shard_cp"]
-    if mesh.size("cp") == 1:
-        return mesh["dp_replicate", "dp_shard"]  # public slicing: no flattened dim involved
-    return _replicate_by_flattened(mesh)
-
-
-def _replicate_by_flattened(mesh) -> DeviceMesh:
-    # Private-ish torch behaviour, isolated here: a 2-D mesh whose second dim is the flattened
-    # ``dp_shard_cp`` view has no public constructor. Slicing the flattened name out of the root
-    # mesh works on torch 2.11-2.13 (with a deprecation warning); where it stops working,
-    # un-flatten the ``dp_cp`` view instead.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            return mesh.device_mesh["dp_replicate", "dp_shard_cp"]
-        except (KeyError, RuntimeError, ValueError):
-            return _unflatten_dp_cp(mesh)
-
-
-def _unflatten_dp_cp(mesh) -> DeviceMesh:
-    # Private torch API (DeviceMesh._unflatten): split the flattened dp_cp view into
-    # (dp_replicate, dp_shard_cp); creates new process groups (every rank must call it).
-    sizes = (mesh.size("dp_replicate"), mesh.size("dp_shard_cp"))
-    return mesh["dp_cp"]._unflatten(0, sizes, ("dp_replicate", "dp_shard_cp"))
+    return mesh.fsdp
 
 
 class _Unviewed(torch.autograd.Function):

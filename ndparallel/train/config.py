@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,8 +24,19 @@ from ndparallel.config import ParallelismConfig, coerce_fields, load_yaml_mappin
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import check_device_type
 from ndparallel.models import TransformerConfig
+from ndparallel.plans.tensor_parallel import check_tp_divisibility
+from ndparallel.sequence import check_sequence_length
+from ndparallel.train.step import forward_autocast_dtype
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoopConfig", "TrainConfig", "check_fits_in_memory", "job_device"]
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "LoopConfig",
+    "TrainConfig",
+    "check_fits_in_memory",
+    "job_device",
+    "split_batch",
+]
 
 
 @dataclass
@@ -63,6 +75,10 @@ class LoopConfig:
     max_nonfinite_steps: int = 1
     """Stop the job after this many steps in a row whose loss or gradient norm is NaN/inf (such a step
     applies no update and is not saved); 1: at the first."""
+    defer_grad_sync: bool = False
+    """Under FSDP with several micro-batches, keep unsharded gradients until the last micro-batch and
+    reduce-scatter once per step (less communication, much more memory); false: reduce-scatter every
+    micro-batch. Pure data parallel always defers. Same field as ``TrainingSpec.defer_grad_sync``."""
 
 
 @dataclass
@@ -187,47 +203,46 @@ class TrainConfig:
 
     def accumulation_steps(self, dp_size: int) -> int:
         """Micro-batches per optimizer step on each rank, checked against the data-parallel size."""
-        t = self.train
-        if t.global_batch % dp_size:
-            raise ConfigError(
-                f"train.global_batch={t.global_batch} is not divisible by the data-parallel size {dp_size} "
-                f"(dp_replicate x dp_shard); use a multiple of {dp_size}"
-            )
-        per_rank = t.global_batch // dp_size
-        micro = t.micro_batch or per_rank
-        if per_rank % micro:
-            raise ConfigError(
-                f"train.micro_batch={micro} does not divide the per-rank batch {per_rank} "
-                f"(global_batch {t.global_batch} / dp {dp_size}); pick a divisor of {per_rank}"
-            )
-        return per_rank // micro
+        return split_batch(self.train.global_batch, self.train.micro_batch, dp_size)
 
     def check_mesh(self, sizes: ParallelismConfig) -> int:
         """Everything that depends on the resolved mesh sizes; returns the accumulation steps.
 
         Called before any rank starts (``ndparallel train --cpu-ranks``) and again inside ``train``.
         """
-        p, seq = sizes, self.data.seq_len
-        cp_chunks = 2 * p.cp_size if (p.cp_size > 1 and p.cp_load_balance) else p.cp_size
-        if seq % cp_chunks:
-            raise ConfigError(
-                f"data.seq_len={seq} must be divisible by {cp_chunks} (cp_size={p.cp_size}"
-                + (", x2 for cp_load_balance" if cp_chunks != p.cp_size else "")
-                + ")"
-            )
-        if (seq // p.cp_size) % p.tp_size:
-            raise ConfigError(
-                f"data.seq_len={seq} split over cp_size={p.cp_size} leaves {seq // p.cp_size} tokens per rank, "
-                f"not divisible by tp_size={p.tp_size} (sequence parallel shards them); use a multiple of "
-                f"{p.cp_size * p.tp_size * (2 if cp_chunks != p.cp_size else 1)}"
-            )
+        p = sizes
+        check_sequence_length(self.data.seq_len, p.cp_size, p.tp_size, p.cp_load_balance, what="data.seq_len")
+        if p.tp_size > 1:
+            # With no plan, check_tp_divisibility reads only ``model.config``: the rule parallelize applies
+            # first, checked here on the config alone instead of building the model.
+            check_tp_divisibility(SimpleNamespace(config=self.model), p.tp_size)
         if p.cp_size > 1 and p.cp_rotate_method == "alltoall":
             check_alltoall_heads(self.model.n_heads, p.tp_size, p.cp_size, what="model.n_heads")
-        if p.mixed_precision == "fp16" and p.dp_shard_size * p.cp_size == 1:
-            raise ConfigError(
-                "mixed_precision=fp16 without FSDP (dp_shard x cp == 1) would need a loss scaler; use bf16, or shard"
-            )
+        forward_autocast_dtype(p)  # refuses fp16 without FSDP
         return self.accumulation_steps(p.dp_replicate_size * p.dp_shard_size)
+
+
+def split_batch(global_batch: int, micro_batch: int | None, dp_size: int, prefix: str = "train.") -> int:
+    """Micro-batches per optimizer step on each data-parallel rank (the one batch rule; the planner's
+    ``TrainingSpec.accumulation_steps`` is held to it by tests/test_plan_vs_trainer.py).
+
+    ``global_batch`` sequences split over ``dp_size`` ranks, then into micro-batches of ``micro_batch``
+    (None: the whole per-rank batch). A split that does not divide raises ConfigError naming
+    ``{prefix}global_batch`` / ``{prefix}micro_batch``.
+    """
+    if global_batch % dp_size:
+        raise ConfigError(
+            f"{prefix}global_batch={global_batch} is not divisible by the data-parallel size {dp_size} "
+            f"(dp_replicate x dp_shard); use a multiple of {dp_size}"
+        )
+    per_rank = global_batch // dp_size
+    micro = micro_batch or per_rank
+    if per_rank % micro:
+        raise ConfigError(
+            f"{prefix}micro_batch={micro} does not divide the per-rank batch {per_rank} "
+            f"(global_batch {global_batch} / dp {dp_size}); pick a divisor of {per_rank}"
+        )
+    return per_rank // micro
 
 
 def _physical_memory() -> int | None:

@@ -1,43 +1,39 @@
 """The training loop behind ``ndparallel train``: one function, every mesh shape.
 
-Per optimizer step each rank runs ``accumulation_steps`` micro-batches of its dp slice (gradient
-sync only on the last), clips the global gradient norm, steps AdamW with warmup + cosine decay,
-and rank 0 reports the loss averaged over ``dp_cp`` (the true global loss).
+Per optimizer step each rank sets the learning rate (warmup + cosine decay), runs
+:class:`ndparallel.train.step.TrainStep` on its dp slice of the global batch (micro-batches,
+clipping, the non-finite guard, AdamW), and rank 0 reports the loss averaged over ``dp_cp`` (the
+true global loss); checkpoints, resume, signals and the watchdog are handled here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import signal
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ndparallel import checkpoint
-from ndparallel.clip import clip_grad_norm_
+from ndparallel.comm.agree import agree, failed_ranks
 from ndparallel.errors import ConfigError
-from ndparallel.grad_sync import no_sync
 from ndparallel.mesh import Mesh, init_distributed
-from ndparallel.metrics import average_over, cross_entropy_loss
+from ndparallel.metrics import average_over
 from ndparallel.models import Transformer
 from ndparallel.parallelize import parallelize
 from ndparallel.peak import device_peak
-from ndparallel.plans.context_parallel import context_parallel
 from ndparallel.train.checkpointing import hold_checkpoint_dir
 from ndparallel.train.config import TrainConfig, job_device
 from ndparallel.train.data import BatchLoader, ByteCorpus
-from ndparallel.train.nonfinite import NonFiniteGuard
 from ndparallel.train.progress import Progress, format_duration, format_rate
+from ndparallel.train.step import TrainStep, parallelize_config
 from ndparallel.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
@@ -66,24 +62,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
 
 
-def _autocast_unless_fsdp(cfg: TrainConfig, model: nn.Module, device_type: str) -> contextlib.AbstractContextManager:
-    """Mixed precision on every mesh: FSDP2 applies it through its policy (bf16 parameters, fp32
-    gradient reduction); without FSDP the forward runs under autocast instead (bf16 only: fp16
-    without FSDP would need a loss scaler)."""
-    precision = cfg.parallelism.mixed_precision  # fp16 without FSDP was refused by TrainConfig.check_mesh
-    if precision == "no" or any(isinstance(m, FSDPModule) for m in model.modules()):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.bfloat16)
-
-
 def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
-    # parallelize warns that mixed precision without FSDP needs autocast: this loop provides it.
-    warnings.filterwarnings("ignore", message=r"mixed_precision=.* is applied by FSDP")
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else None
-    model = Transformer(cfg.model)
-    if device is not None:
-        model = model.to(device)
-    return parallelize(model, mesh.config, mesh=mesh)
+    """The reference Transformer on this rank's device, parallelised over ``mesh`` (mixed precision as
+    :func:`ndparallel.train.step.parallelize_config` says: FSDP's policy, or the step's autocast)."""
+    model = Transformer(cfg.model).to(mesh.device)
+    return parallelize(model, parallelize_config(mesh.config), mesh=mesh)
 
 
 def job_peak_flops(cfg: TrainConfig, mesh: Mesh) -> float | None:
@@ -120,33 +103,28 @@ class _StopRequest:
             raise KeyboardInterrupt
         self.local = True
 
-    def agreed(self, device: torch.device) -> int | None:
-        """The lowest rank that received a stop signal (the same answer on every rank), or None."""
-        world = dist.get_world_size()
-        flag = torch.tensor([dist.get_rank() if self.local else world], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return None if flag.item() == world else int(flag.item())
+    def agreed(self) -> int | None:
+        """Collective: the lowest rank that received a stop signal (the same answer on every rank), or None."""
+        signalled = failed_ranks(self.local)
+        return signalled[0] if signalled else None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
-def _open_metrics_file(path: str | None, rank0: bool, device: torch.device):
+def _open_metrics_file(path: str | None, rank0: bool):
     """Rank 0 opens the JSONL file; every rank learns whether that worked, so a bad path fails
     the whole job at once instead of leaving the other ranks waiting in the first collective."""
     if not path:
         return None
-    handle, error = None, ""
+    handle, error = None, None
     if rank0:
         try:
             handle = open(path, "a")  # noqa: SIM115  (closed at the end of train())
         except OSError as err:
-            error = str(err)
-    failed = torch.tensor([1 if error else 0], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise ConfigError(f"train.metrics_file={path!r} cannot be written on rank 0{': ' + error if error else ''}")
+            error = str(err)  # text: raised as a ConfigError on every rank, one process included
+    agree(error, f"train.metrics_file={path!r} cannot be written", error_type=ConfigError)
     return handle
 
 
@@ -196,22 +174,20 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
 def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     rank0 = dist.get_rank() == 0
     t = cfg.train
-    dp_size, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     accumulation = cfg.check_mesh(mesh.config)
     torch.manual_seed(t.seed)
 
     watchdog.phase("building the model")
     model = build_model(cfg, mesh)
-    autocast = _autocast_unless_fsdp(cfg, model, mesh.device_type)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True
     )
     corpus = ByteCorpus(cfg.data.seq_len, cfg.data.path, cfg.data.max_bytes)
-    loader = BatchLoader(corpus, t.global_batch, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed)
-    device = next(model.parameters()).device
-    tokens_per_step = t.global_batch * cfg.data.seq_len
-    peak = job_peak_flops(cfg, mesh)
-    flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+    loader = BatchLoader(corpus, t.global_batch, dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"), seed=t.seed)
+    train_step = TrainStep(
+        model, optimizer, mesh, max_grad_norm=t.max_grad_norm, defer_grad_sync=t.defer_grad_sync,
+        max_nonfinite_steps=t.max_nonfinite_steps, verbose=rank0, phase=watchdog.phase,
+    )  # fmt: skip
 
     result = TrainResult()
     resume = _resume_path(cfg)
@@ -229,87 +205,85 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
             flush=True,
         )
     watchdog.phase("opening train.metrics_file")
-    metrics_file = _open_metrics_file(t.metrics_file, rank0, device)
-    progress = Progress(t.steps, enabled=rank0, every=t.log_every, start_step=result.start_step)
+    log = _StepLog(cfg, mesh, rank0, result)
     stop = _StopRequest()
-    nonfinite = NonFiniteGuard(t.max_nonfinite_steps, device, verbose=rank0)
-    start = time.perf_counter()
     step = result.start_step
     try:
         while step < t.steps:
-            watchdog.phase(f"step {step + 1}: forward/backward")
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            inputs, labels = loader.batch(step)
-            step_loss = torch.zeros((), device=device)
-            for micro, (x, y) in enumerate(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True)):
-                x, y = x.to(device), y.to(device)
-                positions = torch.arange(x.shape[1], device=device)
-                with (
-                    # gradients are communicated on the last micro-batch only
-                    contextlib.nullcontext() if micro == accumulation - 1 else no_sync(model),
-                    context_parallel(mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]),
-                ):
-                    with autocast:
-                        logits = model(x, positions)
-                    loss = cross_entropy_loss(logits, y) / accumulation  # fp32 or wider (float64 stays)
-                    loss.backward()
-                step_loss = step_loss + loss.detach()  # out of place: a float64 loss is not rounded to fp32
-            watchdog.phase(f"step {step + 1}: gradient clipping and optimizer step")
-            grad_norm = float(clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf))
-            finite = nonfinite.step_is_finite(step + 1, step_loss, grad_norm)  # raises after N bad steps in a row
-            if finite:  # a NaN/inf never reaches the weights
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            done = train_step(*loader.batch(step), accumulation, step + 1)
             step += 1
             loader.step = step
-
             watchdog.phase(f"step {step}: loss average and stop agreement")
-            global_loss = average_over(mesh["dp_cp"], step_loss)
-            result.losses.append(global_loss)
-            result.grad_norms.append(grad_norm)
-            elapsed = time.perf_counter() - start
-            rate = tokens_per_step * (step - result.start_step) / elapsed
-            fields = {"loss": f"{global_loss:.4f}", "tok/s": format_rate(rate), "lr": f"{lr:.1e}"}
-            mfu = flops_per_token * rate / peak if peak else None
-            if mfu is not None:
-                fields["mfu"] = f"{100 * mfu:.1f}%"
-            progress.update(step, **fields)
-            if metrics_file:
-                record = dict(step=step, loss=global_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=rate, mfu=mfu)
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            signalled = stop.agreed(device)
-            interrupted = signalled is not None
+            log.record(step, average_over(mesh["dp_cp"], done.loss), done.grad_norm, lr)
+            signalled = stop.agreed()
             every = cfg.checkpoint.every
-            if cfg.checkpoint.dir and finite and (step == t.steps or interrupted or (every and step % every == 0)):
+            if cfg.checkpoint.dir and done.applied and (step == t.steps or signalled is not None or
+                                                        (every and step % every == 0)):  # fmt: skip
                 watchdog.phase(f"step {step}: checkpoint save")
                 _save(cfg, step, model, optimizer, loader, rank0)
-            if interrupted:
+            if signalled is not None:
                 result.interrupted = True
                 if rank0:
                     print(f"stopped by signal (received by rank {signalled}) after step {step}", flush=True)
                 break
     finally:
         stop.restore()
-        if metrics_file:
-            metrics_file.close()
-    result.seconds = time.perf_counter() - start
-    result.steps = step - result.start_step
-    result.tokens_per_s = tokens_per_step * result.steps / result.seconds if result.steps else 0.0
-    if rank0 and result.losses:
-        first, last = result.losses[0], result.losses[-1]
-        per_rank = format_rate(result.tokens_per_s / mesh.size())
-        print(
-            f"done: {result.steps} steps in {format_duration(result.seconds)} | loss {first:.4f} -> {last:.4f} | "
-            f"{format_rate(result.tokens_per_s)} tok/s global, {per_rank} per rank",
-            flush=True,
-        )
-    elif rank0 and result.start_step >= t.steps:
-        print(
-            f"done: nothing to train: resumed at step {result.start_step}, and train.steps={t.steps}; "
-            "raise train.steps to train further",
-            flush=True,
-        )
+        log.close()
+    log.finish(step)
     return result
+
+
+class _StepLog:
+    """Rank 0's progress line and ``train.metrics_file``, the result's losses and norms, and the summary."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, rank0: bool, result: TrainResult) -> None:
+        t = cfg.train
+        self.cfg, self.mesh, self.rank0, self.result = cfg, mesh, rank0, result
+        self.metrics_file = _open_metrics_file(t.metrics_file, rank0)
+        self.progress = Progress(t.steps, enabled=rank0, every=t.log_every, start_step=result.start_step)
+        self.tokens_per_step = t.global_batch * cfg.data.seq_len
+        self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+        self.peak = job_peak_flops(cfg, mesh)
+        self.start = time.perf_counter()
+
+    def record(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+        self.result.losses.append(loss)
+        self.result.grad_norms.append(grad_norm)
+        rate = self.tokens_per_step * (step - self.result.start_step) / (time.perf_counter() - self.start)
+        fields = {"loss": f"{loss:.4f}", "tok/s": format_rate(rate), "lr": f"{lr:.1e}"}
+        mfu = self.flops_per_token * rate / self.peak if self.peak else None
+        if mfu is not None:
+            fields["mfu"] = f"{100 * mfu:.1f}%"
+        self.progress.update(step, **fields)
+        if self.metrics_file:
+            record = dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens_per_s=rate, mfu=mfu)
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+
+    def close(self) -> None:
+        if self.metrics_file:
+            self.metrics_file.close()
+
+    def finish(self, step: int) -> None:
+        """Fill in the result's totals; rank 0 prints the summary."""
+        result, steps = self.result, self.cfg.train.steps
+        result.seconds = time.perf_counter() - self.start
+        result.steps = step - result.start_step
+        result.tokens_per_s = self.tokens_per_step * result.steps / result.seconds if result.steps else 0.0
+        if self.rank0 and result.losses:
+            first, last = result.losses[0], result.losses[-1]
+            per_rank = format_rate(result.tokens_per_s / self.mesh.size())
+            print(
+                f"done: {result.steps} steps in {format_duration(result.seconds)} | loss {first:.4f} -> {last:.4f} | "
+                f"{format_rate(result.tokens_per_s)} tok/s global, {per_rank} per rank",
+                flush=True,
+            )
+        elif self.rank0 and result.start_step >= steps:
+            print(
+                f"done: nothing to train: resumed at step {result.start_step}, and train.steps={steps}; "
+                "raise train.steps to train further",
+                flush=True,
+            )

@@ -1,8 +1,9 @@
 """Stop a diverging job: a NaN/inf loss or gradient norm, agreed by every rank, never reaches the weights.
 
 Each step every rank checks its own loss and the global gradient norm; one ``all_reduce`` of a
-per-rank flag makes every rank take the same decision. A bad step applies no optimizer update (so
-the weights stay those of the last good step, and nothing non-finite can be saved); after
+per-rank flag (:func:`ndparallel.comm.agree.failed_ranks`) makes every rank take the same decision.
+A bad step applies no optimizer update (so the weights stay those of the last good step, and
+nothing non-finite can be saved); after
 ``train.max_nonfinite_steps`` bad steps in a row (default 1: the first) every rank raises
 :class:`~ndparallel.errors.DivergenceError` naming the step and the ranks that saw it.
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ndparallel.comm.agree import distributed, failed_ranks, world_size
 from ndparallel.errors import DivergenceError
 
 __all__ = ["NonFiniteGuard"]
@@ -28,9 +29,8 @@ def _local_value(loss: torch.Tensor) -> float:
 class NonFiniteGuard:
     """Counts consecutive steps whose loss or gradient norm is NaN/inf; raises after ``limit`` of them."""
 
-    def __init__(self, limit: int, device: torch.device, verbose: bool = False) -> None:
+    def __init__(self, limit: int, verbose: bool = False) -> None:
         self.limit = limit
-        self.device = device
         self.verbose = verbose  # print each skipped step (rank 0)
         self.streak = 0
 
@@ -42,12 +42,7 @@ class NonFiniteGuard:
         """
         value = _local_value(loss)
         bad = not (math.isfinite(value) and math.isfinite(grad_norm))
-        bad_ranks = [0] if bad else []
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=self.device)
-            flags[dist.get_rank()] = int(bad)
-            dist.all_reduce(flags)
-            bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+        bad_ranks = failed_ranks(bad) if distributed() and world_size() > 1 else ([0] if bad else [])
         if not bad_ranks:
             self.streak = 0
             return True

@@ -9,7 +9,6 @@ and method with its Accelerate counterpart.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -24,11 +23,10 @@ from ndparallel import checkpoint
 from ndparallel.clip import clip_grad_norm_
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
-from ndparallel.grad_sync import no_sync
+from ndparallel.grad_sync import micro_batch_sync, no_sync
 from ndparallel.mesh import Mesh, destroy_distributed, init_distributed
 from ndparallel.parallelize import find_blocks, parallelize
 from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.plans.fully_shard import fsdp_mesh
 from ndparallel.plans.hf_tensor_parallel import is_hf_model
 from ndparallel.train.accelerator import data, precision, saving, stepping, trackers
 from ndparallel.train.accelerator.options import (
@@ -36,6 +34,7 @@ from ndparallel.train.accelerator.options import (
     apply_settings,
     check_accelerate_options,
 )
+from ndparallel.train.step import forward_autocast_dtype, parallelize_config
 
 __all__ = ["Accelerator"]
 
@@ -73,7 +72,7 @@ class Accelerator:
         device_type = "cpu" if cpu else (device_type or os.environ.get("NDP_DEVICE") or None)  # launch --cpu-ranks
         self.mesh = mesh or init_distributed(cfg, device_type=device_type)
         self._config = cfg.resolve(self.mesh.size())
-        self._autocast = precision.autocast_dtype(self._config, fsdp=fsdp_mesh(self.mesh) is not None)
+        self._autocast = forward_autocast_dtype(self._config)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.project_dir = None if project_dir is None else str(project_dir)
         self.step = 0  # micro-batches seen inside accumulate() since the last sync at the end of a loader
@@ -87,9 +86,7 @@ class Accelerator:
     # ------------------------------------------------------------------ where am I
     @property
     def device(self) -> torch.device:
-        if self.mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.mesh.device_type)
+        return self.mesh.device
 
     @property
     def parallelism_config(self) -> ParallelismConfig:
@@ -185,7 +182,7 @@ class Accelerator:
                 "load it unsharded and let prepare() apply the parallelism_config, or use ndparallel.hf.load_pretrained"
             )
         # Without FSDP the forward autocasts (below); FSDP casts through its policy.
-        cfg = self._config if self._autocast is None else dataclasses.replace(self._config, mixed_precision="no")
+        cfg = parallelize_config(self._config)
         model = parallelize(model.to(self.device), cfg, mesh=self.mesh, blocks=self._blocks(model))
         if self._autocast is not None:
             precision.wrap_autocast(model, self.device.type, self._autocast)
@@ -218,9 +215,8 @@ class Accelerator:
             self.step += 1
             self.sync_gradients = self.step % self.gradient_accumulation_steps == 0
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
-                for model in models:
-                    stack.enter_context(no_sync(model))
+            for model in models:  # the training step's rule: FSDP reduce-scatters each micro-batch
+                stack.enter_context(micro_batch_sync(model, last=self.sync_gradients))
             yield
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:

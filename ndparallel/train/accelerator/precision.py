@@ -1,6 +1,7 @@
 """Mixed precision for the Accelerator: FSDP2 casts where the mesh shards (dp_shard x cp > 1); elsewhere the
 prepared model's forward runs under ``torch.autocast`` and returns fp32 floating outputs, as Accelerate's
-``mixed_precision=`` does."""
+``mixed_precision=`` does. Which dtype, and the refusal of fp16 without FSDP, are the training step's rule
+(:func:`ndparallel.train.step.forward_autocast_dtype`)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from torch import nn
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 
-__all__ = ["autocast_context", "autocast_dtype", "merge_mixed_precision", "unwrap_autocast", "wrap_autocast"]
+__all__ = ["autocast_context", "merge_mixed_precision", "unwrap_autocast", "wrap_autocast"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MARK = "_ndp_autocast_forward"
 
 
@@ -35,18 +35,6 @@ def merge_mixed_precision(cfg: ParallelismConfig, mixed_precision: str | None) -
             f"{cfg.mixed_precision!r}; set one of them"
         )
     return dataclasses.replace(cfg, mixed_precision=value)
-
-
-def autocast_dtype(cfg: ParallelismConfig, fsdp: bool) -> torch.dtype | None:
-    """The dtype the forward autocasts to: none under FSDP (its policy casts) or without mixed precision."""
-    if cfg.mixed_precision == "no" or fsdp:
-        return None
-    if cfg.mixed_precision == "fp16":
-        raise ConfigError(
-            "mixed_precision='fp16' without FSDP (dp_shard_size x cp_size == 1) would need a loss scaler, which "
-            "ndparallel does not have: use 'bf16', or shard with dp_shard_size > 1"
-        )
-    return _DTYPES[cfg.mixed_precision]
 
 
 def _to_fp32(value: Any) -> Any:

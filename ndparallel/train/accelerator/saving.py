@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ndparallel.comm.agree import agree
 from ndparallel.errors import ConfigError
 
 __all__ = ["full_state_dict", "install_save_pretrained", "parse_size", "save_model"]
@@ -104,12 +105,9 @@ def save_model(
             _write(tensors, Path(save_directory), limit, bool(safe_serialization))
         except Exception as err:  # every rank must learn of it
             failure = f"{type(err).__name__}: {err}"
-    if dist.is_initialized():
-        status = [failure]
-        dist.broadcast_object_list(status, src=0)  # also the barrier: rank 0 has finished writing
-        failure = status[0]
-    if failure is not None:
-        raise ConfigError(f"save_model could not write {str(save_directory)!r} on rank 0 ({failure})")
+    # Every rank raises rank 0's failure (text in tensors, nothing pickled); also the barrier: rank 0 has
+    # finished writing when the others return.
+    agree(failure, f"save_model could not write {str(save_directory)!r}", error_type=ConfigError)
 
 
 def install_save_pretrained(model: nn.Module) -> None:

@@ -1,0 +1,249 @@
+"""``ndparallel plan``: estimate memory / communication / step time and rank mesh shapes.
+
+    ndparallel plan --model 8b --gpus 64 --gpu-mem 80GiB --seq 8192 --global-batch 512 --ac full
+    ndparallel plan --model path/to/config.json --gpus 16 --gpu h200 --json
+    ndparallel plan --dim 4096 --layers 32 --heads 32 --kv-heads 8 --ffn-dim 14336 --vocab 128256 --gpus 8
+
+``ndparallel.cli`` registers it (``add_plan_parser(subparsers)``, then ``args.func(args)`` = ``run_plan``),
+as it registers ``ndparallel.bench.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ndparallel.config import CHOICES
+from ndparallel.errors import ConfigError
+from ndparallel.estimate import (
+    GPU_PRESETS,
+    PRECISIONS,
+    ClusterSpec,
+    Estimate,
+    ModelSpec,
+    Plan,
+    TrainingSpec,
+    model_spec,
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+    plan,
+)
+from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, GiB
+
+__all__ = ["add_plan_parser", "format_plan", "main", "plan_to_json", "run_plan"]
+
+_RAW_COUNTS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
+               "ffn_dim": "ffn_dim", "vocab": "vocab_size"}  # fmt: skip
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``plan`` on an ``argparse`` subparsers object; the handler is in ``args.func``."""
+    p = subparsers.add_parser(
+        "plan",
+        help="estimate memory, communication and step time; rank mesh shapes for a cluster",
+        description="Predict per-GPU memory and step time of every (dp_replicate, dp_shard, cp, tp) mesh "
+        "shape and rank them. Model: docs/planning.md.",
+    )
+    model = p.add_argument_group("model (a preset / config.json, or raw counts)")
+    model.add_argument("--model", help="preset name (tiny, small, 125m, 1b, 8b, 70b) or path to an HF config.json")
+    for flag in _RAW_COUNTS:
+        model.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, help=argparse.SUPPRESS)
+    model.description = "raw counts: --dim --layers --heads [--kv-heads] --ffn-dim --vocab"
+
+    cluster = p.add_argument_group("cluster (defaults: --gpu preset)")
+    cluster.add_argument("--gpus", type=int, required=True, help="total number of GPUs (world size)")
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100)")
+    cluster.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GiB, 80GB, 141G")
+    cluster.add_argument("--intra-bw", help="NVLink bandwidth per GPU and direction, e.g. 450GB/s")
+    cluster.add_argument("--inter-bw", help="network bandwidth per GPU, e.g. 50GB/s or 400Gbit/s")
+    cluster.add_argument("--peak-flops", help="dense peak FLOP/s per GPU in the compute dtype, e.g. 989T")
+    cluster.add_argument("--mfu", type=float, default=0.5, help="assumed compute efficiency (default 0.5)")
+    cluster.add_argument("--memory-margin", type=float, default=0.1, help="fraction of memory kept free (0.1)")
+
+    train = p.add_argument_group("training")
+    train.add_argument("--seq", type=int, default=None, help="sequence length (default: 4096)")
+    train.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step (256)")
+    train.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on one dp rank (1)")
+    train.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
+    train.add_argument("--ac", default="none", choices=list(ACTIVATION_CHECKPOINTING), help="activation ckpt")
+    train.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP keeps units gathered")
+    train.add_argument(
+        "--cp-rotate-method", default="ring", choices=list(CHOICES["cp_rotate_method"]),
+        help="context-parallel attention: ring (default), allgather, alltoall (Ulysses; heads / tp must divide by cp)",
+    )  # fmt: skip
+    train.add_argument(
+        "--no-cp-load-balance", action="store_true",
+        help="context parallel cuts the sequence into cp pieces, not 2 x cp (cp_load_balance=false)",
+    )  # fmt: skip
+    train.add_argument(
+        "--defer-grad-sync", action="store_true",
+        help="FSDP: reduce-scatter gradients once per step, keeping them unsharded between micro-batches "
+        "(train.defer_grad_sync); default: every micro-batch, as ndparallel train does",
+    )  # fmt: skip
+    # The default since train.defer_grad_sync; still accepted so scripts that pass it keep working.
+    train.add_argument("--grad-sync-every-microbatch", action="store_true", help=argparse.SUPPRESS)
+
+    out = p.add_argument_group("search and output")
+    for dim in ("dp_replicate", "dp_shard", "cp", "tp"):
+        out.add_argument(f"--{dim.replace('_', '-')}", type=int, dest=f"pin_{dim}", help=f"pin {dim} size")
+    out.add_argument("--top", type=int, default=10, help="how many ranked shapes to print (10)")
+    out.add_argument("--rejected", type=int, default=8, help="how many rejected shapes to print (8)")
+    out.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def _model_from_args(args: argparse.Namespace) -> ModelSpec:
+    raw = {field: getattr(args, flag) for flag, field in _RAW_COUNTS.items() if getattr(args, flag, None)}
+    if args.model and raw:
+        raise ConfigError("give either --model or raw counts (--dim --layers ...), not both")
+    if args.model:
+        return model_spec(args.model)
+    if not raw:
+        raise ConfigError("no model: pass --model PRESET|config.json or --dim --layers --heads --ffn-dim --vocab")
+    missing = [f"--{f.replace('_', '-')}" for f in _RAW_COUNTS if f != "kv_heads" and getattr(args, f) is None]
+    if missing:
+        raise ConfigError(f"raw model counts need {', '.join(missing)} as well")
+    return model_spec(raw)
+
+
+def _cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
+    overrides: dict[str, Any] = {
+        "num_gpus": args.gpus, "gpus_per_node": min(args.gpus_per_node, args.gpus) if args.gpus > 0 else 1,
+        "mfu": args.mfu, "memory_margin": args.memory_margin,
+    }  # fmt: skip
+    if args.gpus is None or args.gpus < 1:
+        raise ConfigError(f"--gpus={args.gpus} must be a positive integer")
+    if args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be a positive integer")
+    if args.gpu_mem:
+        overrides["gpu_memory"] = parse_bytes(args.gpu_mem, "--gpu-mem")
+    if args.intra_bw:
+        overrides["intra_node_bw"] = parse_bandwidth(args.intra_bw, "--intra-bw")
+    if args.inter_bw:
+        overrides["inter_node_bw"] = parse_bandwidth(args.inter_bw, "--inter-bw")
+    if args.peak_flops:
+        overrides["peak_flops"] = parse_count(args.peak_flops, "--peak-flops")
+    return ClusterSpec.from_gpu(args.gpu, **overrides)
+
+
+def _training_from_args(args: argparse.Namespace) -> TrainingSpec:
+    return TrainingSpec(
+        global_batch=args.global_batch,
+        seq_len=args.seq or 4096,
+        micro_batch=args.micro_batch,
+        precision=args.precision,
+        activation_checkpointing=args.ac,
+        reshard_after_forward=not args.no_reshard_after_forward,
+        cp_rotate_method=args.cp_rotate_method,
+        cp_load_balance=not args.no_cp_load_balance,
+        defer_grad_sync=args.defer_grad_sync,
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Handler of ``ndparallel plan``: 0 when some shape fits, 1 when none does, 2 on bad input."""
+    try:
+        model = _model_from_args(args)
+        cluster = _cluster_from_args(args)
+        train = _training_from_args(args)
+        fixed = {dim: getattr(args, f"pin_{dim}") for dim in ("dp_replicate", "dp_shard", "cp", "tp")}
+        result = plan(model, train, cluster, {k: v for k, v in fixed.items() if v is not None})
+    except ConfigError as err:
+        print(f"ndparallel plan: error: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(plan_to_json(result, args.top, args.rejected), indent=2) if args.json else None
+    try:
+        print(text or format_plan(result, args.top, args.rejected))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `ndparallel plan ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if result.ranked else 1
+
+
+def plan_to_json(result: Plan, top: int | None = None, rejected: int | None = None) -> dict[str, Any]:
+    """The plan as JSON-ready data (all ranked and rejected shapes unless limited)."""
+    return {
+        "model": {**vars(result.model), "num_params": result.model.num_params()},
+        "cluster": vars(result.cluster),
+        "training": vars(result.train),
+        "ranked": [e.as_dict() for e in result.ranked[:top]],
+        "rejected": [e.as_dict() for e in result.rejected[:rejected]],
+        "num_ranked": len(result.ranked),
+        "num_rejected": len(result.rejected),
+    }
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.1f}"
+
+
+def format_plan(result: Plan, top: int = 10, rejected: int = 8) -> str:
+    """Readable tables: header, ranked shapes, the best shape's breakdown, rejected shapes."""
+    m, c, t = result.model, result.cluster, result.train
+    lines = [
+        f"model {m.name}: {m.num_params() / 1e9:.2f}B params (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, "
+        f"{m.n_kv_heads} kv heads, ffn {m.ffn_dim}, vocab {m.vocab_size})",
+        f"cluster: {c.num_gpus} GPUs, {c.gpus_per_node}/node, {_gib(c.gpu_memory)} GiB each "
+        f"({_gib(c.usable_memory)} usable), NVLink {c.intra_node_bw / 1e9:.0f} GB/s, network "
+        f"{c.inter_node_bw / 1e9:.0f} GB/s per GPU, {c.peak_flops / 1e12:.0f} TFLOP/s x MFU {c.mfu:.2f}",
+        f"training: global batch {t.global_batch} x seq {t.seq_len}, micro-batch {t.micro_batch}, {t.precision}, "
+        f"AdamW, activation checkpointing {t.activation_checkpointing}",
+        "",
+    ]
+    columns = ("#", "mesh (rep x shard x cp x tp)", "mem/GPU GiB", "step s", "tok/s", "MFU")
+    header = "{:>3}  {:<28} {:>11} {:>8} {:>10} {:>6}  why".format(*columns)
+    if result.ranked:
+        lines += [f"{len(result.ranked)} shapes fit; fastest first:", header]
+        for i, e in enumerate(result.ranked[:top], 1):
+            lines.append(
+                f"{i:>3}  {e.mesh.describe():<28} {_gib(e.memory.peak):>11} {e.time.step_s:>8.2f} "
+                f"{e.time.tokens_per_s:>10,.0f} {e.time.mfu:>6.1%}  {e.reason()}"
+            )
+        lines += ["", *_breakdown(result.ranked[0])]
+    else:
+        lines.append(
+            "no mesh shape fits: try activation checkpointing (--ac full), a smaller --micro-batch, or more GPUs"
+        )
+    if result.rejected and rejected:
+        lines += ["", f"{len(result.rejected)} shapes rejected (first {min(rejected, len(result.rejected))}):"]
+        for e in result.rejected[:rejected]:
+            lines.append(f"     {e.mesh.describe():<28} {_gib(e.memory.peak):>11}  {e.reason()}")
+    return "\n".join(lines)
+
+
+def _breakdown(e: Estimate) -> list[str]:
+    mem = e.memory
+    acts = ", ".join(f"{k} {_gib(v)}" for k, v in mem.activations_by_mode.items())
+    lines = [
+        f"best: {e.mesh.describe()}  per-GPU memory GiB: params {_gib(mem.params)}, grads {_gib(mem.grads)}, "
+        f"AdamW {_gib(mem.optimizer)}, activations {_gib(mem.activations)} (by checkpointing: {acts}), "
+        f"transient {_gib(mem.transient)}"
+        + (f", unsharded grads (accumulation) {_gib(mem.accumulated_grads)}" if mem.accumulated_grads else "")
+        + f" -> peak {_gib(mem.peak)}",
+        f"      compute {e.time.compute_s:.2f} s + exposed comm {e.time.exposed_comm_s:.2f} s "
+        f"(of {e.time.comm_s:.2f} s total) per step",
+    ]
+    for row in e.comms:
+        lines.append(
+            f"      {row.name:<36} {row.group:>12}={row.group_size:<4} {row.link:<5} {row.calls:>7} calls "
+            f"{row.payload_bytes / 1e9:>9.2f} GB {row.time_s:>8.3f} s"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m ndparallel.estimate.cli ...`` (the same as ``ndparallel plan ...``)."""
+    parser = argparse.ArgumentParser(prog="ndparallel")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

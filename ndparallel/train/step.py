@@ -1,0 +1,146 @@
+"""One training step, the same for ``ndparallel train``, the bench and (its precision rule) the Accelerator.
+
+:class:`TrainStep` runs one optimizer step on this rank's slice of the global batch: split it into
+micro-batches; for each, shard the sequence over ``cp``, forward (under autocast where FSDP does not
+cast), cross-entropy in fp32 or wider, divided by the micro-batch count, backward with the gradient
+communication :func:`ndparallel.grad_sync.micro_batch_sync` decides; then clip the global gradient norm,
+let every rank agree the loss and norm are finite (:class:`~ndparallel.train.nonfinite.NonFiniteGuard`),
+and step the optimizer only if they are.
+
+Mixed precision, decided here once (:func:`forward_autocast_dtype`): with FSDP (``dp_shard x cp > 1``)
+FSDP2's policy casts (bf16/fp16 parameters and compute, fp32 gradient reduction); without FSDP the forward
+runs under ``torch.autocast(bf16)``, and fp16 is refused (it would need a loss scaler, which ndparallel
+does not have). The loss is computed in fp32, or float64 for a float64 model, either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ndparallel.clip import clip_grad_norm_
+from ndparallel.config import ParallelismConfig
+from ndparallel.errors import ConfigError
+from ndparallel.grad_sync import micro_batch_sync
+from ndparallel.mesh import Mesh
+from ndparallel.metrics import cross_entropy_loss
+from ndparallel.plans.context_parallel import context_parallel
+from ndparallel.train.nonfinite import NonFiniteGuard
+
+__all__ = ["StepResult", "TrainStep", "forward_autocast_dtype", "parallelize_config"]
+
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _fsdp_casts(cfg: ParallelismConfig) -> bool:
+    return cfg.dp_shard_size * cfg.cp_size > 1  # FSDP shards over dp_shard x cp; its policy casts
+
+
+def forward_autocast_dtype(cfg: ParallelismConfig) -> torch.dtype | None:
+    """The dtype the forward autocasts to on the resolved mesh ``cfg``: None under FSDP (its policy casts) or
+    without mixed precision; bf16 otherwise. fp16 without FSDP raises :class:`ConfigError`."""
+    if cfg.mixed_precision == "no" or _fsdp_casts(cfg):
+        return None
+    if cfg.mixed_precision == "fp16":
+        raise ConfigError(
+            "mixed_precision=fp16 without FSDP (dp_shard_size x cp_size == 1) would need a loss scaler, which "
+            "ndparallel does not have: use bf16, or shard with dp_shard_size > 1"
+        )
+    return _LOW_PRECISION[cfg.mixed_precision]
+
+
+def parallelize_config(cfg: ParallelismConfig) -> ParallelismConfig:
+    """``cfg`` as ``parallelize`` should get it: mixed precision left to autocast where FSDP does not cast."""
+    if forward_autocast_dtype(cfg) is None:
+        return cfg
+    return dataclasses.replace(cfg, mixed_precision="no")
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """This rank's mean loss over its micro-batches (fp32 or wider; average it over ``dp_cp`` for the global one)."""
+    grad_norm: float
+    """The global gradient norm before clipping."""
+    applied: bool
+    """False when the loss or the norm was NaN/inf on some rank: the optimizer did not step."""
+
+
+class TrainStep:
+    """Forward, loss, backward over micro-batches, clipping, the non-finite guard and the optimizer step.
+
+    ``model`` is parallelised over ``mesh`` (with :func:`parallelize_config`). ``max_grad_norm`` 0 disables
+    clipping (the norm is still measured). ``defer_grad_sync``: see :func:`ndparallel.grad_sync.micro_batch_sync`.
+    ``check_finite=False`` drops the non-finite agreement, only for runs whose numbers mean nothing (the
+    bench's compute-only twin). ``phase(text)`` is told what runs next, e.g. ``"step 3: forward/backward"``
+    (the watchdog's heartbeat). ``around()`` is entered around each micro-batch's forward/backward and around
+    the clipping and optimizer step: the bench counts collectives with it (torch's ``CommDebugMode`` cannot
+    span two forward/backward passes: its module tracker fails with an IndexError, torch 2.13).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        mesh: Mesh,
+        *,
+        max_grad_norm: float = 1.0,
+        defer_grad_sync: bool = False,
+        max_nonfinite_steps: int = 1,
+        check_finite: bool = True,
+        verbose: bool = False,
+        phase: Callable[[str], None] | None = None,
+        around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+        self.device = mesh.device
+        self.max_grad_norm = max_grad_norm
+        self.defer_grad_sync = defer_grad_sync
+        self.autocast_dtype = forward_autocast_dtype(mesh.config)
+        self.guard = NonFiniteGuard(max_nonfinite_steps, verbose=verbose) if check_finite else None
+        self._phase = phase or (lambda name: None)
+        self.around = around
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, accumulation: int, step: int) -> StepResult:
+        """One optimizer step on this rank's ``[batch, seq]`` tokens and labels in ``accumulation`` micro-batches.
+
+        ``step``: the 1-based number of this step (named when the loss is not finite).
+        """
+        self._phase(f"step {step}: forward/backward")
+        loss_sum = torch.zeros((), device=self.device)
+        micro_batches = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True))
+        for index, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.device), y.to(self.device)
+            positions = torch.arange(x.shape[1], device=self.device)
+            last = index == len(micro_batches) - 1
+            with (
+                self.around(),
+                micro_batch_sync(self.model, last, self.defer_grad_sync),
+                context_parallel(self.mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]),
+            ):
+                with self._autocast():
+                    logits = self.model(x, positions)
+                loss = cross_entropy_loss(logits, y) / len(micro_batches)  # fp32 or wider (float64 stays)
+                loss.backward()
+            loss_sum = loss_sum + loss.detach()  # out of place: a float64 loss is not rounded to fp32
+        self._phase(f"step {step}: gradient clipping and optimizer step")
+        with self.around():
+            grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
+            # Raises after N bad steps in a row. Unchecked (the bench's compute-only twin, whose collectives
+            # move nothing): every step applies.
+            applied = self.guard.step_is_finite(step, loss_sum, grad_norm) if self.guard else True
+            if applied:  # a NaN/inf never reaches the weights
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, grad_norm, applied)
