@@ -121,7 +121,7 @@ BAD_CONFIGS = [
         lambda tmp: TrainConfig.from_dict({"data": {"seq_len": 63}}).check_mesh(
             ParallelismConfig(tp_size=2).resolve(2)
         ),
-        "data.seq_len 63 not divisible by tp_size=2 (sequence parallel",
+        "data.seq_len 63 is not divisible by tp_size=2 (sequence parallel",
     ),
     (
         "fp16 without fsdp",

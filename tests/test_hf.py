@@ -71,7 +71,7 @@ def qwen3_plan(model) -> dict:
     head_dim on ``[batch, seq, heads, head_dim]``) run on the rank's heads with a replicated weight."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    from ndparallel.plans.hf_tensor_parallel import hf_tp_plan
+    from ndparallel.hf import hf_tp_plan
 
     per_head = SequenceParallel(sequence_dim=2, use_local_output=True)  # dim 2 = heads, split by q/k_proj
     norms = {f"model.layers.*.self_attn.{name}": per_head for name in ("q_norm", "k_norm")}
@@ -286,7 +286,7 @@ def wrapped_plan(model) -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from ndparallel.plans.hf_tensor_parallel import hf_tp_plan
+    from ndparallel.hf import hf_tp_plan
 
     head = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     return hf_tp_plan(model, overrides={"lm_head": None, "lm_head.lm_head": head})
@@ -441,7 +441,7 @@ def test_forward_errors_under_tp_and_cp(group):
 
 
 def test_plan_names_and_fsdp_units():
-    from ndparallel.plans.hf_tensor_parallel import GatherSequence, TiedColwiseParallel, hf_fsdp_groups, hf_tp_plan
+    from ndparallel.hf import GatherSequence, TiedColwiseParallel, hf_fsdp_groups, hf_tp_plan
 
     plan = hf_tp_plan(build("llama"))
     assert isinstance(plan["model.layers.*.self_attn"], GatherSequence)
@@ -454,7 +454,7 @@ def test_plan_names_and_fsdp_units():
 
 
 def test_unsupported_architecture_is_a_config_error():
-    from ndparallel.plans.hf_tensor_parallel import hf_tp_plan
+    from ndparallel.hf import hf_tp_plan
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
     with pytest.raises(ConfigError, match=r"model_type='gpt2'.*plan=\{fqn_pattern: ParallelStyle\}"):
@@ -466,7 +466,7 @@ def test_unsupported_architecture_is_a_config_error():
 
 
 def test_models_outside_the_families_are_refused_naming_the_module():
-    from ndparallel.plans.hf_tensor_parallel import hf_fsdp_groups, hf_tp_plan
+    from ndparallel.hf import hf_fsdp_groups, hf_tp_plan
 
     with pytest.raises(ConfigError) as err:
         hf_tp_plan(build("qwen3"))

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ndparallel.checkpoint_lock import CheckpointDirLock
+from ndparallel.checkpoint.lock import CheckpointDirLock
 from ndparallel.testing import run_distributed
 from tests.command import run_ndparallel
 

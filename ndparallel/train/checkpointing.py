@@ -4,7 +4,7 @@
 rank 0 inside the job): ``checkpoint.dir`` must be a folder this process can write (it is created
 if missing), not locked by another live job, and an explicit ``checkpoint.resume=PATH`` must be a
 complete checkpoint. ``hold_checkpoint_dir`` then has rank 0 take the folder's lock
-(:mod:`ndparallel.checkpoint_lock`) for the whole job; every rank raises the same
+(:mod:`ndparallel.checkpoint.lock`) for the whole job; every rank raises the same
 :class:`~ndparallel.errors.CheckpointError` if that fails.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ndparallel import checkpoint
-from ndparallel.checkpoint_lock import CheckpointDirLock, check_not_locked
+from ndparallel.checkpoint.lock import CheckpointDirLock, check_not_locked
 from ndparallel.comm.agree import agree
 from ndparallel.errors import CheckpointError
 from ndparallel.train.config import CheckpointConfig

@@ -24,10 +24,10 @@ from ndparallel.clip import clip_grad_norm_
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.grad_sync import micro_batch_sync, no_sync
+from ndparallel.hf.plan import is_hf_model
 from ndparallel.mesh import Mesh, destroy_distributed, init_distributed
 from ndparallel.parallelize import find_blocks, parallelize
 from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.plans.hf_tensor_parallel import is_hf_model
 from ndparallel.train.accelerator import data, precision, saving, stepping, trackers
 from ndparallel.train.accelerator.options import (
     FullyShardedDataParallelPlugin,
