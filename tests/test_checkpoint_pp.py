@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -231,6 +232,7 @@ def job_pp(root: str, ref: dict[str, Any]) -> dict[str, Any]:
     stages, _ = pp2.build(seed=7)
     sgd = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]
     out["other_optimizer"] = _refused(ckpt.load, saved, stages, sgd)
+    out["export_live"] = _refused(ckpt.export_safetensors, stages[0], f"{root}/live.safetensors")
     return out
 
 
@@ -242,7 +244,7 @@ def test_pp_checkpoints_reshard_across_pp_sizes_and_resume_exactly(tmp_path):
         assert worst <= TOL, f"{key}: parameters differ from the single-process run by {worst:.3g}"
 
     # One error text per refusal, the same on every rank.
-    for key in ("no_rank_holds", "extra_block", "other_optimizer"):
+    for key in ("no_rank_holds", "extra_block", "other_optimizer", "export_live"):
         assert len({r[key] for r in results}) == 1 and results[0][key], key
     assert all(r["untouched"] for r in results)
     assert (
@@ -263,6 +265,12 @@ def test_pp_checkpoints_reshard_across_pp_sizes_and_resume_exactly(tmp_path):
     }
     assert state["optimizer"]["param_groups.output.weight.betas"] == {"__tuple__": [0.9, 0.95]}
     ckpt.validate(saved, checksums=True)
+    assert "the ranks hold different parameters (pipeline stages?)" in results[0]["export_live"]
+    from safetensors.torch import load_file
+
+    exported = load_file(ckpt.export_safetensors(saved, tmp_path / "w.safetensors"))
+    assert exported.keys() == ref["after2"].keys()
+    assert max((exported[n] - p).abs().max().item() for n, p in ref["after2"].items()) <= TOL
 
     # One process, no process group: the plain Transformer loads the pp checkpoints and continues.
     for path, steps in ((saved, range(2, 4)), (tmp_path / "interleaved" / "step-3", range(3, 4))):
@@ -297,3 +305,65 @@ def test_several_modules_need_one_optimizer_each_and_distinct_names(tmp_path):
     with pytest.raises(CheckpointError, match="non-empty sequence"):
         ckpt.save(tmp_path / "bad", [])
     assert not (tmp_path / "bad").exists()
+
+
+# ----------------------------------------------------------------------------- format version 2 still loads
+
+V2_FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v2"
+"""Written by ndparallel at b7fe050 (format version 2: nested optimizer section, one rank's keys) with
+``make_v2_fixture(V2_FIXTURE)`` below, run against that commit's code. Tiny (a 3-4-2 MLP): a few KB."""
+
+
+def _v2_setup(shift: float = 0.0, lr: float | None = None):
+    """A float64 MLP with weights from linspace (no RNG), AdamW with two param groups, a LinearLR schedule."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.linspace(-1, 1, p.numel(), dtype=torch.float64).reshape(p.shape) * (i + 1) + shift)
+    groups = [
+        {"params": model[0].parameters(), "lr": lr or 1e-2},
+        {"params": model[2].parameters(), "lr": lr or 5e-3, "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+
+
+def _v2_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
+    model(torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(5, 3)).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def make_v2_fixture(path: Path) -> None:
+    model, opt, sched = _v2_setup()
+    _v2_step(model, opt, sched)
+    ckpt.save(path, model, opt, step=1, scheduler=sched.state_dict(), save_rng=False)
+
+
+def test_a_format_version_2_checkpoint_still_loads_and_continues():
+    assert json.loads((V2_FIXTURE / ckpt.MARKER).read_text())["format_version"] == 2
+    assert isinstance(json.loads((V2_FIXTURE / ckpt.STATE_FILE).read_text())["optimizer"]["param_groups"], list)
+    ref_model, ref_opt, ref_sched = _v2_setup()
+    _v2_step(ref_model, ref_opt, ref_sched)
+    model, opt, sched = _v2_setup(shift=0.3, lr=0.9)
+    extra = ckpt.load(V2_FIXTURE, model, opt)
+    sched.load_state_dict(extra["scheduler"])
+    assert extra["step"] == 1
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in ref_opt.param_groups
+    ]
+    for name, state in ref_opt.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(opt.state_dict()["state"][name][key], value), (name, key)
+    _v2_step(ref_model, ref_opt, ref_sched)
+    _v2_step(model, opt, sched)
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+    # The two saved groups (lr 1e-2 and 5e-3) regrouped into one live group: refused, model untouched.
+    one_group = torch.optim.AdamW(model.parameters(), lr=0.9, betas=(0.9, 0.95), weight_decay=0.1)
+    before = _params(model)
+    with pytest.raises(CheckpointError, match=r"one live parameter group \(that of '0.weight'\) different 'lr' values"):
+        ckpt.load(V2_FIXTURE, model, one_group)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -132,6 +132,7 @@ def load(
         # lr 0), so it runs only once every rank knows the files and the model fit.
         try:
             live = RankState.of(modules, optimizers)
+            live.check_groups(skeleton["optimizer"])
         except Exception as e:  # raised on every rank by agree
             error = e
         agree(error, failed)

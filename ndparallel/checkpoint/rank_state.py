@@ -14,6 +14,7 @@ reads the nested form written by versions 1 and 2.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,8 @@ class RankState:
     model_keys: list[list[str]] = field(default_factory=list)
     optimizer: dict[str, Any] | None = None
     optimizer_keys: list[list[str]] = field(default_factory=list)
+    param_groups: list[list[str]] = field(default_factory=list)
+    """The FQNs of each parameter group of each optimizer (all optimizers' groups in one list)."""
 
     @classmethod
     def of(cls, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None) -> RankState:
@@ -103,7 +106,31 @@ class RankState:
             model_sd, optim_sd = get_state_dict(module, optimizers[i], options=_FLAT)
             state.model_keys.append(_merge(state.model, model_sd, "model", i))
             state.optimizer_keys.append(_merge(state.optimizer, optim_sd, "optimizer", i))
+            name_of = {id(p): name for name, p in module.named_parameters()}
+            state.param_groups += [[name_of[id(p)] for p in g["params"]] for g in optimizers[i].param_groups]
         return state
+
+    def check_groups(self, stored: dict[str, Any]) -> None:
+        """The parameters of each live parameter group have equal stored hyper-parameters (torch refuses
+        the load otherwise, after the model is loaded). Keys not stored are left to the fit check; a
+        tensor hyper-parameter is compared by shape and dtype (its values are read later)."""
+
+        def shown(fqn: str, name: str) -> str:
+            entry = stored.get(f"{_PARAM_GROUPS}{fqn}.{name}")
+            if isinstance(entry, dict) and TENSOR_MARK in entry:
+                entry = {k: v for k, v in entry.items() if k != TENSOR_MARK}
+            return json.dumps(entry)
+
+        for fqns in filter(None, self.param_groups):
+            prefix = f"{_PARAM_GROUPS}{fqns[0]}."
+            names = [k[len(prefix) :] for k in self.optimizer or {} if k.startswith(prefix)]
+            for name in names:
+                values = {shown(fqn, name) for fqn in fqns}
+                if len(values) > 1:
+                    raise CheckpointError(
+                        f"the checkpoint gives the parameters of one live parameter group (that of {fqns[0]!r}) "
+                        f"different {name!r} values {sorted(values)[:3]}: group the parameters as they were saved"
+                    )
 
 
 def is_hyper_parameter(key: str) -> bool:
