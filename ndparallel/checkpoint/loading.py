@@ -58,6 +58,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {STATE_FILE} has no 'model' table")
     if "optimizer" in skeleton:
         skeleton["optimizer"] = flatten_nested_optimizer(skeleton["optimizer"])
+        if not isinstance(skeleton["optimizer"], dict):
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: the optimizer in {STATE_FILE} is not a table")
     # DCP's .metadata is a pickle written by torch: read with an allow-list of DCP's classes, never run.
     metadata = read_metadata(path)
     return marker, skeleton, metadata.state_dict_metadata

@@ -125,6 +125,8 @@ class RankState:
             prefix = f"{_PARAM_GROUPS}{fqns[0]}."
             names = [k[len(prefix) :] for k in self.optimizer or {} if k.startswith(prefix)]
             for name in names:
+                if any(f"{_PARAM_GROUPS}{fqn}.{name}" not in stored for fqn in fqns):
+                    continue  # reported by the fit check, which runs next
                 values = {shown(fqn, name) for fqn in fqns}
                 if len(values) > 1:
                     raise CheckpointError(
