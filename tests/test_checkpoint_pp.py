@@ -250,6 +250,13 @@ def job_pp(root: str, ref: dict[str, Any]) -> dict[str, Any]:
     sgd = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]
     out["other_optimizer"] = _refused(ckpt.load, saved, stages, sgd)
     out["export_live"] = _refused(ckpt.export_safetensors, stages[0], f"{root}/live.safetensors")
+    # Saves refused on every rank, nothing written: rank 3 without an optimizer; rank 3 with another lr
+    # than rank 2, which holds the same stage.
+    stages, opts = pp2.build(seed=7)
+    out["optimizer_on_some"] = _refused(ckpt.save, f"{root}/bad", stages, None if dist.get_rank() == 3 else opts)
+    if dist.get_rank() == 3:
+        opts[0].param_groups[0]["lr"] = 0.02
+    out["ranks_disagree"] = _refused(ckpt.save, f"{root}/bad", stages, opts)
     return out
 
 
@@ -262,7 +269,14 @@ def test_pp_checkpoints_reshard_across_pp_sizes_and_resume_exactly(tmp_path):
         assert worst <= TOL, f"{key}: parameters differ from the single-process run by {worst:.3g}"
 
     # One error text per refusal, the same on every rank.
-    for key in ("no_rank_holds", "extra_block", "other_optimizer", "export_live"):
+    for key in (
+        "no_rank_holds",
+        "extra_block",
+        "other_optimizer",
+        "export_live",
+        "optimizer_on_some",
+        "ranks_disagree",
+    ):
         assert len({r[key] for r in results}) == 1 and results[0][key], key
     assert all(r["untouched"] and r["bitwise_same_mesh"] for r in results)
     assert (
@@ -273,6 +287,9 @@ def test_pp_checkpoints_reshard_across_pp_sizes_and_resume_exactly(tmp_path):
     assert "missing ['model.layers.4." in results[0]["extra_block"]
     assert "does not fit the optimizer: missing ['optimizer.param_groups." in results[0]["other_optimizer"]
     assert "unexpected ['optimizer.state." in results[0]["other_optimizer"]
+    assert "some ranks pass an optimizer and others do not" in results[0]["optimizer_on_some"]
+    assert "ranks disagree on optimizer key 'param_groups.layers.2." in results[0]["ranks_disagree"]
+    assert not list(tmp_path.glob("bad*")), "a refused save writes nothing"
 
     # The state JSON lists every stage's keys (not rank 0's only), the optimizer flat per parameter.
     saved = tmp_path / "pp2xdp2" / "step-2"
