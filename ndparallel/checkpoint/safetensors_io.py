@@ -54,10 +54,11 @@ def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.Pat
     """Write the full (unsharded) model weights to one safetensors ``file``.
 
     ``source`` is a live (possibly sharded) model, and then every rank calls it (rank 0 gathers and
-    writes; ranks holding different parameters, e.g. pipeline stages, are refused: export their
-    checkpoint directory instead), or a checkpoint directory, and then it runs in one process without a process group
+    writes), or a checkpoint directory, and then it runs in one process without a process group
     (with one, rank 0 does the work and the others wait; ``verify`` checks every file's SHA-256
     first, as :func:`~ndparallel.checkpoint.load` does). Keys are the model's parameter names.
+    Ranks whose live models hold different parameters (pipeline stages) are refused on every rank:
+    export their checkpoint directory instead.
     """
     error: BaseException | None = None
     try:

@@ -64,7 +64,7 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
 
 def _mesh_info(modules: list[nn.Module]) -> list[dict[str, Any]]:
     seen: dict[tuple, dict[str, Any]] = {}
-    for p in (p for m in modules for p in m.parameters()):
+    for p in (p for module in modules for p in module.parameters()):
         if isinstance(p, DTensor):
             m = p.device_mesh
             names = list(m.mesh_dim_names or [f"dim{i}" for i in range(m.ndim)])
