@@ -787,7 +787,7 @@ def test_every_file_is_checksummed_at_save_and_verified_at_load(tmp_path, monkey
     path = Path(handle.wait())
     monkeypatch.undo()
     marker = json.loads((path / ckpt.MARKER).read_text())
-    assert marker["format_version"] == 2
+    assert marker["format_version"] == 3
     assert set(marker["sha256"]) == set(marker["files"]) and "__0_0.distcp" in marker["files"]
     assert hashed_in["__0_0.distcp"] != threading.main_thread().name, "an async save hashes in the background"
 

@@ -35,6 +35,8 @@ __all__ = [
     "MARKER",
     "METADATA_FILE",
     "STATE_FILE",
+    "TENSOR_MARK",
+    "TUPLE_MARK",
     "build_marker",
     "commit_key",
     "empty_like_placeholder",
@@ -53,12 +55,17 @@ STATE_FILE = "ndparallel_state.json"
 METADATA_FILE = ".metadata"
 """DCP's index of tensor keys, shapes and shard locations (a pickle: see ``dcp_metadata``)."""
 FORMAT = "ndparallel-checkpoint"
-FORMAT_VERSION = 2
-"""2: ``sha256`` covers every file in ``files`` (1: only ``.metadata`` and the state JSON)."""
+FORMAT_VERSION = 3
+"""3: the state JSON describes every rank's keys (pipeline stages hold different ones) and the optimizer
+section is flat (``state.<fqn>.<name>``, ``param_groups.<fqn>.<name>``), so it reshards across pp sizes;
+2: ``sha256`` covers every file in ``files``; 1: only ``.metadata`` and the state JSON are hashed.
+Versions 1 and 2 (nested optimizer section, one rank's keys) still load."""
 ALWAYS_HASHED = (METADATA_FILE, STATE_FILE)
 """DCP's pickle and our JSON: their SHA-256 is checked on every validate."""
 
-_TENSOR, _TUPLE = "__tensor__", "__tuple__"
+TENSOR_MARK, TUPLE_MARK = "__tensor__", "__tuple__"
+"""The keys that make a JSON object a tensor placeholder or a tuple (never keys of saved state)."""
+_TENSOR, _TUPLE = TENSOR_MARK, TUPLE_MARK
 
 
 # ----------------------------------------------------------------------------- the marker

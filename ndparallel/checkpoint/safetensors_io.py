@@ -9,6 +9,7 @@ and renamed into place. The ``safetensors`` package is optional (``pip install '
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ndparallel.checkpoint.checksums import verify_share
 from ndparallel.checkpoint.format import placeholder_key, placeholders
 from ndparallel.checkpoint.loading import read_checkpoint
 from ndparallel.comm.agree import agree, rank, world_size
+from ndparallel.comm.distinct import distinct_texts
 from ndparallel.errors import CheckpointError
 
 __all__ = ["export_safetensors", "import_safetensors"]
@@ -55,6 +57,8 @@ def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.Pat
     writes), or a checkpoint directory, and then it runs in one process without a process group
     (with one, rank 0 does the work and the others wait; ``verify`` checks every file's SHA-256
     first, as :func:`~ndparallel.checkpoint.load` does). Keys are the model's parameter names.
+    Ranks whose live models hold different parameters (pipeline stages) are refused on every rank:
+    export their checkpoint directory instead.
     """
     error: BaseException | None = None
     try:
@@ -64,6 +68,11 @@ def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.Pat
     agree(error, "safetensors export needs the safetensors package")
     file = Path(file).absolute()
     if isinstance(source, nn.Module):
+        if len(distinct_texts(_key_digest(source))) > 1:  # before the gathers, which would not match up
+            raise CheckpointError(
+                f"could not write {str(file)!r}: the ranks hold different parameters (pipeline stages?); save a "
+                "checkpoint and export that directory: export_safetensors(checkpoint_dir, file)"
+            )
         full = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank() == 0:
             try:
@@ -80,6 +89,11 @@ def export_safetensors(source: nn.Module | str | os.PathLike, file: str | os.Pat
             error = e
     agree(error, f"could not export {str(path)!r}")
     return str(file)
+
+
+def _key_digest(model: nn.Module) -> str:
+    """The SHA-256 of the model's sorted state-dict keys (no collective: this rank's shards)."""
+    return hashlib.sha256("\n".join(sorted(get_model_state_dict(model))).encode()).hexdigest()
 
 
 def _export_checkpoint(path: Path, file: Path, verify: bool) -> None:

@@ -3,9 +3,11 @@
 A save runs in four steps, each ending in an agreement so that a failure seen by one rank raises
 the same error on every rank before the next collective (:func:`ndparallel.comm.agree.agree`):
 
-1. prepare (every rank): the same path on every rank, the state split into JSON and tensors
+1. prepare (every rank): the same path on every rank, the state of this rank's modules (one, or
+   its pipeline stages; :mod:`~ndparallel.checkpoint.rank_state`) split into JSON and tensors
    (:mod:`~ndparallel.checkpoint.format`), finite model and optimizer tensors, this rank's RNG
-   states; rank 0 creates the stamped temporary directory;
+   states; the JSON skeleton becomes the union of every rank's (:mod:`~ndparallel.checkpoint.keys`);
+   rank 0 creates the stamped temporary directory;
 2. write: DCP writes every rank's shards (:mod:`~ndparallel.checkpoint.dcp_io`; in a background
    thread for :func:`save_async`);
 3. hash: every rank hashes its share of the written files (:mod:`~ndparallel.checkpoint.checksums`);
@@ -26,12 +28,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 from torch.distributed.tensor import DTensor
 
 from ndparallel.checkpoint import dcp_io, leftovers, storage
 from ndparallel.checkpoint.checksums import hash_share
 from ndparallel.checkpoint.format import split_state
+from ndparallel.checkpoint.keys import union_over_ranks
+from ndparallel.checkpoint.rank_state import ModelArg, OptimizerArg, RankState, as_modules, as_optimizers
 from ndparallel.checkpoint.rng import rng_states
 from ndparallel.comm.agree import agree, broadcast_text, gather_text, rank, world_size
 from ndparallel.errors import CheckpointError
@@ -59,9 +62,9 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
             )
 
 
-def _mesh_info(model: nn.Module) -> list[dict[str, Any]]:
+def _mesh_info(modules: list[nn.Module]) -> list[dict[str, Any]]:
     seen: dict[tuple, dict[str, Any]] = {}
-    for p in model.parameters():
+    for p in (p for module in modules for p in module.parameters()):
         if isinstance(p, DTensor):
             m = p.device_mesh
             names = list(m.mesh_dim_names or [f"dim{i}" for i in range(m.ndim)])
@@ -70,14 +73,15 @@ def _mesh_info(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def _split_tree(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict, save_rng: bool, allow_nonfinite: bool
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """This rank's tensors to write and the JSON skeleton of model, optimizer and extra state."""
-    tree: dict[str, Any] = {}
-    if optimizer is not None:
-        tree["model"], tree["optimizer"] = get_state_dict(model, optimizer)
-    else:
-        tree["model"] = get_model_state_dict(model)
+    model: ModelArg, optimizer: OptimizerArg, state: dict, save_rng: bool, allow_nonfinite: bool
+) -> tuple[dict[str, torch.Tensor], Any, list[nn.Module], bool]:
+    """This rank's tensors to write and the JSON skeleton of its model, optimizer and extra state."""
+    modules = as_modules(model)
+    optimizers = as_optimizers(optimizer, len(modules))
+    live = RankState.of(modules, optimizers)
+    tree: dict[str, Any] = {"model": live.model}
+    if live.optimizer is not None:
+        tree["optimizer"] = live.optimizer
     tree["extra"] = state
     tensors: dict[str, torch.Tensor] = {}
     skeleton = split_state(tree, "", tensors)
@@ -85,13 +89,13 @@ def _split_tree(
         _check_finite(tensors)
     if save_rng:
         tensors.update(rng_states(rank()))
-    return tensors, skeleton
+    return tensors, skeleton, modules, optimizers is not None
 
 
 def _prepare(
     path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    model: ModelArg,
+    optimizer: OptimizerArg,
     save_rng: bool,
     keep_last: int | None,
     allow_nonfinite: bool,
@@ -112,7 +116,12 @@ def _prepare(
             raise CheckpointError(
                 f"checkpoint path {str(path)!r} must not end in .tmp-<16 hex> or .old-<16 hex>: reserved"
             )
-        tensors, skeleton = _split_tree(model, optimizer, state, save_rng, allow_nonfinite)
+        tensors, skeleton, modules, has_optimizer = _split_tree(model, optimizer, state, save_rng, allow_nonfinite)
+    except Exception as e:  # raised on every rank by agree
+        error = e
+    agree(error, f"checkpoint {path0!r} not saved (nothing written)")
+    try:  # the same parts on every rank, so the same outcome: agreed all the same
+        skeleton = union_over_ranks(skeleton)
     except Exception as e:  # raised on every rank by agree
         error = e
     agree(error, f"checkpoint {path0!r} not saved (nothing written)")
@@ -120,8 +129,8 @@ def _prepare(
     info = dict(
         step=step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None,
         world_size=world_size(),
-        mesh=_mesh_info(model),
-        has_optimizer=optimizer is not None,
+        mesh=_mesh_info(modules),
+        has_optimizer=has_optimizer,
         rng_ranks=world_size() if save_rng else 0,
     )
     tmp = storage.tmp_path(path, token)
@@ -169,8 +178,8 @@ def _finish(
 
 def save(
     path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: ModelArg,
+    optimizer: OptimizerArg = None,
     *,
     keep_last: int | None = None,
     save_rng: bool = True,
@@ -178,6 +187,11 @@ def save(
     **state: Any,
 ) -> str:
     """Save ``model`` (and ``optimizer``) plus extra ``state`` to directory ``path``; every rank calls it.
+
+    ``model`` is a module, or the list of this rank's pipeline stage modules (keeping the unsplit
+    model's parameter names), with ``optimizer`` one optimizer per module in the same order. Ranks
+    may hold different keys (pipeline stages): the checkpoint stores the union, and loads on any pp
+    size, mesh, or in one process.
 
     ``state``: tensors and JSON values, e.g. ``step=100, scheduler=sched.state_dict(), data={"pos": 1234}``
     (rank 0's values are kept). Per-rank RNG states are saved unless ``save_rng=False``. A model
@@ -232,8 +246,8 @@ class AsyncSave:
 
 def save_async(
     path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: ModelArg,
+    optimizer: OptimizerArg = None,
     *,
     keep_last: int | None = None,
     save_rng: bool = True,
