@@ -130,8 +130,52 @@ def _run_case(case: dict, ref: dict) -> dict:
     return {"err": err, "ids": pipe.stage_ids, "names": names, "pp_ranks": dist.get_process_group_ranks(pipe.pp_group)}
 
 
-def _run_cases(cases: list[dict], refs: dict) -> list[dict]:
-    return [_run_case(case, refs[case.get("ref", "float64")]) for case in cases]
+def _train_losses(parallel: dict) -> list[float]:
+    """``ndparallel train``'s loop (3 steps, float64, clipping active) on this group's mesh."""
+    from ndparallel.train.config import TrainConfig
+    from ndparallel.train.loop import train
+
+    cfg = TrainConfig.from_dict({
+        "parallelism": parallel,
+        "model": {**TINY, "vocab_size": 256, "dtype": "float64"},
+        "data": {"seq_len": SEQ, "max_bytes": 100_000},
+        "train": {"steps": 3, "global_batch": BATCH, "micro_batch": 2, "warmup_steps": 0, "max_grad_norm": 0.5},
+    })  # fmt: skip
+    return train(cfg).losses
+
+
+def _refusals() -> list[str]:
+    """What the step refuses before torch would crash or hang: a batch the micro-batches do not divide, a
+    shape different from the first step's."""
+    from ndparallel.config import ConfigError, ParallelismConfig
+    from ndparallel.mesh import init_distributed
+    from ndparallel.models import Transformer, TransformerConfig
+    from ndparallel.pipeline import build_pipeline
+
+    cfg = ParallelismConfig(pp_size=2)
+    with torch.device("meta"):
+        model = Transformer(TransformerConfig(dtype="float64", **TINY))
+    pipe = build_pipeline(model, cfg, init_distributed(cfg), microbatches=4)
+    tokens = torch.zeros(8, SEQ, dtype=torch.long)
+    errors = []
+    for x in (tokens[:6], None, tokens[:, :8]):
+        try:
+            pipe.step(tokens, tokens) if x is None else pipe.step(x, x)
+        except ConfigError as err:
+            errors.append(str(err))
+    return errors
+
+
+def _run_cases(cases: list[dict], refs: dict) -> list:
+    out = []
+    for case in cases:
+        if "train" in case:
+            out.append(_train_losses(case["train"]))
+        elif "refusals" in case:
+            out.append(_refusals())
+        else:
+            out.append(_run_case(case, refs[case.get("ref", "float64")]))
+    return out
 
 
 def _check(results: list[list[dict]], cases: list[dict], refs: dict) -> None:
@@ -155,8 +199,15 @@ def test_pp2_every_schedule_matches_one_process(refs):
     cases = [{"parallel": {"pp_size": 2, "pp_schedule": s}} for s in SCHEDULES]
     cases.append({"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}, "dtype": "float32", "ref": "float32"})
     cases.append({"parallel": {"pp_size": 2, "pp_split": [[0, 1], [1, 4]]}, "microbatches": 2})
-    results = run_distributed(_run_cases, 2, cases, refs, timeout=600)
+    extra = [{"train": {"pp_size": 2}}, {"train": {"dp_shard_size": 2}}, {"refusals": True}]
+    results = run_distributed(_run_cases, 2, cases + extra, refs, timeout=600)
+    pp_losses, dp_losses, refusals = results[0][len(cases) :]
+    results = [r[: len(cases)] for r in results]
     _check(results, cases, refs)
+    # ndparallel train on pp2 (4 pipeline micro-batches) follows the dp_shard2 run (exact in float64)
+    assert max(abs(a - b) for a, b in zip(pp_losses, dp_losses, strict=True)) < TOL, (pp_losses, dp_losses)
+    assert "pp_microbatches=4 does not divide this rank's batch of 6" in refusals[0]
+    assert "batch shape changed from [8, 16] to [8, 8]" in refusals[1] and len(refusals) == 2
     assert [r[SCHEDULES.index("interleaved_1f1b")]["ids"] for r in results] == [[0, 2], [1, 3]]  # loop placement
     if "zbv" in SCHEDULES:
         assert [r[SCHEDULES.index("zbv")]["ids"] for r in results] == [[0, 3], [1, 2]]  # V placement
