@@ -92,3 +92,44 @@ def test_pp_groups_in_rank_table(tmp_path, capsys):
     assert main(["mesh", str(path)]) == 0
     out = capsys.readouterr().out
     assert "pp=2 x dp_shard=2 x tp=2" in out and "groups: [0,4] [1,5] [2,6] [3,7]" in out
+
+
+def _train_config(parallel: dict, **train):
+    from ndparallel.train.config import TrainConfig
+
+    return TrainConfig.from_dict({"parallelism": parallel, "model": {"n_layers": 4}, "train": train})
+
+
+@pytest.mark.parametrize(
+    "parallel, train, fragment",
+    [
+        (
+            {"pp_size": 4, "pp_schedule": "interleaved_1f1b"},
+            {"micro_batch": 2},
+            "= 8 pipeline stages but model.n_layers=4",
+        ),
+        ({"pp_size": 2}, {"global_batch": 8}, "pp_microbatches (default: the accumulation steps"),
+        ({"pp_size": 2, "pp_microbatches": 4}, {"global_batch": 8, "micro_batch": 4}, "disagree"),
+        ({"pp_size": 2, "pp_microbatches": 3}, {"global_batch": 8}, "does not divide the per-rank batch 8"),
+        ({"pp_size": 2, "pp_split": [[0, 1], [1, 3]]}, {"micro_batch": 2}, "but the model has 4 blocks"),
+    ],
+)
+def test_train_config_checks_pp_before_ranks_start(parallel, train, fragment):
+    cfg = _train_config(parallel, **train)
+    with pytest.raises(ConfigError) as info:
+        cfg.check_mesh(cfg.parallelism.resolve(cfg.parallelism.world_size))
+    assert fragment in str(info.value)
+
+
+def test_train_config_pp_accumulation_is_the_micro_batching():
+    cfg = _train_config({"pp_size": 2, "pp_microbatches": 4}, global_batch=8)
+    assert cfg.check_mesh(cfg.parallelism.resolve(cfg.parallelism.world_size)) == 4
+    cfg = _train_config({"pp_size": 2}, global_batch=8, micro_batch=2)
+    assert cfg.check_mesh(cfg.parallelism.resolve(cfg.parallelism.world_size)) == 4
+
+
+def test_accelerator_refuses_pp_by_name():
+    from ndparallel import Accelerator
+
+    with pytest.raises(ConfigError, match="Accelerator does not run pipeline parallelism"):
+        Accelerator(ParallelismConfig(pp_size=2))
