@@ -179,10 +179,25 @@ def _refusals() -> list[str]:
     return errors
 
 
+def _mesh_groups(parallel: dict) -> dict:
+    """This rank's group of every dim and view, and what the mesh of its pp slice says."""
+    import torch.distributed as dist
+
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.mesh import MESH_DIMS, VIEWS
+
+    mesh = _mesh(ParallelismConfig(**parallel))
+    groups = {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in (*MESH_DIMS, *VIEWS)}
+    inner = mesh.without_pp()
+    return {"groups": groups, "sizes": (mesh.size("pp"), inner.size(), inner.size("pp"), mesh.size())}
+
+
 def _run_cases(cases: list[dict], refs: dict) -> list:
     out = []
     for case in cases:
-        if "train" in case:
+        if "mesh" in case:
+            out.append(_mesh_groups(case["mesh"]))
+        elif "train" in case:
             out.append(_train_losses(case["train"]))
         elif "refusals" in case:
             out.append(_refusals())
@@ -246,5 +261,16 @@ def test_pp2_composes_with_every_dim_on_four_ranks(refs):
 
 
 def test_pp2_dp_shard2_tp2_on_eight_ranks(refs):
-    cases = [{"parallel": {"pp_size": 2, "dp_shard_size": 2, "tp_size": 2, "pp_schedule": "1f1b"}}]
-    _check(run_distributed(_run_cases, 8, cases, refs, timeout=600), cases, refs)
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.mesh import rank_groups
+
+    sizes = {"pp_size": 2, "dp_shard_size": 2, "tp_size": 2}
+    cases = [{"parallel": {**sizes, "pp_schedule": "1f1b"}}]
+    results = run_distributed(_run_cases, 8, [*cases, {"mesh": sizes}], refs, timeout=600)
+    _check([r[:1] for r in results], cases, refs)
+    expected = rank_groups(ParallelismConfig(**sizes).resolve(8))
+    for rank, result in enumerate(results):
+        meshes = result[1]
+        assert meshes["sizes"] == (2, 4, 1, 8)  # mesh.size("pp"); the pp slice: 4 ranks, no pp
+        for name, groups in expected.items():  # every dim and view: the groups rank_groups predicts
+            assert meshes["groups"][name] == next(g for g in groups if rank in g), (rank, name)
