@@ -249,6 +249,8 @@ def test_pp2_composes_with_every_dim_on_four_ranks(refs):
         {"parallel": {"pp_size": 2, "cp_size": 2, "pp_schedule": "1f1b"}},
         {"parallel": {"pp_size": 2, "dp_replicate_size": 2, "pp_schedule": "gpipe"}},
     ]
+    if torch_supports_v_schedules():  # FSDP re-gathering after forward made DualPipeV silently wrong: forced off
+        cases.append({"parallel": {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "dualpipev"}})
     if importlib.util.find_spec("transformers") is not None:  # Hugging Face Llama pp2 x tp2, in the same group
         model = _tiny_llama()
         refs = {**refs, "hf": _plain_training(model, lambda m, x: m(input_ids=x).logits)}
