@@ -332,14 +332,15 @@ def _did_you_mean(word: str, options: Iterable[str]) -> str:
 
 def _suggest(sizes: Mapping[str, int], world_size: int) -> str:
     """A valid alternative: keep what fits and let dp_shard (or dp_replicate) fill the rest."""
-    inner = math.prod(s for d, s in sizes.items() if d in ("cp", "tp") and s != -1)
+    kept = [d for d in ("pp", "cp", "tp") if sizes.get(d, 1) not in (1, -1)] or ["cp", "tp"]
+    inner = math.prod(sizes.get(d, 1) for d in kept)
     if world_size % inner == 0:
         return (
             f"For example set dp_shard_size=-1 (it becomes {world_size // inner}), or choose sizes "
             f"whose product is {world_size}."
         )
     return (
-        f"cp_size x tp_size = {inner} must divide the world size {world_size}; "
+        f"{' x '.join(f'{d}_size' for d in kept)} = {inner} must divide the world size {world_size}; "
         f"choose sizes whose product is {world_size}."
     )
 
