@@ -104,7 +104,7 @@ class TrainStep:
     ) -> None:
         self.model, self.mesh = model, mesh
         self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
+        self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers  # as given
         self.device = mesh.device
         self.max_grad_norm = max_grad_norm
         self.defer_grad_sync = defer_grad_sync
@@ -125,6 +125,12 @@ class TrainStep:
         """
         self._phase(f"step {step}: forward/backward")
         if isinstance(self.model, Pipeline):
+            if accumulation != self.model.microbatches:
+                raise ConfigError(
+                    f"accumulation={accumulation} but the pipeline was built for {self.model.microbatches} "
+                    "micro-batches (pp_microbatches): under pp they are one number; build it with microbatches="
+                    f"{accumulation}"
+                )
             return self._pipeline_step(inputs, labels, step)
         loss_sum = torch.zeros((), device=self.device)
         micro_batches = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True))
