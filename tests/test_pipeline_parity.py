@@ -241,13 +241,14 @@ def test_pp2_every_schedule_matches_one_process(refs):
         assert [r[SCHEDULES.index("zbv")]["ids"] for r in results] == [[0, 3], [1, 2]]  # V placement
 
 
-def test_pp2_composes_with_every_dim_on_four_ranks(refs):
+def test_pp2_composes_with_every_dim_and_pp4_on_four_ranks(refs):
     cases = [
         {"parallel": {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "1f1b"}},
         {"parallel": {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "interleaved_zb"}},
         {"parallel": {"pp_size": 2, "tp_size": 2, "pp_schedule": "interleaved_1f1b"}},
         {"parallel": {"pp_size": 2, "cp_size": 2, "pp_schedule": "1f1b"}},
         {"parallel": {"pp_size": 2, "dp_replicate_size": 2, "pp_schedule": "gpipe"}},
+        {"parallel": {"pp_size": 4, "pp_schedule": "1f1b"}},  # middle stages: no embedding, no head
     ]
     if torch_supports_v_schedules():  # FSDP re-gathering after forward made DualPipeV silently wrong: forced off
         cases.append({"parallel": {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "dualpipev"}})
