@@ -25,7 +25,7 @@ from ndparallel.errors import ConfigError
 __all__ = ["AccelerateNames", "accelerate_settings", "fsdp_plugin_settings", "is_accelerate_file"]
 
 _SECTION = "parallelism_config"
-_SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
+_SIZE_KEYS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -257,7 +257,7 @@ class AccelerateNames:
 
     @property
     def total_size(self) -> int:
-        return math.prod(self._size(d) for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+        return math.prod(self._size(d) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
     @property
     def data_parallel_size(self) -> int:

@@ -144,13 +144,29 @@ def _check_same_grads_on_every_rank(parameters: list[torch.Tensor]) -> None:
     )
 
 
+def _across_stages(norm: torch.Tensor, norm_type: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Pipeline parallel: each rank's ``norm`` covers its stages; combine over the pp group (sum of p-th powers,
+    or the max for inf) into the norm of the whole model."""
+    value = norm.reshape(1).to(torch.float64)  # on the gradients' device
+    if math.isinf(norm_type):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=pp_group)
+        return value[0]
+    value = value.pow(norm_type)
+    dist.all_reduce(value, group=pp_group)
+    return value.pow(1.0 / norm_type)[0]
+
+
 def total_grad_norm(
-    parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, foreach: bool | None = None
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The norm of all gradients together, as one process holding the full model would compute it.
 
     Returned in the widest gradient dtype (at least fp32). Raises ``RuntimeError`` on every rank when
-    ranks hold gradients for different parameters (see the module docstring).
+    ranks hold gradients for different parameters (see the module docstring). ``pp_group``: under pipeline
+    parallelism, the group of ranks holding the other stages; their norms are combined into one.
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
@@ -162,9 +178,10 @@ def total_grad_norm(
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()  # reduces Partial placements over the mesh
         norms.append(norm)
-    if not norms:
-        return torch.tensor(0.0)
-    return _combine(norms, norm_type)
+    total = _combine(norms, norm_type) if norms else torch.tensor(0.0)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        total = _across_stages(total, norm_type, pp_group)
+    return total
 
 
 def clip_grad_norm_(
@@ -173,19 +190,21 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before clipping.
 
     Same contract as ``torch.nn.utils.clip_grad_norm_`` (``norm_type`` may be ``inf``), but
     parameters may live on different device meshes and mix DTensors with plain tensors. The
-    returned norm is a plain tensor, equal on every rank to the single-process norm.
+    returned norm is a plain tensor, equal on every rank to the single-process norm. ``pp_group``: see
+    :func:`total_grad_norm` (one coefficient for every stage).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     if not max_norm >= 0:
         raise ValueError(f"max_norm={max_norm} must be >= 0 (a negative value would flip the gradients' sign)")
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, foreach=foreach)
+    total = total_grad_norm(parameters, norm_type, foreach=foreach, pp_group=pp_group)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite; "

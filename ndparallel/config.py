@@ -1,6 +1,6 @@
 """ParallelismConfig: how the world of ranks is cut, and the knobs of each parallelism.
 
-The four sizes multiply to the world size, outer to inner ``dp_replicate x dp_shard x cp x tp``.
+The five sizes multiply to the world size, outer to inner ``pp x dp_replicate x dp_shard x cp x tp``.
 Exactly one of them may be ``-1``: it is filled with whatever the others leave. Every check
 lives here, and every error names the field and a fix::
 
@@ -31,6 +31,7 @@ import yaml
 
 from ndparallel.accelerate_config import AccelerateNames, accelerate_settings, is_accelerate_file
 from ndparallel.errors import ConfigError
+from ndparallel.pp_rules import check_pipeline_fields
 from ndparallel.yaml_loader import UniqueKeyLoader
 
 __all__ = [
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 # Mesh dimensions, outer -> inner, and the size field of each.
-MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SIZE_FIELDS: tuple[str, ...] = tuple(f"{d}_size" for d in MESH_DIMS)
 
 # Allowed values of the string knobs.
@@ -72,6 +73,8 @@ class ParallelismConfig(AccelerateNames):
     Accelerate's read-only names (``dp_shard_enabled``, ``dp_cp_dim_names``, ``non_data_parallel_size`` ...)
     come from :class:`ndparallel.accelerate_config.AccelerateNames`."""
 
+    pp_size: int = 1
+    """Pipeline-parallel stages across ranks (outermost: stages talk point-to-point over the slowest links)."""
     dp_replicate_size: int = 1
     """Data-parallel replicas (each holds a full copy, or a full FSDP group under HSDP)."""
     dp_shard_size: int = 1
@@ -100,6 +103,14 @@ class ParallelismConfig(AccelerateNames):
     """Context parallel: head-tail (zig-zag) sequence split so causal attention costs the same on each rank."""
     cp_backend: str = "ndparallel"
     """Context parallel: ``ndparallel`` (own ring attention, CPU and CUDA) or ``torch`` (CUDA only)."""
+    pp_schedule: str = "1f1b"
+    """Schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev (V: torch >= 2.12)."""
+    pp_microbatches: int | None = None
+    """Micro-batches per step through the pipeline; None: the training accumulation steps."""
+    pp_stages_per_rank: int | None = None
+    """Stages each pp rank holds; None: 1 for gpipe/1f1b, 2 for the others (V schedules: exactly 2)."""
+    pp_split: list[list[int]] | None = None
+    """Explicit ``[first, last)`` block range per stage; None: balanced by parameter count."""
 
     def __post_init__(self) -> None:
         if self.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
@@ -210,6 +221,7 @@ class ParallelismConfig(AccelerateNames):
             raise ConfigError(f"dp_bucket_mb={bucket!r} must be a positive number of megabytes")
         if self.cpu_offload and self.dp_shard_size == 1 and self.cp_size == 1:
             raise ConfigError("cpu_offload=true needs FSDP: set dp_shard_size > 1 (or -1)")
+        check_pipeline_fields(self)  # ndparallel/pp_rules.py
 
     def resolve(self, world_size: int) -> ParallelismConfig:
         """A copy with ``-1`` filled in, checked against ``world_size``."""
@@ -234,7 +246,7 @@ class ParallelismConfig(AccelerateNames):
         return dataclasses.replace(self)
 
     def describe(self) -> str:
-        """``dp_replicate=2 x dp_shard=2 x tp=2`` (sizes > 1 only)."""
+        """``pp=2 x dp_shard=2 x tp=2`` (sizes > 1 only)."""
         parts = [f"{d}={s}" for d, s in self.sizes.items() if s != 1]
         return " x ".join(parts) or "single rank (all sizes 1)"
 
@@ -320,14 +332,15 @@ def _did_you_mean(word: str, options: Iterable[str]) -> str:
 
 def _suggest(sizes: Mapping[str, int], world_size: int) -> str:
     """A valid alternative: keep what fits and let dp_shard (or dp_replicate) fill the rest."""
-    inner = math.prod(s for d, s in sizes.items() if d in ("cp", "tp") and s != -1)
+    kept = [d for d in ("pp", "cp", "tp") if sizes.get(d, 1) not in (1, -1)] or ["cp", "tp"]
+    inner = math.prod(sizes.get(d, 1) for d in kept)
     if world_size % inner == 0:
         return (
             f"For example set dp_shard_size=-1 (it becomes {world_size // inner}), or choose sizes "
             f"whose product is {world_size}."
         )
     return (
-        f"cp_size x tp_size = {inner} must divide the world size {world_size}; "
+        f"{' x '.join(f'{d}_size' for d in kept)} = {inner} must divide the world size {world_size}; "
         f"choose sizes whose product is {world_size}."
     )
 

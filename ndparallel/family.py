@@ -12,6 +12,8 @@ this order, and never anything else about the model (it has no branch on a famil
     apply_attention(model, mesh, cfg)  after TP: how tp/cp reach the attention (by default: cp swaps the
                                        modules in cp_attention for ring attention, and fills the forward
                                        argument positions_arg with each rank's global positions)
+    pipeline_stage(model, ids, f, l)   pp > 1: a module holding blocks ``ids`` under the unsplit FQNs (plus the
+                                       embedding when ``f``, the head when ``l``); stage_blocks(stage) its blocks
 
 :func:`family_for` picks the family: the ones given to :func:`register_family` (newest first), then
 the built-in Hugging Face family (``ndparallel/hf/family.py``), and otherwise the reference
@@ -61,6 +63,7 @@ class ModelFamily:
     heads_field: str | None = None  # model.config field with the query heads (Ulysses splits them over cp)
     cp_attention: tuple[type | str, ...] = ()  # classes or FQN patterns that cp replaces by ring attention
     positions_arg: str = "positions"  # the forward argument that takes each token's global position
+    pipeline_cp: bool = True  # whether pipeline stages of this family run context parallel (tested)
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this family describes ``model``."""
@@ -91,6 +94,20 @@ class ModelFamily:
         if mesh.size("cp") == 1:
             return model
         return apply_context_parallel(model, mesh, cfg, targets=self.cp_attention, positions_arg=self.positions_arg)
+
+    def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
+        """One pipeline stage of ``model``: blocks ``block_ids`` (an ``nn.ModuleDict`` keyed by the original
+        index, so FQNs are the unsplit model's), the embedding when ``first``, the head when ``last``; its
+        ``forward(x, <positions>)`` takes tokens on the first stage, hidden states elsewhere. Default: refused."""
+        raise ConfigError(
+            f"{type(model).__name__} (model family {self.name!r}) cannot be split into pipeline stages: the family "
+            "has no pipeline_stage; use pp_size=1, or register a family that defines pipeline_stage"
+        )
+
+    def stage_blocks(self, stage: nn.Module) -> list[str]:
+        """FQNs of the blocks of a stage from :meth:`pipeline_stage`: the children of its first ``nn.ModuleDict``."""
+        name, blocks = next((n, m) for n, m in stage.named_modules() if isinstance(m, nn.ModuleDict))
+        return [f"{name}.{key}" for key in blocks]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -1,6 +1,7 @@
-"""The named device mesh: dims ``dp_replicate, dp_shard, cp, tp`` (outer -> inner) and flattened views.
+"""The named device mesh: dims ``pp, dp_replicate, dp_shard, cp, tp`` (outer -> inner) and flattened views.
 
-Views, each a 1-D mesh over the product of some dims:
+Views, each a 1-D mesh over the product of some dims, built inside one pp slice (on the mesh without
+pp: a view never spans pipeline stages, so every planner sees the mesh it saw before pp existed):
 
 =============  ==============================  ==========================================
 view           dims                            used for
@@ -10,12 +11,14 @@ view           dims                            used for
 ``dp_cp``      dp_replicate x dp_shard x cp    loss and gradient-norm averaging
 =============  ==============================  ==========================================
 
-``rank_groups(cfg)`` computes every group's global ranks without starting processes (what
+``mesh["pp"]`` is the 1-D pipeline mesh; ``mesh.without_pp()`` the same Mesh minus the pp dim (what each
+stage is parallelised over). ``rank_groups(cfg)`` computes every group's global ranks without starting processes (what
 ``ndparallel mesh CONFIG`` prints); ``init_distributed(cfg)`` builds the real mesh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -31,6 +34,7 @@ from ndparallel.config import MESH_DIMS, ConfigError, ParallelismConfig
 
 __all__ = [
     "DEVICE_TYPES",
+    "INNER_DIMS",
     "VIEWS",
     "Mesh",
     "check_device_type",
@@ -42,6 +46,7 @@ __all__ = [
 ]
 
 DEVICE_TYPES = ("cpu", "cuda")
+INNER_DIMS: tuple[str, ...] = MESH_DIMS[1:]  # the dims of one pp slice, where every view lives
 
 # Flattened views: name -> the mesh dims it joins, outer to inner.
 VIEWS: dict[str, tuple[str, ...]] = {
@@ -55,7 +60,7 @@ def rank_groups(cfg: ParallelismConfig) -> dict[str, list[list[int]]]:
     """For each dim and view, the lists of global ranks that form its process groups.
 
     ``cfg`` must be resolved (no -1). Ranks are laid out row-major over
-    ``(dp_replicate, dp_shard, cp, tp)``, exactly as the DeviceMesh is built.
+    ``(pp, dp_replicate, dp_shard, cp, tp)``, exactly as the DeviceMesh is built.
     """
     sizes = cfg.sizes
     if -1 in sizes.values():
@@ -122,14 +127,22 @@ def _hsdp_mesh(root: DeviceMesh, views: dict[str, DeviceMesh], sizes: dict[str, 
 
 
 class Mesh:
-    """A named 4-D DeviceMesh plus its flattened views. ``mesh["tp"]``, ``mesh["dp_shard_cp"]``,
+    """A named 5-D DeviceMesh plus its flattened views. ``mesh["tp"]``, ``mesh["pp"]``, ``mesh["dp_shard_cp"]``,
     ``mesh["dp_shard", "tp"]`` return torch DeviceMeshes; ``mesh.size("cp")`` and
-    ``mesh.coordinate`` give sizes and this rank's position."""
+    ``mesh.coordinate`` give sizes and this rank's position. ``without_pp()``: the mesh of this rank's pp
+    slice (4-D, config with ``pp_size=1``), which the planners receive."""
 
-    def __init__(self, device_mesh: DeviceMesh, config: ParallelismConfig, views: dict[str, DeviceMesh]):
+    def __init__(
+        self,
+        device_mesh: DeviceMesh,
+        config: ParallelismConfig,
+        views: dict[str, DeviceMesh],
+        inner: Mesh | None = None,
+    ):
         self.device_mesh = device_mesh
         self.config = config
         self._views = views
+        self._inner = inner
         self.fsdp = self._build_fsdp_mesh()
         """The data-parallel mesh FSDP shards over: ``self["dp_shard_cp"]`` (1-D) when only sharding; a 2-D
         ``(dp_replicate, dp_shard_cp)`` mesh for HSDP; None when ``dp_shard x cp == 1`` (no FSDP: pure
@@ -144,6 +157,10 @@ class Mesh:
         if self.size("cp") == 1:
             return self["dp_replicate", "dp_shard"]  # public slicing: no flattened dim involved
         return _hsdp_mesh(self.device_mesh, self._views, self.config.sizes)
+
+    def without_pp(self) -> Mesh:
+        """This rank's pp slice as a Mesh of its own (the same object when ``pp_size`` is 1)."""
+        return self if self._inner is None else self._inner
 
     @property
     def device_type(self) -> str:
@@ -162,6 +179,8 @@ class Mesh:
                 return self._views[names]
             names = (names,)
         names = tuple(names)
+        if "pp" in names and "pp" not in (self.device_mesh.mesh_dim_names or ()):
+            raise KeyError("this mesh has no pp dim: it is one pp slice (Mesh.without_pp()); ask the whole mesh")
         unknown = [n for n in names if n not in MESH_DIMS]
         if unknown:
             raise KeyError(f"unknown mesh dim(s) {unknown}; dims are {list(MESH_DIMS)}, views {list(VIEWS)}")
@@ -175,7 +194,9 @@ class Mesh:
         return math.prod(self.config.sizes[d] for d in dims)
 
     def local_rank(self, name: str) -> int:
-        """This rank's index inside its group of dim or view ``name``."""
+        """This rank's index inside its group of dim or view ``name`` (0 along a dim of size 1)."""
+        if self.size(name) == 1:
+            return 0
         return self[name].get_local_rank()
 
     @property
@@ -281,8 +302,12 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     resolved = cfg.resolve(dist.get_world_size())
     device_mesh = init_device_mesh(device_type, tuple(resolved.sizes.values()), mesh_dim_names=MESH_DIMS)
-    views = {name: _flatten(device_mesh[dims], name) for name, dims in VIEWS.items()}
-    return Mesh(device_mesh, resolved, views)
+    inner_mesh = device_mesh[INNER_DIMS]  # this rank's pp slice: every view is built on it
+    views = {name: _flatten(inner_mesh[dims], name) for name, dims in VIEWS.items()}
+    inner = None
+    if resolved.pp_size > 1:
+        inner = Mesh(inner_mesh, dataclasses.replace(resolved, pp_size=1), views)
+    return Mesh(device_mesh, resolved, views, inner)
 
 
 def destroy_distributed() -> None:

@@ -79,7 +79,7 @@ def test_accelerate_yaml_keys_are_honoured(tmp_path):
     path = tmp_path / "accelerate.yaml"
     path.write_text(ACCELERATE_CP_YAML)
     cfg = ndp.ParallelismConfig.from_yaml(path)
-    assert cfg.sizes == {"dp_replicate": 1, "dp_shard": 2, "cp": 4, "tp": 1}
+    assert cfg.sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 4, "tp": 1}
     assert (cfg.mixed_precision, cfg.activation_checkpointing) == ("bf16", "full")
     assert (cfg.reshard_after_forward, cfg.cpu_offload) == (False, False)
     offload = ACCELERATE_CP_YAML.replace("fsdp_offload_params: false", "fsdp_offload_params: true")

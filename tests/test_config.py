@@ -11,7 +11,7 @@ from ndparallel.train.config import TrainConfig
 def test_defaults_and_resolve_fill():
     cfg = ParallelismConfig(dp_shard_size=-1, tp_size=2)
     resolved = cfg.resolve(8)
-    assert resolved.sizes == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}
+    assert resolved.sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}
     assert resolved.world_size == 8
     assert cfg.dp_shard_size == -1, "resolve returns a copy"
     assert ParallelismConfig().resolve(1).describe() == "single rank (all sizes 1)"
@@ -172,7 +172,7 @@ def test_accelerate_names_yaml(tmp_path):
         "  parallelism_config_cp_comm_strategy: allgather\n"
     )
     cfg = ParallelismConfig.from_yaml(path)
-    assert cfg.sizes == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert cfg.sizes == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
     assert cfg.cp_rotate_method == "allgather"
 
 
@@ -261,8 +261,20 @@ def test_precedence_file_then_environment_then_command_line(tmp_path):
     path = _write(tmp_path, "parallelism:\n  tp_size: 2\n  cp_size: 2\ntrain:\n  steps: 7\n")
     env = {"NDP_TP_SIZE": "4", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "-1"}
     file = {"parallelism": {"tp_size": 2, "cp_size": 2}}
-    assert ParallelismConfig.from_sources(file, {}).sizes == {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}
-    assert ParallelismConfig.from_sources(file, env).sizes == {"dp_replicate": 1, "dp_shard": -1, "cp": 2, "tp": 4}
+    assert ParallelismConfig.from_sources(file, {}).sizes == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 1,
+        "cp": 2,
+        "tp": 2,
+    }
+    assert ParallelismConfig.from_sources(file, env).sizes == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": -1,
+        "cp": 2,
+        "tp": 4,
+    }
     assert ParallelismConfig.from_sources(file, env, ["tp_size=8"]).tp_size == 8
     cfg = TrainConfig.from_sources(path, ["train.steps=3"], env)
     assert (cfg.parallelism.tp_size, cfg.parallelism.cp_size, cfg.parallelism.dp_shard_size) == (4, 2, -1)

@@ -8,6 +8,7 @@ attention seam, position handling and input checks in :mod:`ndparallel.hf.attent
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -17,6 +18,7 @@ from ndparallel.config import ParallelismConfig
 from ndparallel.family import ModelFamily
 from ndparallel.hf.attention import apply_hf_attention, check_attention
 from ndparallel.hf.plan import hf_fsdp_groups, hf_tp_plan, is_hf_model
+from ndparallel.hf.stage import HFCausalLMStage
 from ndparallel.mesh import Mesh
 
 __all__ = ["FAMILY", "HuggingFaceFamily", "hf_parallelize_kwargs"]
@@ -28,6 +30,7 @@ class HuggingFaceFamily(ModelFamily):
     name = "huggingface"
     split_fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
     heads_field = "num_attention_heads"
+    pipeline_cp = False  # a stage's attention is not routed through ring attention yet
 
     def matches(self, model: nn.Module) -> bool:
         return is_hf_model(model)
@@ -43,6 +46,9 @@ class HuggingFaceFamily(ModelFamily):
 
     def apply_attention(self, model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> nn.Module:
         return apply_hf_attention(model, mesh, cfg)  # tp or cp > 1: registry function, input hook, loss
+
+    def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
+        return HFCausalLMStage(model, block_ids, first, last)
 
 
 FAMILY = HuggingFaceFamily()

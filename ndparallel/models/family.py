@@ -27,6 +27,8 @@ Blocks are ``layers`` (the first ``nn.ModuleList``); FSDP units besides them are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -37,7 +39,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ndparallel.errors import ConfigError
 from ndparallel.family import ModelFamily
+from ndparallel.models.stage import TransformerStage
 from ndparallel.models.transformer import CoreAttention, Transformer
 from ndparallel.plans.fully_shard import default_shard_groups
 
@@ -91,6 +95,16 @@ class TransformerFamily(ModelFamily):
     def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
         """``[[tok_embeddings], [norm, output]]``, each where the model has it (FSDP's default units)."""
         return default_shard_groups(model)
+
+    def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
+        """A :class:`~ndparallel.models.stage.TransformerStage` (only of a :class:`Transformer`)."""
+        if not isinstance(model, Transformer):
+            raise ConfigError(
+                f"pp_size > 1 cannot find the blocks of {type(model).__name__}: pipeline stages are built for "
+                "ndparallel.models.Transformer and the Hugging Face families; register a ModelFamily with "
+                "pipeline_stage for another model, or use pp_size=1"
+            )
+        return TransformerStage(model, block_ids, first, last)
 
 
 FAMILY = TransformerFamily()

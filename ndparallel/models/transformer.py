@@ -22,6 +22,7 @@ contract (``[batch, seq, heads, head_dim]`` in and out, k/v possibly with fewer 
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from torch import nn
 
 from ndparallel.models.config import TransformerConfig
 
-__all__ = ["CoreAttention", "Transformer", "apply_rotary", "rotary_tables"]
+__all__ = ["CoreAttention", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
 
 
 def rotary_tables(
@@ -52,6 +53,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.type_as(x)
+
+
+def _parameter_seed(seed: int, fqn: str) -> int:
+    """One generator seed per parameter, from the model seed and the parameter's name (32 bits: the CPU
+    generator's Mersenne twister keeps only the low 32 bits of a seed)."""
+    return zlib.crc32(f"{seed}:{fqn}".encode())
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None = None) -> None:
+    """Initialise ``module``'s parameters (plain tensors) as the reference Transformer does, each from a generator
+    seeded by ``(seed, its FQN)``: a module holding part of the model under the unsplit names (a pipeline
+    stage) gets exactly the values the whole model gets. Norm weights 1; others normal(0, 0.02), the residual
+    projections (``wo``, ``w2``) normal(0, 0.02 / sqrt(2 n_layers))."""
+    seed = cfg.seed if seed is None else seed
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(_parameter_seed(seed, name))
+        std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        param.normal_(0.0, std, generator=generator)
 
 
 class CoreAttention(nn.Module):
@@ -124,9 +148,10 @@ class Transformer(nn.Module):
     positions: pass them sharded like the tokens, or omit them inside ``ndparallel.context_parallel``
     (ndparallel's planner hooks this forward from outside and fills them; outside the block the call
     is refused). Parameters are created in ``cfg.dtype``. Weights are initialised from
-    ``cfg.seed`` with a private generator, so two models built from one config are equal
-    whatever the global RNG state. Built under ``torch.device("meta")`` nothing is allocated:
-    call ``model.to_empty(device=...)`` then ``model.init_weights()``.
+    ``cfg.seed`` with a private generator per parameter (seeded by the seed and the parameter's name,
+    :func:`init_parameters`), so two models built from one config are equal whatever the global RNG
+    state, and a pipeline stage holding some blocks gets their values too. Built under
+    ``torch.device("meta")`` nothing is allocated: call ``model.to_empty(device=...)`` then ``model.init_weights()``.
     """
 
     def __init__(self, cfg: TransformerConfig):
@@ -151,14 +176,7 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device, dtype=cfg.torch_dtype)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
-        residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                param.normal_(0.0, std, generator=generator)
+        init_parameters(self, cfg, seed)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:

@@ -25,6 +25,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.mesh import check_device_type
 from ndparallel.models import TransformerConfig
 from ndparallel.plans.tensor_parallel import check_tp_divisibility
+from ndparallel.pp_rules import check_microbatches, check_pp_split, stages_per_rank
 from ndparallel.sequence import check_sequence_length
 from ndparallel.train.step import forward_autocast_dtype
 
@@ -35,6 +36,7 @@ __all__ = [
     "TrainConfig",
     "check_fits_in_memory",
     "job_device",
+    "pipeline_microbatches",
     "split_batch",
 ]
 
@@ -219,7 +221,40 @@ class TrainConfig:
         if p.cp_size > 1 and p.cp_rotate_method == "alltoall":
             check_alltoall_heads(self.model.n_heads, p.tp_size, p.cp_size, what="model.n_heads")
         forward_autocast_dtype(p)  # refuses fp16 without FSDP
-        return self.accumulation_steps(p.dp_replicate_size * p.dp_shard_size)
+        accumulation = self.accumulation_steps(p.dp_replicate_size * p.dp_shard_size)
+        return pipeline_microbatches(self, p, accumulation) if p.pp_size > 1 else accumulation
+
+
+def pipeline_microbatches(cfg: TrainConfig, p: ParallelismConfig, accumulation: int) -> int:
+    """Under pp the accumulation IS the pipeline's micro-batching: ``pp_microbatches`` if set (it must agree
+    with ``train.micro_batch`` when both are set), else the accumulation steps; checked against the
+    schedule and the model's blocks."""
+    per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    n_stages, n_layers = p.pp_size * per_rank, cfg.model.n_layers
+    if n_stages > n_layers:
+        raise ConfigError(
+            f"pp_size={p.pp_size} x pp_stages_per_rank={per_rank} = {n_stages} pipeline stages but model.n_layers="
+            f"{n_layers}: every stage needs a block; use fewer stages or more layers"
+        )
+    check_pp_split(p.pp_split, n_stages=n_stages, n_blocks=n_layers)
+    field = "pp_microbatches"
+    if p.pp_microbatches is None:
+        field = "pp_microbatches (default: the accumulation steps, train.global_batch / dp / train.micro_batch)"
+    elif cfg.train.micro_batch is not None and p.pp_microbatches != accumulation:
+        raise ConfigError(
+            f"pp_microbatches={p.pp_microbatches} and train.micro_batch={cfg.train.micro_batch} ({accumulation} "
+            "micro-batches per rank) disagree: under pp the accumulation is the pipeline's micro-batching; set one"
+        )
+    else:
+        per_rank_batch = cfg.train.global_batch // (p.dp_replicate_size * p.dp_shard_size)
+        if per_rank_batch % p.pp_microbatches:
+            raise ConfigError(
+                f"pp_microbatches={p.pp_microbatches} does not divide the per-rank batch {per_rank_batch} "
+                "(train.global_batch / dp): torch's pipeline needs equal micro-batches"
+            )
+        accumulation = p.pp_microbatches
+    check_microbatches(p.pp_schedule, accumulation, p.pp_size, per_rank, field)
+    return accumulation
 
 
 def split_batch(global_batch: int, micro_batch: int | None, dp_size: int, prefix: str = "train.") -> int:

@@ -29,6 +29,7 @@ from ndparallel.metrics import average_over
 from ndparallel.models import Transformer
 from ndparallel.parallelize import parallelize
 from ndparallel.peak import device_peak
+from ndparallel.pipeline import Pipeline, build_pipeline
 from ndparallel.train.checkpointing import hold_checkpoint_dir
 from ndparallel.train.config import TrainConfig, job_device
 from ndparallel.train.data import BatchLoader, ByteCorpus
@@ -62,11 +63,27 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
 
 
-def build_model(cfg: TrainConfig, mesh: Mesh) -> nn.Module:
+def build_model(cfg: TrainConfig, mesh: Mesh, microbatches: int = 1) -> nn.Module | Pipeline:
     """The reference Transformer on this rank's device, parallelised over ``mesh`` (mixed precision as
-    :func:`ndparallel.train.step.parallelize_config` says: FSDP's policy, or the step's autocast)."""
+    :func:`ndparallel.train.step.parallelize_config` says: FSDP's policy, or the step's autocast). With
+    ``pp_size > 1``: this rank's pipeline stages, built from the model on the meta device, running
+    ``microbatches`` micro-batches per step."""
+    if mesh.config.pp_size > 1:
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        return build_pipeline(model, mesh.config, mesh, microbatches=microbatches)
     model = Transformer(cfg.model).to(mesh.device)
     return parallelize(model, parallelize_config(mesh.config), mesh=mesh)
+
+
+def _optimizers(cfg: TrainConfig, model: nn.Module | Pipeline) -> list[torch.optim.Optimizer]:
+    """AdamW over ``model``: one per stage module under pp (the checkpoint's layout), else one."""
+    t = cfg.train
+    modules = model.stages if isinstance(model, Pipeline) else [model]
+    return [
+        torch.optim.AdamW(m.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True)
+        for m in modules
+    ]
 
 
 def job_peak_flops(cfg: TrainConfig, mesh: Mesh) -> float | None:
@@ -143,7 +160,7 @@ def _resume_path(cfg: TrainConfig) -> str | None:
     return None
 
 
-def _save(cfg: TrainConfig, step: int, model: nn.Module, optimizer, loader: BatchLoader, rank0: bool) -> None:
+def _save(cfg: TrainConfig, step: int, model, optimizer, loader: BatchLoader, rank0: bool) -> None:
     path = Path(cfg.checkpoint.dir) / f"step-{step:08d}"
     checkpoint.save(path, model, optimizer, keep_last=cfg.checkpoint.keep_last, step=step, data=loader.state_dict())
     if rank0:
@@ -178,10 +195,11 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     torch.manual_seed(t.seed)
 
     watchdog.phase("building the model")
-    model = build_model(cfg, mesh)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True
-    )
+    model = build_model(cfg, mesh, accumulation)
+    optimizers = _optimizers(cfg, model)
+    # What checkpoints hold: the model and its optimizer, or (pp) the lists of stage modules and optimizers.
+    saved_model = model.stages if isinstance(model, Pipeline) else model
+    optimizer = optimizers if isinstance(model, Pipeline) else optimizers[0]
     corpus = ByteCorpus(cfg.data.seq_len, cfg.data.path, cfg.data.max_bytes)
     loader = BatchLoader(corpus, t.global_batch, dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"), seed=t.seed)
     train_step = TrainStep(
@@ -193,7 +211,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     resume = _resume_path(cfg)
     if resume:
         watchdog.phase(f"loading checkpoint {resume}")
-        state = checkpoint.load(resume, model, optimizer, verify=cfg.checkpoint.verify)
+        state = checkpoint.load(resume, saved_model, optimizer, verify=cfg.checkpoint.verify)
         loader.load_state_dict(state["data"])
         result.start_step = int(state["step"])
     if rank0:
@@ -211,7 +229,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     try:
         while step < t.steps:
             lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
+            for group in (g for o in optimizers for g in o.param_groups):
                 group["lr"] = lr
             done = train_step(*loader.batch(step), accumulation, step + 1)
             step += 1
@@ -223,7 +241,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
             if cfg.checkpoint.dir and done.applied and (step == t.steps or signalled is not None or
                                                         (every and step % every == 0)):  # fmt: skip
                 watchdog.phase(f"step {step}: checkpoint save")
-                _save(cfg, step, model, optimizer, loader, rank0)
+                _save(cfg, step, saved_model, optimizer, loader, rank0)
             if signalled is not None:
                 result.interrupted = True
                 if rank0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.grad_sync import micro_batch_sync
 from ndparallel.mesh import Mesh
 from ndparallel.metrics import cross_entropy_loss
+from ndparallel.pipeline import Pipeline
 from ndparallel.plans.context_parallel import context_parallel
 from ndparallel.train.nonfinite import NonFiniteGuard
 
@@ -82,12 +83,15 @@ class TrainStep:
     (the watchdog's heartbeat). ``around()`` is entered around each micro-batch's forward/backward and around
     the clipping and optimizer step: the bench counts collectives with it (torch's ``CommDebugMode`` cannot
     span two forward/backward passes: its module tracker fails with an IndexError, torch 2.13).
+
+    Pipeline parallel (``model`` a :class:`~ndparallel.pipeline.Pipeline`, ``optimizer`` one per stage module):
+    the pipeline's micro-batches are the accumulation (fixed when it was built), clipping spans every stage.
     """
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Pipeline,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         mesh: Mesh,
         *,
         max_grad_norm: float = 1.0,
@@ -98,7 +102,9 @@ class TrainStep:
         phase: Callable[[str], None] | None = None,
         around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+        self.model, self.mesh = model, mesh
+        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        self.optimizer = self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers  # as given
         self.device = mesh.device
         self.max_grad_norm = max_grad_norm
         self.defer_grad_sync = defer_grad_sync
@@ -118,6 +124,14 @@ class TrainStep:
         ``step``: the 1-based number of this step (named when the loss is not finite).
         """
         self._phase(f"step {step}: forward/backward")
+        if isinstance(self.model, Pipeline):
+            if accumulation != self.model.microbatches:
+                raise ConfigError(
+                    f"accumulation={accumulation} but the pipeline was built for {self.model.microbatches} "
+                    "micro-batches (pp_microbatches): under pp they are one number; build it with microbatches="
+                    f"{accumulation}"
+                )
+            return self._pipeline_step(inputs, labels, step)
         loss_sum = torch.zeros((), device=self.device)
         micro_batches = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True))
         for index, (x, y) in enumerate(micro_batches):
@@ -137,10 +151,22 @@ class TrainStep:
         self._phase(f"step {step}: gradient clipping and optimizer step")
         with self.around():
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
-            # Raises after N bad steps in a row. Unchecked (the bench's compute-only twin, whose collectives
-            # move nothing): every step applies.
-            applied = self.guard.step_is_finite(step, loss_sum, grad_norm) if self.guard else True
+            return self._apply(step, loss_sum, grad_norm)
+
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, step: int) -> StepResult:
+        with self.around():
+            loss = self.model.step(inputs, labels)  # the global mean loss, every rank
+        self._phase(f"step {step}: gradient clipping over the pipeline and optimizer step")
+        with self.around():
+            grad_norm = float(self.model.clip_grad_norm_(self.max_grad_norm or math.inf))
+            return self._apply(step, loss, grad_norm)
+
+    def _apply(self, step: int, loss: torch.Tensor, grad_norm: float) -> StepResult:
+        # Raises after N bad steps in a row. Unchecked (the bench's compute-only twin, whose collectives
+        # move nothing): every step applies.
+        applied = self.guard.step_is_finite(step, loss, grad_norm) if self.guard else True
+        for optimizer in self.optimizers:
             if applied:  # a NaN/inf never reaches the weights
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, grad_norm, applied)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, grad_norm, applied)

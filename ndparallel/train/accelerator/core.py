@@ -69,6 +69,14 @@ class Accelerator:
         if fsdp_plugin is not None:
             cfg = apply_settings(cfg, fsdp_plugin.settings, "fsdp_plugin")
         cfg = precision.merge_mixed_precision(cfg, mixed_precision)
+        if cfg.pp_size != 1:
+            # A pipeline schedule owns forward and backward of every micro-batch (model(x) then backward(loss)
+            # cannot express it); refused before any rank builds a mesh.
+            raise ConfigError(
+                f"Accelerator does not run pipeline parallelism (pp_size={cfg.pp_size}): a schedule owns the forward "
+                "and backward of every micro-batch; use ndparallel train, or ndparallel.pipeline.build_pipeline with "
+                "Pipeline.step(tokens, labels) in your own loop, or pp_size=1"
+            )
         device_type = "cpu" if cpu else (device_type or os.environ.get("NDP_DEVICE") or None)  # launch --cpu-ranks
         self.mesh = mesh or init_distributed(cfg, device_type=device_type)
         self._config = cfg.resolve(self.mesh.size())

@@ -1,0 +1,64 @@
+"""A pipeline stage of a Hugging Face causal LM (Llama, Qwen2, Mistral), under the unsplit model's names.
+
+``model.embed_tokens`` (first stage), ``model.layers.<i>`` (an ``nn.ModuleDict`` keyed by the original
+index), ``model.norm`` and ``lm_head`` (last stage); ``model.rotary_emb`` on every stage. The stage builds
+the causal mask and rotary embeddings itself, from ``position_ids`` (``[batch, seq]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ndparallel.errors import ConfigError
+
+__all__ = ["HFCausalLMStage"]
+
+
+class _Body(nn.Module):
+    """Holds the base model's parts under ``model.``."""
+
+
+class HFCausalLMStage(nn.Module):
+    """Blocks ``block_ids`` of an HF ``*ForCausalLM`` (modules shared with it, weights included)."""
+
+    positions_arg = "position_ids"
+
+    def __init__(self, full: nn.Module, block_ids: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        base = getattr(full, "model", None)
+        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(full, "lm_head"):
+            raise ConfigError(
+                f"pp_size > 1 cannot find the blocks of {type(full).__name__}: a Hugging Face stage needs "
+                "model.embed_tokens / model.layers / model.norm / model.rotary_emb and lm_head; use pp_size=1"
+            )
+        if full.lm_head.weight is base.embed_tokens.weight:
+            raise ConfigError(
+                f"{type(full).__name__} ties lm_head to embed_tokens, which pipeline stages would hold on different "
+                "ranks: pp_size > 1 is not supported for tied word embeddings; use pp_size=1"
+            )
+        self.config = full.config
+        self.first, self.last = first, last
+        self.model = _Body()
+        if first:
+            self.model.embed_tokens = base.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in block_ids})
+        self.model.rotary_emb = base.rotary_emb
+        if last:
+            self.model.norm = base.norm
+            self.lm_head = full.lm_head
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.model.embed_tokens(x) if self.first else x
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        rotary = self.model.rotary_emb(h, position_ids=position_ids)
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
+        return self.lm_head(self.model.norm(h)) if self.last else h

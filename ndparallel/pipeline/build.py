@@ -1,0 +1,67 @@
+"""``build_pipeline(model, cfg, mesh)``: the one entry point that turns a whole model into this rank's stages."""
+
+from __future__ import annotations
+
+from ndparallel.config import ParallelismConfig
+from ndparallel.errors import ConfigError
+from ndparallel.family import family_for
+from ndparallel.mesh import Mesh, init_distributed
+from ndparallel.metrics import cross_entropy_loss
+from ndparallel.pipeline.placement import last_stage_rank, stage_ids
+from ndparallel.pipeline.runtime import Pipeline
+from ndparallel.pipeline.split import stage_ranges
+from ndparallel.pipeline.stages import build_stage_modules
+from ndparallel.pipeline.torch_api import make_schedule, make_stage
+from ndparallel.pp_rules import check_microbatches, stages_per_rank
+
+__all__ = ["build_pipeline"]
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _ranges(model, family, n_stages: int, explicit) -> list[range]:
+    blocks = family.blocks(model)
+    first = _numel(family.pipeline_stage(model, [], True, False))
+    last = _numel(family.pipeline_stage(model, [], False, True))
+    return stage_ranges([_numel(b) for b in blocks], n_stages, explicit, first, last)
+
+
+def build_pipeline(
+    model,
+    cfg: ParallelismConfig | None = None,
+    mesh: Mesh | None = None,
+    *,
+    microbatches: int | None = None,
+    seed: int | None = None,
+) -> Pipeline:
+    """This rank's stages of ``model`` (best built on the meta device), parallelised, and torch's schedule.
+
+    ``cfg``/``mesh`` as for :func:`ndparallel.parallelize` (``pp_size > 1``). Micro-batches: ``microbatches``,
+    else ``cfg.pp_microbatches``, else the number of stages. ``seed``: the weight-init seed of a meta model
+    (default its config's). Blocks: ``cfg.pp_split``, else balanced by parameter count (the first stage also
+    holds the embedding, the last the final norm and output).
+    """
+    mesh = mesh or init_distributed(cfg or ParallelismConfig())
+    cfg = (cfg or mesh.config).resolve(mesh.size())
+    if cfg.sizes != mesh.config.sizes:
+        raise ConfigError(f"cfg sizes ({cfg.describe()}) differ from the mesh's ({mesh.config.describe()})")
+    if cfg.pp_size == 1:
+        raise ConfigError("build_pipeline needs pp_size > 1; with pp_size=1 use ndparallel.parallelize")
+    per_rank = stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank)
+    n_stages = cfg.pp_size * per_rank
+    m = microbatches or cfg.pp_microbatches or n_stages
+    check_microbatches(cfg.pp_schedule, m, cfg.pp_size, per_rank, "pp_microbatches")
+    family = family_for(model)
+    if cfg.cp_size > 1 and not family.pipeline_cp:
+        raise ConfigError(f"pp_size > 1 with cp_size > 1 is not supported for model family {family.name!r} yet")
+    ranges = _ranges(model, family, n_stages, cfg.pp_split)
+    ids = stage_ids(mesh.local_rank("pp"), cfg.pp_size, per_rank, cfg.pp_schedule)
+    modules = build_stage_modules(model, family, ranges, ids, cfg, mesh, seed)
+    group = mesh["pp"].get_group()
+    stages = [make_stage(mod, sid, n_stages, mesh.device, group) for mod, sid in zip(modules, ids, strict=True)]
+    schedule = make_schedule(cfg.pp_schedule, stages, m, cross_entropy_loss)
+    positions_arg = getattr(modules[0], "positions_arg", "positions")
+    last = last_stage_rank(cfg.pp_size, per_rank, cfg.pp_schedule)
+    return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg)
