@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["PipelineRun", "SavedActivations", "build_pipeline", "measure_pipeline", "stage_block_ranges"]
+__all__ = ["PipelineRun", "SavedActivations", "StepCounter", "build_pipeline", "measure_pipeline", "stage_block_ranges"]
 
 # Our schedule names -> (torch class, several stages per rank)
 TORCH_SCHEDULES = {
@@ -252,7 +252,7 @@ def _group_labels(mesh: Any, pp_group: Any) -> dict[tuple[int, ...], str]:
     return labels
 
 
-class _StepCounter(TorchDispatchMode):
+class StepCounter(TorchDispatchMode):
     """``CommCounter``'s recording without ``CommDebugMode``'s module tracker, which fails (IndexError, torch 2.13)
     when one counted region runs several forward and backward passes, as a pipeline schedule's step does."""
 
@@ -265,6 +265,29 @@ class _StepCounter(TorchDispatchMode):
 
         CommCounter._record(self, func, args)  # the one mapping of ops to kinds and payloads
         return func(*args, **(kwargs or {}))
+
+
+def _compute_only_s(pipe: _LocalPipeline, run: PipelineRun, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+    """Seconds this rank's stages take for forward + backward of all micro-batches with no waiting and no
+    communication (the no-bubble reference; pure pp only: random stage inputs and output gradients)."""
+    from ndparallel.metrics import cross_entropy_loss
+
+    m, n_stages = run.microbatches, len(pipe.stages) * run.sizes["pp"]
+    mb_tokens, mb_labels = tokens.tensor_split(m), labels.tensor_split(m)
+    dim = run.model["dim"]
+    start = time.perf_counter()
+    for stage, sid in zip(pipe.stages, pipe.stage_ids, strict=True):
+        for i in range(m):
+            x = mb_tokens[i] if sid == 0 else torch.randn(*mb_tokens[i].shape, dim, requires_grad=True)
+            out = stage(x)
+            if sid == n_stages - 1:
+                cross_entropy_loss(out, mb_labels[i]).backward()
+            else:
+                out.backward(torch.ones_like(out))
+    elapsed = time.perf_counter() - start
+    for stage in pipe.stages:
+        stage.zero_grad(set_to_none=True)
+    return elapsed
 
 
 def measure_pipeline(run: PipelineRun) -> dict[str, Any]:
@@ -284,7 +307,7 @@ def measure_pipeline(run: PipelineRun) -> dict[str, Any]:
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     times, comm = [], {}
     for step in range(run.steps):
-        counter = _StepCounter() if step == run.steps - 1 else contextlib.nullcontext()
+        counter = StepCounter() if step == run.steps - 1 else contextlib.nullcontext()
         retained = tracker.peak = tracker.live
         dist.barrier()
         start = time.perf_counter()
@@ -299,6 +322,7 @@ def measure_pipeline(run: PipelineRun) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         for stage in pipe.stages:
             stage.zero_grad(set_to_none=True)
+    compute = [_compute_only_s(pipe, run, tokens, labels) for _ in range(run.steps)] if not run.track_memory else []
     labels_by_ranks = _group_labels(mesh, pipe.pp_group)
     for call in counter.calls:
         key = f"{labels_by_ranks.get(call.ranks, str(call.ranks))}/{call.kind}"
@@ -313,4 +337,5 @@ def measure_pipeline(run: PipelineRun) -> dict[str, Any]:
         "step_s": times,
         "median_step_s": statistics.median(times[1:] or times),
         "min_step_s": min(times[1:] or times),
+        "compute_only_min_s": min(compute[1:] or compute or [float("nan")]),
     }
