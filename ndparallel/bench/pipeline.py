@@ -21,6 +21,7 @@ ONE function to swap for the contract's ``build_pipeline``: its result has the c
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -132,10 +133,7 @@ def build_pipeline(run: PipelineRun) -> tuple[_LocalPipeline, Any]:
 
     Returns the pipeline and the ``ndparallel.Mesh`` without pp its stages were parallelised on."""
     import torch.distributed.pipelining as pipelining
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.mesh import VIEWS, Mesh, _flatten
     from ndparallel.metrics import cross_entropy_loss
     from ndparallel.models import Transformer, TransformerConfig
     from ndparallel.models.family import transformer_tp_plan
@@ -144,13 +142,7 @@ def build_pipeline(run: PipelineRun) -> tuple[_LocalPipeline, Any]:
     sizes = {d: run.sizes.get(d, 1) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     if sizes["cp"] > 1 or (sizes["dp_replicate"] > 1 and sizes["dp_shard"] == 1):
         raise ConfigError("the stand-in pipeline harness measures pp with dp_shard and tp only (no cp, no replicate)")
-    root = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-    inner = root["dp_replicate", "dp_shard", "cp", "tp"]
-    cfg = ParallelismConfig(
-        dp_replicate_size=sizes["dp_replicate"], dp_shard_size=sizes["dp_shard"], tp_size=sizes["tp"],
-        reshard_after_forward=False,  # under pp FSDP keeps units gathered (FINDINGS section 5)
-    ).resolve(inner.size())  # fmt: skip
-    mesh = Mesh(inner, cfg, {name: _flatten(inner[dims], name) for name, dims in VIEWS.items()})
+    root, mesh = _meshes(tuple(sizes.items()))
 
     pp, per_rank = sizes["pp"], run.per_rank
     n_stages = pp * per_rank
@@ -169,7 +161,7 @@ def build_pipeline(run: PipelineRun) -> tuple[_LocalPipeline, Any]:
         stage = _Stage(full, ranges[sid], sid == 0, sid == n_stages - 1, run.seq)
         names = set(dict(stage.named_children()))
         stage_plan = {k: v for k, v in plan.items() if k.split(".")[0] in names}
-        parallelize(stage, cfg, mesh=mesh, plan=stage_plan, blocks=[f"layers.{k}" for k in stage.layers])
+        parallelize(stage, mesh.config, mesh=mesh, plan=stage_plan, blocks=[f"layers.{k}" for k in stage.layers])
         stage.to_empty(device="cpu")
         _init_stage(stage, mcfg, sid)
         modules.append(stage)
@@ -179,6 +171,25 @@ def build_pipeline(run: PipelineRun) -> tuple[_LocalPipeline, Any]:
         stages if multi else stages[0], run.microbatches, loss_fn=cross_entropy_loss
     )
     return _LocalPipeline(modules, ids, schedule, root["pp"].get_group()), mesh
+
+
+@functools.cache
+def _meshes(sizes: tuple[tuple[str, int], ...]) -> tuple[Any, Any]:
+    """The 5-D root mesh and the ``ndparallel.Mesh`` without pp (built once per process and sizes: new gloo
+    groups are the slow part of a small run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.mesh import VIEWS, Mesh, _flatten
+
+    dims = dict(sizes)
+    root = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    inner = root["dp_replicate", "dp_shard", "cp", "tp"]
+    cfg = ParallelismConfig(
+        dp_replicate_size=dims["dp_replicate"], dp_shard_size=dims["dp_shard"], tp_size=dims["tp"],
+        reshard_after_forward=False,  # under pp FSDP keeps units gathered (docs/planning.md, "FSDP x pp")
+    ).resolve(inner.size())  # fmt: skip
+    return root, Mesh(inner, cfg, {name: _flatten(inner[d], name) for name, d in VIEWS.items()})
 
 
 @torch.no_grad()

@@ -208,7 +208,7 @@ def estimate_memory(
     units = fsdp_units(model, mesh.tp)
     if mesh.pp > 1 and mesh.fsdp > 1:
         # Under pp the schedule keeps every unit gathered (reshard_after_forward=False) and its gradients
-        # unsharded from the first micro-batch's backward to the last (docs/planning.md, FINDINGS section 5).
+        # unsharded from the first micro-batch's backward to the last (docs/planning.md, "FSDP x pp").
         transient = params * mesh.fsdp * (precision.compute + precision.reduce)
     elif mesh.fsdp > 1:
         largest = max(units.values())

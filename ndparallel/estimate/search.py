@@ -124,7 +124,7 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
 def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> list[str]:
     """Why a pp shape cannot run. The config's own validation decides first (``ParallelismConfig`` with the pp
     fields, once pp-core's config has them); the rules below are the ones the estimate itself needs (a stage
-    per block at least, a batch that splits into m micro-batches) and torch's schedule limits (FINDINGS 9),
+    per block at least, a batch that splits into m micro-batches) and torch's schedule limits (docs/planning.md),
     stated until the trainer's named pp check exists to be called instead."""
     problems = []
     if "pp_size" in ParallelismConfig.__dataclass_fields__:
