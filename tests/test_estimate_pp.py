@@ -9,10 +9,12 @@ prints the measured-vs-predicted table of docs/planning.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from ndparallel.bench.pipeline import PipelineRun, measure_pipeline
+from ndparallel.errors import ConfigError
 from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, collectives, estimate, model_spec, plan
 from ndparallel.estimate.memory import params_per_rank, saved_activation_bytes
 from ndparallel.estimate.pipeline import bubble_fraction, in_flight, rank_shares, stage_ranges
@@ -152,3 +154,26 @@ def validation_table() -> str:
 
 if __name__ == "__main__":
     print(validation_table())
+
+
+def test_plan_command_compares_schedules_and_refuses_bad_pp_input(capsys):
+    from ndparallel.estimate.cli import main as plan_main
+
+    argv = ["plan", "--model", "8b", "--gpus", "16", "--seq", "4096", "--global-batch", "64", "--pp", "2"]
+    assert plan_main([*argv, "--pp-schedule", "all", "--json", "--top", "50", "--rejected", "50"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["ranked"] + data["rejected"]
+    assert {row["mesh"]["pp_schedule"] for row in rows} == {"gpipe", "1f1b", "interleaved_1f1b"}
+    assert all(row["mesh"]["pp"] == 2 and 0 < row["time"]["bubble"] < 1 for row in rows if row["valid"])
+    assert plan_main([*argv, "--pp-schedule", "1f1b"]) == 0
+    text = capsys.readouterr().out
+    assert "pp2 1f1b x" in text and "bubble" in text and "micro-batches in flight" in text
+    for bad, message in [
+        (["--pp-schedule", "zb"], "--pp-schedule='zb': unknown ['zb']"),
+        (["--pp-microbatches", "-2"], "--pp-microbatches=-2 must be a positive integer"),
+        (["--no-pp"], "--no-pp contradicts --pp 2"),
+    ]:
+        assert plan_main([*argv, *bad]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="pp_schedule='zb' is not one of"):
+        MeshShape(pp=2, pp_schedule="zb")

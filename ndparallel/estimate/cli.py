@@ -33,9 +33,8 @@ from ndparallel.estimate import (
     parse_count,
     plan,
 )
-from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, GiB
+from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, PP_SCHEDULES, GiB
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 PP_COMPARED = ("gpipe", "1f1b", "interleaved_1f1b")
 """``--pp-schedule all``: the schedules whose memory rule is measured (docs/planning.md)."""
 

@@ -17,6 +17,7 @@ Rules of the schedules (torch.distributed.pipelining, measured on CPU/gloo, torc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ndparallel.estimate.spec import MeshShape, ModelSpec, TrainingSpec
@@ -63,6 +64,11 @@ def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None 
     stage at least one block."""
     if split is not None:
         return [range(a, b) for a, b in split]
+    return list(_balanced_ranges(model, n_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_ranges(model: ModelSpec, n_stages: int) -> tuple[range, ...]:
     n = model.n_layers
     block = model.layer_matmul_params + model.layer_norm_params
     first, last = model.embedding_params, model.output_params + model.dim
@@ -86,7 +92,7 @@ def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None 
     for s in range(n_stages, 0, -1):
         bounds.append(range(cut[s][i], i))
         i = cut[s][i]
-    return bounds[::-1]
+    return tuple(bounds[::-1])
 
 
 def stage_ids_of_rank(pp_rank: int, mesh: MeshShape) -> list[int]:
@@ -99,6 +105,17 @@ def stage_ids_of_rank(pp_rank: int, mesh: MeshShape) -> list[int]:
 
 def rank_shares(model: ModelSpec, mesh: MeshShape, split: list[list[int]] | None = None) -> list[RankShare]:
     """One :class:`RankShare` per pp rank (a single whole-model share without pp)."""
+    if split is None:
+        return list(_rank_shares(model, mesh))
+    return _shares(model, mesh, split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_shares(model: ModelSpec, mesh: MeshShape) -> tuple[RankShare, ...]:
+    return tuple(_shares(model, mesh, None))
+
+
+def _shares(model: ModelSpec, mesh: MeshShape, split: list[list[int]] | None) -> list[RankShare]:
     if mesh.pp == 1:
         return [RankShare.whole(model)]
     n_stages = mesh.pp * mesh.stages_per_rank

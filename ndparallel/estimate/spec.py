@@ -23,6 +23,7 @@ from ndparallel.peak import GPU_PEAK_BF16
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
     "GPU_PRESETS",
+    "PP_SCHEDULES",
     "PRECISIONS",
     "ClusterSpec",
     "MeshShape",
@@ -377,6 +378,14 @@ class TrainingSpec:
 
 
 # ---------------------------------------------------------------------------------------------- mesh
+# The config's schedule names once it has them (pp-core, issue 13); the contract's list until then.
+PP_SCHEDULES: tuple[str, ...] = tuple(
+    CHOICES.get(
+        "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+    )
+)
+
+
 @dataclass(frozen=True, order=True)
 class MeshShape:
     """Sizes of the mesh dims, outer -> inner: (pp,) dp_replicate, dp_shard, cp, tp; and the pipeline's knobs.
@@ -394,6 +403,18 @@ class MeshShape:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"mesh {key}={value!r} must be a positive integer")
+        for key in ("pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{key}={value!r} must be a positive integer (0 or omitted: the default)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"pp_schedule={self.pp_schedule!r} is not one of {list(PP_SCHEDULES)}")
 
     @property
     def world_size(self) -> int:
