@@ -100,8 +100,10 @@ class BenchCase:
         return cfg.world_size * (self.pp_size if "pp" not in cfg.sizes else 1)
 
     def accumulation_steps(self) -> int:
-        """Micro-batches per step on each rank (the trainer's rule)."""
+        """Micro-batches per step on each rank (the trainer's rule; under pp the pipeline's ``pp_microbatches``)."""
         cfg = self.parallel_config()
+        if self.pp_size > 1 and self.parallelism.get("pp_microbatches"):
+            return int(self.parallelism["pp_microbatches"])
         return split_batch(self.global_batch, self.micro_batch, cfg.dp_replicate_size * cfg.dp_shard_size,
                            prefix=f"bench case {self.name}: ")  # fmt: skip
 
@@ -150,7 +152,12 @@ class BenchCase:
         from ndparallel.estimate import ModelSpec, TrainingSpec
         from ndparallel.estimate.search import pipeline_problems
 
-        train = TrainingSpec(global_batch=self.global_batch, seq_len=self.seq_len, micro_batch=self.micro_batch or 1)
+        cfg = self.parallel_config()
+        precision = "fp32" if cfg.mixed_precision == "no" else cfg.mixed_precision
+        train = TrainingSpec(
+            global_batch=self.global_batch, seq_len=self.seq_len, micro_batch=self.micro_batch or 1,
+            precision=precision, activation_checkpointing=cfg.activation_checkpointing,
+        )  # fmt: skip
         if self.micro_batch is None and not self.parallelism.get("pp_microbatches"):
             raise ConfigError(f"bench case {self.name}: a pp case needs pp_microbatches (or micro_batch)")
         problems = pipeline_problems(ModelSpec.from_config(mcfg), train, self.pipeline_shape())

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ndparallel.bench.case import BenchCase
 from ndparallel.bench.result import CaseResult, combine
-from ndparallel.mesh import VIEWS, Mesh, init_distributed
+from ndparallel.mesh import MESH_DIMS, VIEWS, Mesh, init_distributed
 from ndparallel.models import Transformer
 
 __all__ = ["BenchCase", "CaseResult", "group_labels", "inside_launcher", "measure_cases_on_rank", "run_cases"]
@@ -147,7 +147,8 @@ def _timed_steps(job: _Job) -> tuple[list[float], list[float]]:
 def group_labels(mesh: Mesh) -> dict[str, str]:
     """Process-group name -> the mesh dims it spans (``"dp_shard"``, ``"dp_shard x cp"``, ``"world"``)."""
     labels: dict[str, str] = {}
-    for name in ("dp_replicate", "dp_shard", "cp", "tp", *VIEWS):
+    pp = ("pp",) if "pp" in MESH_DIMS else ()  # builds with pipeline parallelism (issue 13)
+    for name in (*pp, "dp_replicate", "dp_shard", "cp", "tp", *VIEWS):
         if mesh.size(name) > 1:
             dims = [d for d in VIEWS.get(name, (name,)) if mesh.size(d) > 1]
             labels.setdefault(mesh[name].get_group().group_name, " x ".join(dims))
