@@ -104,7 +104,9 @@ def estimate_step_time(
     # Backward of each micro-batch hides its re-gathers and its gradient reductions: a reduce-scatter on each
     # micro-batch that reduce-scatters (all of them under FSDP unless deferred), the all-reduces (HSDP,
     # replicate) on the last. The last reduction of the step cannot overlap.
-    rs_steps = train.reduce_scatter_steps(mesh)
+    # under pp the schedule gathers each FSDP unit and reduce-scatters its gradient once per step
+    rs_steps = 1 if mesh.pp > 1 else train.reduce_scatter_steps(mesh)
+    gathers = 1 if mesh.pp > 1 else micro_steps
     scatter = [row for row in by_phase.get("grad_reduce", []) if row.kind == "reduce_scatter"]
     all_reduce = [row for row in by_phase.get("grad_reduce", []) if row.kind != "reduce_scatter"]
     scatter_per_sync = sum(row.time_s for row in scatter) / rs_steps
@@ -119,7 +121,7 @@ def estimate_step_time(
     pp_sends = [row.time_s / row.calls for row in by_phase.get("pp", [])]
     exposed = {
         "pp": 2 * (mesh.pp - 1) * max(pp_sends, default=0.0),
-        "fsdp_forward": max(0.0, total("fsdp_forward") - forward_s) + first_calls("fsdp_forward", micro_steps),
+        "fsdp_forward": max(0.0, total("fsdp_forward") - forward_s) + first_calls("fsdp_forward", gathers),
         "backward": backward_exposed + last_calls,
         "tp": total("tp"),
         "cp_ring": max(0.0, total("cp_ring") - attention_s),
