@@ -158,7 +158,7 @@ def test_sweep_config_errors_name_the_field(sweep, message):
 
 def test_default_config_parses_and_gpu_script_dry_run(tmp_path, monkeypatch):
     cases = cases_from_config(yaml.safe_load((ROOT / "benchmarks" / "scaling.yaml").read_text()))
-    assert {c.sweep for c in cases} == {"strong", "weak"}
+    assert {c.sweep for c in cases} == {"strong", "weak", "pipeline"}
     assert max(c.world_size for c in cases) == 8 and all(c.device == "cpu" for c in cases)
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

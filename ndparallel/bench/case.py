@@ -19,7 +19,22 @@ from ndparallel.sequence import check_sequence_length
 from ndparallel.train.config import split_batch
 from ndparallel.train.step import forward_autocast_dtype
 
-__all__ = ["BenchCase"]
+__all__ = ["PP_KEYS", "BenchCase", "pipeline_runtime_missing"]
+
+PP_KEYS = ("pp_size", "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split")
+"""The pipeline fields of ``ParallelismConfig`` (PP_CONTRACT.md)."""
+
+
+def pipeline_runtime_missing() -> str | None:
+    """Why this build cannot run pipeline-parallel cases (None when it can): the bench needs the pp fields of
+    ``ParallelismConfig`` and ``ndparallel.pipeline.build_pipeline`` (pp-core, issue 13)."""
+    if "pp_size" not in ParallelismConfig.__dataclass_fields__:
+        return "needs ndparallel.pipeline: this build's ParallelismConfig has no pp_size (issue 13, pp-core)"
+    try:
+        from ndparallel.pipeline import build_pipeline  # noqa: F401
+    except ImportError:
+        return "needs ndparallel.pipeline.build_pipeline, which this build does not have (issue 13, pp-core)"
+    return None
 
 
 @dataclass
@@ -42,8 +57,32 @@ class BenchCase:
     defer_grad_sync: bool = False
     """``train.defer_grad_sync``: under FSDP, sync gradients on the last micro-batch only."""
 
+    @property
+    def pp_size(self) -> int:
+        return int(self.parallelism.get("pp_size", 1))
+
+    @property
+    def pipeline_missing(self) -> str | None:
+        """For a pp case, why it cannot run in this build (None otherwise): it is reported, never measured."""
+        return pipeline_runtime_missing() if self.pp_size > 1 else None
+
+    def pipeline_shape(self) -> Any:
+        """The estimator's ``MeshShape`` of this case (pp knobs included), for the bubble column."""
+        from ndparallel.estimate import MeshShape
+
+        cfg, p = self.parallel_config(), self.parallelism
+        return MeshShape(
+            cfg.dp_replicate_size, cfg.dp_shard_size, cfg.cp_size, cfg.tp_size, self.pp_size,
+            p.get("pp_schedule", "1f1b"), p.get("pp_microbatches") or 0, p.get("pp_stages_per_rank") or 0,
+        )  # fmt: skip
+
     def parallel_config(self) -> ParallelismConfig:
-        cfg = ParallelismConfig.from_dict(self.parallelism)
+        """The case's config; without pp support in this build, of the mesh without pp (``world_size`` still
+        counts the pp ranks)."""
+        fields = self.parallelism
+        if "pp_size" not in ParallelismConfig.__dataclass_fields__:
+            fields = {k: v for k, v in fields.items() if k not in PP_KEYS}
+        cfg = ParallelismConfig.from_dict(fields)
         if -1 in cfg.sizes.values():
             raise ConfigError(f"bench case {self.name}: sizes must be explicit (no -1), got {cfg.sizes}")
         return cfg.resolve(cfg.world_size)
@@ -57,11 +96,14 @@ class BenchCase:
 
     @property
     def world_size(self) -> int:
-        return self.parallel_config().world_size
+        cfg = self.parallel_config()
+        return cfg.world_size * (self.pp_size if "pp" not in cfg.sizes else 1)
 
     def accumulation_steps(self) -> int:
-        """Micro-batches per step on each rank (the trainer's rule)."""
+        """Micro-batches per step on each rank (the trainer's rule; under pp the pipeline's ``pp_microbatches``)."""
         cfg = self.parallel_config()
+        if self.pp_size > 1 and self.parallelism.get("pp_microbatches"):
+            return int(self.parallelism["pp_microbatches"])
         return split_batch(self.global_batch, self.micro_batch, cfg.dp_replicate_size * cfg.dp_shard_size,
                            prefix=f"bench case {self.name}: ")  # fmt: skip
 
@@ -89,6 +131,10 @@ class BenchCase:
             not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool) or self.micro_batch < 1
         ):
             raise ConfigError(f"bench case {self.name}: micro_batch={self.micro_batch!r} must be a positive integer")
+        if not isinstance(self.pp_size, int) or self.pp_size < 1:
+            raise ConfigError(f"bench case {self.name}: pp_size={self.pp_size!r} must be a positive integer")
+        if self.pp_size > 1:
+            self._validate_pipeline(mcfg)
         self.accumulation_steps()  # raises for a batch split the trainer would refuse
         forward_autocast_dtype(cfg)  # the trainer's precision rule: fp16 needs FSDP
         check_sequence_length(
@@ -99,6 +145,24 @@ class BenchCase:
 
             with torch.device("meta"):
                 check_tp_divisibility(Transformer(mcfg), cfg.tp_size)
+
+    def _validate_pipeline(self, mcfg: TransformerConfig) -> None:
+        """The planner's pp rules (``ndparallel.estimate.search.pipeline_problems``: the config's own validation
+        once it has the pp fields, and torch's schedule limits)."""
+        from ndparallel.estimate import ModelSpec, TrainingSpec
+        from ndparallel.estimate.search import pipeline_problems
+
+        cfg = self.parallel_config()
+        precision = "fp32" if cfg.mixed_precision == "no" else cfg.mixed_precision
+        train = TrainingSpec(
+            global_batch=self.global_batch, seq_len=self.seq_len, micro_batch=self.micro_batch or 1,
+            precision=precision, activation_checkpointing=cfg.activation_checkpointing,
+        )  # fmt: skip
+        if self.micro_batch is None and not self.parallelism.get("pp_microbatches"):
+            raise ConfigError(f"bench case {self.name}: a pp case needs pp_microbatches (or micro_batch)")
+        problems = pipeline_problems(ModelSpec.from_config(mcfg), train, self.pipeline_shape())
+        if problems:
+            raise ConfigError(f"bench case {self.name}: {'; '.join(problems)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

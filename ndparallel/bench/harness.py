@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ndparallel.bench.case import BenchCase
 from ndparallel.bench.result import CaseResult, combine
-from ndparallel.mesh import VIEWS, Mesh, init_distributed
+from ndparallel.mesh import MESH_DIMS, VIEWS, Mesh, init_distributed
 from ndparallel.models import Transformer
 
 __all__ = ["BenchCase", "CaseResult", "group_labels", "inside_launcher", "measure_cases_on_rank", "run_cases"]
@@ -65,16 +65,20 @@ class _Job:
 
         self.case, self.mesh, self.device = case, mesh, mesh.device
         mcfg = case.model_config()
-        with self.device:
-            model = Transformer(mcfg)
-        self.model = parallelize(model, parallelize_config(mesh.config), mesh=mesh)
-        fused = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
-        # The compute-only twin's collectives move nothing, so its gradients are garbage: it skips the
-        # non-finite check (which would stop it) and steps every time, as the real run does.
-        self.train_step = TrainStep(
-            self.model, self.optimizer, mesh, defer_grad_sync=case.defer_grad_sync, check_finite=not twin
-        )
+        if case.pp_size > 1:
+            self.model, self.optimizers, self.train_step = _pipeline_parts(case, mesh, twin)
+        else:
+            with self.device:
+                model = Transformer(mcfg)
+            self.model = parallelize(model, parallelize_config(mesh.config), mesh=mesh)
+            fused = self.device.type == "cuda"
+            optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
+            self.optimizers = [optimizer]
+            # The compute-only twin's collectives move nothing, so its gradients are garbage: it skips the
+            # non-finite check (which would stop it) and steps every time, as the real run does.
+            self.train_step = TrainStep(
+                self.model, optimizer, mesh, defer_grad_sync=case.defer_grad_sync, check_finite=not twin
+            )
         self.accumulation = case.accumulation_steps()
         self.steps_taken = 0
         # The same global batch for every mesh shape (this rank takes its dp slice), so the losses of
@@ -91,16 +95,33 @@ class _Job:
         inputs, labels = self.tokens[:, :-1].clone(), self.tokens[:, 1:].clone()
         return self.train_step(inputs, labels, self.accumulation, self.steps_taken).loss
 
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        states = [state for opt in self.optimizers for state in opt.state.values()]
+        return [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
+
     def state_tensors(self) -> list[torch.Tensor]:
-        tensors = list(self.model.parameters())
-        for state in self.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return tensors
+        return list(self.model.parameters()) + self._optimizer_tensors()
 
     def optimizer_bytes(self) -> int:
         from ndparallel.bench.memory import state_bytes
 
-        return state_bytes(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        return state_bytes(self._optimizer_tensors())
+
+
+def _pipeline_parts(case: BenchCase, mesh: Mesh, twin: bool) -> tuple[torch.nn.Module, list, Any]:
+    """A pp case: the contract's ``build_pipeline`` on a meta-device model, one AdamW per stage module, and the
+    trainer's ``TrainStep`` driving the pipeline (PP_CONTRACT.md; pp-core, issue 13). Cases only get here when
+    ``pipeline_runtime_missing()`` is None; this is the one place to adapt if pp-core's TrainStep takes the
+    pipeline differently."""
+    from ndparallel.pipeline import build_pipeline
+    from ndparallel.train.step import TrainStep
+
+    with torch.device("meta"):
+        model = Transformer(case.model_config())
+    pipe = build_pipeline(model, mesh.config, mesh)
+    optimizers = [torch.optim.AdamW(stage.parameters(), lr=1e-4) for stage in pipe.stages]
+    step = TrainStep(pipe, optimizers, mesh, defer_grad_sync=case.defer_grad_sync, check_finite=not twin)
+    return torch.nn.ModuleList(pipe.stages), optimizers, step
 
 
 def _timed_steps(job: _Job) -> tuple[list[float], list[float]]:
@@ -126,7 +147,8 @@ def _timed_steps(job: _Job) -> tuple[list[float], list[float]]:
 def group_labels(mesh: Mesh) -> dict[str, str]:
     """Process-group name -> the mesh dims it spans (``"dp_shard"``, ``"dp_shard x cp"``, ``"world"``)."""
     labels: dict[str, str] = {}
-    for name in ("dp_replicate", "dp_shard", "cp", "tp", *VIEWS):
+    pp = ("pp",) if "pp" in MESH_DIMS else ()  # builds with pipeline parallelism (issue 13)
+    for name in (*pp, "dp_replicate", "dp_shard", "cp", "tp", *VIEWS):
         if mesh.size(name) > 1:
             dims = [d for d in VIEWS.get(name, (name,)) if mesh.size(d) > 1]
             labels.setdefault(mesh[name].get_group().group_name, " x ".join(dims))
@@ -141,7 +163,12 @@ def _instrumented_step(job: _Job) -> tuple[list[dict[str, Any]], int]:
     from ndparallel.comm.counter import CommCounter
 
     memory = LiveMemory(job.state_tensors()) if job.device.type == "cpu" else None
-    counter = CommCounter()
+    if job.case.pp_size > 1:  # CommDebugMode's module tracker fails across a schedule's several passes
+        from ndparallel.bench.pipeline import StepCounter
+
+        counter = StepCounter()
+    else:
+        counter = CommCounter()
     job.train_step.around = lambda: counter  # entered per micro-batch, and around clipping + optimizer
     try:
         with memory or contextlib.nullcontext():
@@ -283,6 +310,15 @@ def run_cases(
     """
     for case in cases:
         case.validate()
+    blocked = {id(c): CaseResult.unmeasured(c, c.pipeline_missing) for c in cases if c.pipeline_missing}
+    if blocked:
+        if verbose:
+            names = ", ".join(c.name for c in cases if id(c) in blocked)
+            print(f"not measured ({next(iter(blocked.values())).error}): {names}", flush=True)
+        runnable = [c for c in cases if id(c) not in blocked]
+        measured = {id(c): r for c, r in zip(runnable, run_cases(runnable, peak_flops, threads_per_rank,
+                                                                 timeout_per_case, verbose), strict=False)}  # fmt: skip
+        return [blocked.get(id(c)) or measured[id(c)] for c in cases if id(c) in blocked or id(c) in measured]
     total = len(cases)
     prefixes = {id(c): f"[{i + 1}/{total}]" for i, c in enumerate(cases)}
     if inside_launcher():

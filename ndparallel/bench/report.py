@@ -53,18 +53,33 @@ def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def _pipeline_cell(r: CaseResult) -> str:
+    p = r.pipeline
+    if not p:
+        return "-"
+    per_rank = f" v{p['stages_per_rank']}" if p["stages_per_rank"] > 1 else ""
+    return f"pp{p['pp']} {p['schedule']} m{p['microbatches']}{per_rank} bubble {100 * p['bubble']:.0f}%"
+
+
 def format_table(results: Sequence[CaseResult]) -> str:
-    """One row per case: time, throughput, MFU, memory, communication volume and exposed comm."""
-    header = ["case", "ranks", "step ms (min-max)", "tok/s", "tok/s/rank", "MFU %", "peak MiB/rank",
-              "state MiB/rank", "comm MiB/step", "exposed comm ms"]  # fmt: skip
+    """One row per case: time, throughput, MFU, memory, communication volume and exposed comm; pp cases also
+    name their schedule, micro-batches and the cost model's bubble (docs/planning.md). A case that could not be
+    measured says why instead of showing numbers."""
+    header = ["case", "ranks", "pipeline (schedule, m, predicted bubble)", "step ms (min-max)", "tok/s",
+              "tok/s/rank", "MFU %", "peak MiB/rank", "state MiB/rank", "comm MiB/step", "exposed comm ms"]  # fmt: skip
     rows = []
     for r in results:
+        name = f"{r.case['sweep']}/{r.case['label']}"
+        if r.error:
+            rows.append([name, str(r.world_size), _pipeline_cell(r), f"not measured: {r.error}", *["-"] * 7])
+            continue
         exposed = "-" if r.exposed_comm_s is None else f"{r.exposed_comm_s * 1e3:.0f}"
         if r.exposed_comm_s is not None and r.step_min_s > 0 and r.world_size > 1:
             exposed += f" ({100 * r.exposed_comm_s / r.step_min_s:.0f}%)"
         rows.append([
-            f"{r.case['sweep']}/{r.case['label']}",
+            name,
             str(r.world_size),
+            _pipeline_cell(r),
             f"{r.step_median_s * 1e3:.0f} ({r.step_min_s * 1e3:.0f}-{r.step_max_s * 1e3:.0f})",
             _rate(r.tokens_per_s),
             _rate(r.tokens_per_s_per_rank),
@@ -161,6 +176,9 @@ def plot(results: Sequence[CaseResult], out_dir: str | os.PathLike) -> list[Path
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return []
+    results = [r for r in results if not r.error]  # unmeasured cases have no numbers to draw
+    if not results:
         return []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from ndparallel.bench.case import BenchCase
 
-__all__ = ["CaseResult", "combine"]
+__all__ = ["CaseResult", "combine", "pipeline_info"]
 
 
 @dataclass
@@ -47,9 +47,39 @@ class CaseResult:
     exposed_comm_s: float | None
     """Fastest real step - fastest compute-only twin step (the least disturbed steps of each)."""
     losses: list[float] = field(default_factory=list)
+    error: str = ""
+    """Why the case was not measured (e.g. a pp case on a build without ``ndparallel.pipeline``); its numbers
+    are then NaN / -1, never a measurement."""
+    pipeline: dict[str, Any] = field(default_factory=dict)
+    """pp cases: ``schedule``, ``microbatches``, ``stages_per_rank`` and the cost model's ``bubble`` fraction."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def unmeasured(cls, case: BenchCase, reason: str) -> CaseResult:
+        """A row that says why ``case`` has no numbers."""
+        nan = float("nan")
+        return cls(
+            case=case.to_dict(), world_size=case.world_size, params=case.model_config().num_params(), step_s=[],
+            step_median_s=nan, step_min_s=nan, step_max_s=nan, step_stdev_s=nan, tokens_per_s=nan,
+            tokens_per_s_per_rank=nan, model_flops_per_s=nan, mfu=nan, peak_flops=nan, memory_method="",
+            peak_memory_bytes=-1, peak_memory_bytes_per_rank=[], param_bytes=-1, optimizer_bytes=-1, comm=[],
+            comm_bytes=-1, twin_step_median_s=None, twin_step_min_s=None, exposed_comm_s=None, error=reason,
+            pipeline=pipeline_info(case),
+        )  # fmt: skip
+
+
+def pipeline_info(case: BenchCase) -> dict[str, Any]:
+    """The pp columns of a case (empty without pp): schedule, micro-batches, stages per rank, predicted bubble."""
+    if case.pp_size == 1:
+        return {}
+    from ndparallel.estimate.pipeline import bubble_fraction
+
+    shape = case.pipeline_shape()
+    m = shape.pp_microbatches or case.accumulation_steps()
+    return {"pp": shape.pp, "schedule": shape.pp_schedule, "microbatches": m,
+            "stages_per_rank": shape.stages_per_rank, "bubble": bubble_fraction(shape, m)}  # fmt: skip
 
 
 def combine(case: BenchCase, ranks: list[dict[str, Any]], twins: list[list[float] | None], peak_flops: float):
@@ -93,4 +123,5 @@ def combine(case: BenchCase, ranks: list[dict[str, Any]], twins: list[list[float
         twin_step_min_s=twin_min,
         exposed_comm_s=None if twin_min is None else min(step_s) - twin_min,
         losses=ranks[0]["losses"],
+        pipeline=pipeline_info(case),
     )

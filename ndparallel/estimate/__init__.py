@@ -2,7 +2,8 @@
 ``ndparallel plan``.
 
 Modules: ``spec`` (model, cluster, training and mesh descriptions), ``memory``, ``comm``, ``timing``
-(the model), ``search`` (estimate one shape, rank them all), ``cli`` (the ``plan`` command).
+(the model), ``pipeline`` (pipeline parallelism: stage split, micro-batches in flight, bubble, p2p),
+``search`` (estimate one shape, rank them all), ``cli`` (the ``plan`` command).
 
     from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, model_spec, plan
 
@@ -18,10 +19,18 @@ Formulas and validation: docs/planning.md.
 
 from ndparallel.comm.counter import CommCounter
 from ndparallel.estimate.comm import Collective, collectives, group_link
-from ndparallel.estimate.memory import MemoryEstimate, activation_bytes, estimate_memory, params_per_rank
+from ndparallel.estimate.memory import (
+    MemoryEstimate,
+    activation_bytes,
+    estimate_memory,
+    params_per_rank,
+    saved_activation_bytes,
+)
+from ndparallel.estimate.pipeline import RankShare, bubble_fraction, in_flight, rank_shares, stage_ranges
 from ndparallel.estimate.search import Estimate, Plan, estimate, mesh_shapes, plan, shape_problems
 from ndparallel.estimate.spec import (
     GPU_PRESETS,
+    PP_SCHEDULES,
     PRECISIONS,
     ClusterSpec,
     MeshShape,
@@ -36,6 +45,7 @@ from ndparallel.estimate.timing import StepTime, estimate_step_time
 
 __all__ = [
     "GPU_PRESETS",
+    "PP_SCHEDULES",
     "PRECISIONS",
     "ClusterSpec",
     "Collective",
@@ -45,14 +55,17 @@ __all__ = [
     "MeshShape",
     "ModelSpec",
     "Plan",
+    "RankShare",
     "StepTime",
     "TrainingSpec",
     "activation_bytes",
+    "bubble_fraction",
     "collectives",
     "estimate",
     "estimate_memory",
     "estimate_step_time",
     "group_link",
+    "in_flight",
     "mesh_shapes",
     "model_spec",
     "params_per_rank",
@@ -60,5 +73,8 @@ __all__ = [
     "parse_bytes",
     "parse_count",
     "plan",
+    "rank_shares",
+    "saved_activation_bytes",
     "shape_problems",
+    "stage_ranges",
 ]

@@ -3,6 +3,7 @@
     ndparallel plan --model 8b --gpus 64 --gpu-mem 80GiB --seq 8192 --global-batch 512 --ac full
     ndparallel plan --model path/to/config.json --gpus 16 --gpu h200 --json
     ndparallel plan --dim 4096 --layers 32 --heads 32 --kv-heads 8 --ffn-dim 14336 --vocab 128256 --gpus 8
+    ndparallel plan --model 70b --gpus 64 --pp-schedule gpipe,1f1b,interleaved_1f1b --pp-microbatches 16
 
 ``ndparallel.cli`` registers it (``add_plan_parser(subparsers)``, then ``args.func(args)`` = ``run_plan``),
 as it registers ``ndparallel.bench.cli``.
@@ -32,7 +33,10 @@ from ndparallel.estimate import (
     parse_count,
     plan,
 )
-from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, GiB
+from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, PP_SCHEDULES, GiB
+
+PP_COMPARED = ("gpipe", "1f1b", "interleaved_1f1b")
+"""``--pp-schedule all``: the schedules whose memory rule is measured (docs/planning.md)."""
 
 __all__ = ["add_plan_parser", "format_plan", "main", "plan_to_json", "run_plan"]
 
@@ -45,8 +49,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan",
         help="estimate memory, communication and step time; rank mesh shapes for a cluster",
-        description="Predict per-GPU memory and step time of every (dp_replicate, dp_shard, cp, tp) mesh "
-        "shape and rank them. Model: docs/planning.md.",
+        description="Predict per-GPU memory and step time of every (pp, dp_replicate, dp_shard, cp, tp) mesh "
+        "shape (pp shapes once per --pp-schedule) and rank them. Model: docs/planning.md.",
     )
     model = p.add_argument_group("model (a preset / config.json, or raw counts)")
     model.add_argument("--model", help="preset name (tiny, small, 125m, 1b, 8b, 70b) or path to an HF config.json")
@@ -88,8 +92,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     # The default since train.defer_grad_sync; still accepted so scripts that pass it keep working.
     train.add_argument("--grad-sync-every-microbatch", action="store_true", help=argparse.SUPPRESS)
 
+    pipe = p.add_argument_group("pipeline parallel (pp shapes are searched unless --no-pp)")
+    pipe.add_argument(
+        "--pp-schedule", default="1f1b",
+        help=f"schedule(s) to compare, comma-separated, or 'all' ({', '.join(PP_COMPARED)}); "
+        f"choices {', '.join(PP_SCHEDULES)} (default 1f1b)",
+    )  # fmt: skip
+    pipe.add_argument("--pp-microbatches", type=int, default=0, help="pipeline micro-batches m (default: accumulation)")
+    pipe.add_argument("--pp-stages-per-rank", type=int, default=0, help="stages per pp rank (default 1, interleaved 2)")
+    pipe.add_argument("--no-pp", action="store_true", help="search shapes without pipeline parallelism only")
+
     out = p.add_argument_group("search and output")
-    for dim in ("dp_replicate", "dp_shard", "cp", "tp"):
+    for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         out.add_argument(f"--{dim.replace('_', '-')}", type=int, dest=f"pin_{dim}", help=f"pin {dim} size")
     out.add_argument("--top", type=int, default=10, help="how many ranked shapes to print (10)")
     out.add_argument("--rejected", type=int, default=8, help="how many rejected shapes to print (8)")
@@ -152,8 +166,15 @@ def run_plan(args: argparse.Namespace) -> int:
         model = _model_from_args(args)
         cluster = _cluster_from_args(args)
         train = _training_from_args(args)
-        fixed = {dim: getattr(args, f"pin_{dim}") for dim in ("dp_replicate", "dp_shard", "cp", "tp")}
-        result = plan(model, train, cluster, {k: v for k, v in fixed.items() if v is not None})
+        fixed = {dim: getattr(args, f"pin_{dim}") for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        fixed = {k: v for k, v in fixed.items() if v is not None}
+        if args.no_pp and fixed.get("pp", 1) > 1:
+            raise ConfigError(f"--no-pp contradicts --pp {fixed['pp']}")
+        result = plan(
+            model, train, cluster, fixed, search_pp=not args.no_pp, pp_schedules=_pp_schedules(args.pp_schedule),
+            pp_microbatches=_non_negative(args.pp_microbatches, "--pp-microbatches"),
+            pp_stages_per_rank=_non_negative(args.pp_stages_per_rank, "--pp-stages-per-rank"),
+        )  # fmt: skip
     except ConfigError as err:
         print(f"ndparallel plan: error: {err}", file=sys.stderr)
         return 2
@@ -164,6 +185,20 @@ def run_plan(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `ndparallel plan ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if result.ranked else 1
+
+
+def _pp_schedules(text: str) -> tuple[str, ...]:
+    names = PP_COMPARED if text == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PP_SCHEDULES]
+    if unknown or not names:
+        raise ConfigError(f"--pp-schedule={text!r}: unknown {unknown}; choose from {list(PP_SCHEDULES)} or 'all'")
+    return names
+
+
+def _non_negative(value: int, flag: str) -> int:
+    if value < 0:
+        raise ConfigError(f"{flag}={value} must be a positive integer (or omitted)")
+    return value
 
 
 def plan_to_json(result: Plan, top: int | None = None, rejected: int | None = None) -> dict[str, Any]:
@@ -196,16 +231,16 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 8) -> str:
         f"AdamW, activation checkpointing {t.activation_checkpointing}",
         "",
     ]
-    columns = ("#", "mesh (rep x shard x cp x tp)", "mem/GPU GiB", "step s", "tok/s", "MFU")
-    header = "{:>3}  {:<28} {:>11} {:>8} {:>10} {:>6}  why".format(*columns)
+    columns = ("#", "mesh ([pp sched x] rep x shard x cp x tp)", "mem/GPU GiB", "step s", "tok/s", "MFU")
+    header = "{:>3}  {:<42} {:>11} {:>8} {:>10} {:>6}  why".format(*columns)
     if result.ranked:
         lines += [f"{len(result.ranked)} shapes fit; fastest first:", header]
         for i, e in enumerate(result.ranked[:top], 1):
             lines.append(
-                f"{i:>3}  {e.mesh.describe():<28} {_gib(e.memory.peak):>11} {e.time.step_s:>8.2f} "
+                f"{i:>3}  {e.mesh.describe():<42} {_gib(e.memory.peak):>11} {e.time.step_s:>8.2f} "
                 f"{e.time.tokens_per_s:>10,.0f} {e.time.mfu:>6.1%}  {e.reason()}"
             )
-        lines += ["", *_breakdown(result.ranked[0])]
+        lines += ["", *_breakdown(result.ranked[0], m)]
     else:
         lines.append(
             "no mesh shape fits: try activation checkpointing (--ac full), a smaller --micro-batch, or more GPUs"
@@ -213,11 +248,11 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 8) -> str:
     if result.rejected and rejected:
         lines += ["", f"{len(result.rejected)} shapes rejected (first {min(rejected, len(result.rejected))}):"]
         for e in result.rejected[:rejected]:
-            lines.append(f"     {e.mesh.describe():<28} {_gib(e.memory.peak):>11}  {e.reason()}")
+            lines.append(f"     {e.mesh.describe():<42} {_gib(e.memory.peak):>11}  {e.reason()}")
     return "\n".join(lines)
 
 
-def _breakdown(e: Estimate) -> list[str]:
+def _breakdown(e: Estimate, model: ModelSpec) -> list[str]:
     mem = e.memory
     acts = ", ".join(f"{k} {_gib(v)}" for k, v in mem.activations_by_mode.items())
     lines = [
@@ -226,6 +261,7 @@ def _breakdown(e: Estimate) -> list[str]:
         f"transient {_gib(mem.transient)}"
         + (f", unsharded grads (accumulation) {_gib(mem.accumulated_grads)}" if mem.accumulated_grads else "")
         + f" -> peak {_gib(mem.peak)}",
+        *([_pipeline_line(e, model)] if e.mesh.pp > 1 else []),
         f"      compute {e.time.compute_s:.2f} s + exposed comm {e.time.exposed_comm_s:.2f} s "
         f"(of {e.time.comm_s:.2f} s total) per step",
     ]
@@ -235,6 +271,19 @@ def _breakdown(e: Estimate) -> list[str]:
             f"{row.payload_bytes / 1e9:>9.2f} GB {row.time_s:>8.3f} s"
         )
     return lines
+
+
+def _pipeline_line(e: Estimate, model: ModelSpec) -> str:
+    """Why a pp shape costs what it does: the split, the micro-batches held, the bubble."""
+    from ndparallel.estimate.pipeline import in_flight, rank_shares
+
+    held = "; ".join(f"r{r}: {in_flight(e.mesh, e.microbatches, r)}" for r in range(e.mesh.pp))
+    blocks = ", ".join(str(list(s.stage_blocks)) for s in rank_shares(model, e.mesh))
+    return (
+        f"      pipeline: {e.mesh.pp} ranks x {e.mesh.stages_per_rank} stage(s), {e.mesh.pp_schedule}, "
+        f"m={e.microbatches}, bubble (p-1)/(v m+p-1) = {e.time.bubble:.1%}; blocks per stage by rank {blocks}; "
+        f"micro-batches in flight per local stage {held}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

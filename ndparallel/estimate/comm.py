@@ -14,7 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from ndparallel.comm.ulysses import kv_heads_sent
-from ndparallel.estimate.memory import DDP_BUCKET_BYTES, checkpointed_blocks, fsdp_units
+from ndparallel.estimate.memory import DDP_BUCKET_BYTES, checkpointed_blocks, pipeline_train, tp_local_params
+from ndparallel.estimate.pipeline import RankShare, microbatches, p2p_sends, rank_shares
 from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
 
 __all__ = ["LATENCY_S", "Collective", "collectives", "group_link"]
@@ -39,11 +40,11 @@ class Collective:
     kind: str
     """all_gather, reduce_scatter, all_reduce, send_recv or all_to_all."""
     group: str
-    """Mesh dim or view it runs over: dp_shard_cp, dp_replicate, tp, cp."""
+    """Mesh dim or view it runs over: dp_shard_cp, dp_replicate, tp, cp, pp."""
     group_size: int
     phase: str
     """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp and cp (on the critical path),
-    cp_ring (hidden behind attention)."""
+    cp_ring (hidden behind attention), pp (point-to-point between stages)."""
     calls: int
     """Calls per optimizer step."""
     payload_bytes: float
@@ -66,6 +67,12 @@ class Collective:
 
 
 def group_link(mesh: MeshShape, dims: tuple[str, ...], cluster: ClusterSpec) -> str:
+    if dims == ("pp",):  # pp is outermost: a stage's neighbour is inner_size ranks away
+        return "intra" if mesh.world_size <= cluster.gpus_per_node else "inter"
+    return _inner_link(mesh, dims, cluster)
+
+
+def _inner_link(mesh: MeshShape, dims: tuple[str, ...], cluster: ClusterSpec) -> str:
     """``intra`` if every group over ``dims`` (contiguous in mesh order) lies inside one node, else ``inter``.
 
     Ranks are laid out row-major over (dp_replicate, dp_shard, cp, tp) and placed on nodes in rank
@@ -78,16 +85,23 @@ def group_link(mesh: MeshShape, dims: tuple[str, ...], cluster: ClusterSpec) -> 
     return "intra" if span <= cluster.gpus_per_node else "inter"
 
 
-def collectives(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec) -> list[Collective]:
-    """Every collective of one optimizer step on one rank (see docs/planning.md for each row)."""
+def collectives(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec, pp_rank: int | None = None
+) -> list[Collective]:
+    """Every collective of one optimizer step on one rank (see docs/planning.md for each row). With pp: on
+    ``pp_rank``, or (None) on the pp rank whose communication takes longest."""
+    if mesh.pp > 1 and pp_rank is None:
+        per_rank = [collectives(model, train, mesh, cluster, r) for r in range(mesh.pp)]
+        return max(per_rank, key=lambda rows: sum(row.time_s for row in rows))
+    share = rank_shares(model, mesh)[pp_rank or 0]
+    train = pipeline_train(train, mesh)
     micro_steps = train.accumulation_steps(mesh) or 1
-    rs_steps = train.reduce_scatter_steps(mesh)  # HSDP's all-reduce and replicate's: once per step
     precision = train.bytes
-    layers = model.n_layers
+    layers = share.blocks
     rows: list[Collective] = []
 
     def add(name: str, kind: str, dims: tuple[str, ...], phase: str, calls: int, payload: float) -> None:
-        size = math.prod(mesh.as_dict()[d] for d in dims)
+        size = mesh.pp if dims == ("pp",) else math.prod(mesh.as_dict()[d] for d in dims)
         if size == 1 or calls == 0:
             return
         link = group_link(mesh, dims, cluster)
@@ -96,18 +110,17 @@ def collectives(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster:
         rows.append(Collective(name, kind, group, size, phase, calls, payload, link, bandwidth))
 
     # FSDP2 over dp_shard x cp: units = embedding, n_layers blocks, head (final norm + output).
-    units = fsdp_units(model, mesh.tp)
-    tp_local = units["embedding"] + layers * units["block"] + units["head"]
-    n_units = layers + 2
+    tp_local = tp_local_params(model, mesh.tp, share)
+    n_units = layers + share.embedding + share.head
     fsdp = ("dp_shard", "cp")
-    add("FSDP all-gather (forward)", "all_gather", fsdp, "fsdp_forward",
-        n_units * micro_steps, tp_local * precision.compute * micro_steps)  # fmt: skip
-    if train.reshard_after_forward:  # the last block stays gathered into backward (plans/fully_shard.py)
-        regather = tp_local - units["block"]
-        add("FSDP all-gather (backward)", "all_gather", fsdp, "fsdp_backward",
-            (n_units - 1) * micro_steps, regather * precision.compute * micro_steps)  # fmt: skip
-    add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce",
-        n_units * rs_steps, tp_local * precision.reduce * rs_steps)  # fmt: skip
+    if mesh.pp > 1:
+        # The schedule keeps units gathered for the whole step and syncs gradients after the last micro-batch.
+        add(
+            "FSDP all-gather (once per step)", "all_gather", fsdp, "fsdp_forward", n_units, tp_local * precision.compute
+        )
+        add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce", n_units, tp_local * precision.reduce)
+    else:
+        _fsdp_rows(add, model, train, mesh, tp_local, n_units)
 
     # Data-parallel replicas: HSDP all-reduces the gradient shards, plain replicate whole bucketed gradients.
     replicated = tp_local / mesh.fsdp * precision.reduce
@@ -127,23 +140,54 @@ def collectives(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster:
     # Recomputation (non-reentrant checkpoint) stops once the last saved tensor is rebuilt: the block's
     # final reduce-scatter (w2's) is not repeated. + 1 each for the embedding (reduce-scatter forward,
     # all-gather backward) and the output projection (all-gather forward, reduce-scatter backward).
-    tp_calls = {"all_gather": 4 * layers + 2 * recomputed + 2, "reduce_scatter": 4 * layers + recomputed + 2}
+    ends = share.embedding + share.head
+    tp_calls = {"all_gather": 4 * layers + 2 * recomputed + ends, "reduce_scatter": 4 * layers + recomputed + ends}
     for kind, calls in tp_calls.items():
         add(f"TP {kind.replace('_', '-')} (SP activations)", kind, ("tp",), "tp",
             calls * micro_steps, calls * activation * micro_steps)  # fmt: skip
+    norms = 2 * layers + share.head
+    # Under pp the norm weights' partial gradients are not reduced inside the schedule's backward (measured: no
+    # all-reduce in the step); they are reduced once, when clipping / the optimizer reads them.
+    norm_syncs = 1 if mesh.pp > 1 else micro_steps
     add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",
-        (2 * layers + 1) * micro_steps, (2 * layers + 1) * model.dim * precision.reduce * micro_steps)  # fmt: skip
-    # loss_parallel: cross-entropy over vocab-sharded logits all-reduces max, sum-exp and the target logit (fp32).
-    add("TP all-reduce (loss-parallel stats)", "all_reduce", ("tp",), "tp",
-        3 * micro_steps, 3 * tokens * 4 * micro_steps)  # fmt: skip
+        norms * norm_syncs, norms * model.dim * precision.reduce * norm_syncs)  # fmt: skip
+    if share.head:  # loss_parallel: cross-entropy over vocab-sharded logits all-reduces max, sum-exp, target logit
+        add("TP all-reduce (loss-parallel stats)", "all_reduce", ("tp",), "tp",
+            3 * micro_steps, 3 * tokens * 4 * micro_steps)  # fmt: skip
 
-    for row in _context_parallel(model, train, mesh, tokens, recomputed):
+    for row in _context_parallel(model, train, mesh, tokens, recomputed, layers):
         add(*row[:3], "cp_ring" if train.cp_rotate_method == "ring" else "cp", *row[3:])
+    if mesh.pp > 1:
+        _pipeline_rows(add, train, mesh, share, activation / mesh.tp)
     return rows
 
 
+def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tp_local: float, n_units: int) -> None:  # noqa: ANN001
+    """FSDP2 without pp: all-gather every unit per micro-batch forward, again in backward when resharding, and
+    reduce-scatter on every micro-batch that syncs."""
+    micro_steps = train.accumulation_steps(mesh) or 1
+    rs_steps = train.reduce_scatter_steps(mesh)  # HSDP's all-reduce and replicate's: once per step
+    precision, fsdp = train.bytes, ("dp_shard", "cp")
+    add("FSDP all-gather (forward)", "all_gather", fsdp, "fsdp_forward",
+        n_units * micro_steps, tp_local * precision.compute * micro_steps)  # fmt: skip
+    if train.reshard_after_forward:  # the last block stays gathered into backward (plans/fully_shard.py)
+        block = model.layer_matmul_params / mesh.tp + model.layer_norm_params
+        add("FSDP all-gather (backward)", "all_gather", fsdp, "fsdp_backward",
+            (n_units - 1) * micro_steps, (tp_local - block) * precision.compute * micro_steps)  # fmt: skip
+    add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce",
+        n_units * rs_steps, tp_local * precision.reduce * rs_steps)  # fmt: skip
+
+
+def _pipeline_rows(add, train: TrainingSpec, mesh: MeshShape, share: RankShare, activation: float) -> None:  # noqa: ANN001
+    """Point-to-point between stages: per micro-batch each stage sends its output ([mb, seq/(cp tp), dim], the
+    sequence-parallel shard) forward and its input's gradient backward (same size)."""
+    forward, backward = p2p_sends(mesh, microbatches(train, mesh), share)
+    add("PP send (activations)", "send_recv", ("pp",), "pp", forward, forward * activation)
+    add("PP send (activation grads)", "send_recv", ("pp",), "pp", backward, backward * activation)
+
+
 def _context_parallel(
-    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tokens: float, recomputed: int
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tokens: float, recomputed: int, layers: int
 ) -> list[tuple[str, str, tuple[str, ...], int, float]]:
     """(name, kind, dims, calls, payload) of the cp collectives of one micro-batch x micro-batches, per method.
 
@@ -155,7 +199,7 @@ def _context_parallel(
     (checkpointed) block repeats its forward communication.
     """
     micro_steps = train.accumulation_steps(mesh) or 1
-    e, layers, cp = train.bytes.compute, model.n_layers, mesh.cp
+    e, cp = train.bytes.compute, mesh.cp
     kv = 2 * tokens * model.kv_dim / mesh.tp  # K and V elements of this rank's tokens
     forward_passes = layers + recomputed
     if train.cp_rotate_method == "ring":

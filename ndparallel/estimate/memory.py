@@ -9,9 +9,11 @@ replicate otherwise). Formulas: docs/planning.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from ndparallel.comm.ulysses import kv_heads_sent
+from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "fsdp_units",
     "layer_activation_bytes_per_token",
     "params_per_rank",
+    "pipeline_train",
+    "saved_activation_bytes",
 ]
 
 DDP_BUCKET_BYTES = 25 * 10**6  # ndparallel's replicate default bucket (dp_bucket_mb=25)
@@ -48,11 +52,16 @@ def fsdp_units(model: ModelSpec, tp: int) -> dict[str, float]:
     }
 
 
-def params_per_rank(model: ModelSpec, mesh: MeshShape) -> float:
-    """Parameter elements held by one rank: tp-local model / (dp_shard x cp)."""
-    units = fsdp_units(model, mesh.tp)
-    tp_local = units["embedding"] + model.n_layers * units["block"] + units["head"]
-    return tp_local / mesh.fsdp
+def tp_local_params(model: ModelSpec, tp: int, share: RankShare | None = None) -> float:
+    """Parameter elements of ``share`` (default: the whole model) on one tensor-parallel rank, before FSDP."""
+    share = share or RankShare.whole(model)
+    units = fsdp_units(model, tp)
+    return units["embedding"] * share.embedding + share.blocks * units["block"] + units["head"] * share.head
+
+
+def params_per_rank(model: ModelSpec, mesh: MeshShape, share: RankShare | None = None) -> float:
+    """Parameter elements held by one rank: its tp-local share of the model / (dp_shard x cp)."""
+    return tp_local_params(model, mesh.tp, share) / mesh.fsdp
 
 
 def norm_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int) -> float:
@@ -98,23 +107,59 @@ def head_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: i
     return norm_activation_bytes_per_token(model, train, tp) + vocab * (train.bytes.compute + 4 + 4)
 
 
-def activation_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, mode: str | None = None) -> float:
+def activation_bytes(
+    model: ModelSpec,
+    train: TrainingSpec,
+    mesh: MeshShape,
+    mode: str | None = None,
+    blocks: int | None = None,
+    head: bool = True,
+    saved_only: bool = False,
+) -> float:
     """Peak activation bytes of one micro-batch on one rank for checkpointing ``mode`` (default: train's).
 
     ``none``: every block's saved tensors. ``full``: each block keeps only its (sequence-sharded) input,
     and one block's tensors exist again while it is recomputed. ``selective``: every other block is
-    checkpointed (ndparallel's definition). The loss head is never checkpointed.
+    checkpointed (ndparallel's definition). The loss head is never checkpointed. ``blocks`` / ``head``: a
+    pipeline stage's part (default the whole model). ``saved_only``: what autograd saves, without the head's
+    logits and their fp32 gradient (live at the start of backward, not saved).
     """
     mode = mode or train.activation_checkpointing
     tokens = train.micro_batch * train.seq_len / mesh.cp
     layer = layer_activation_bytes_per_token(model, train, mesh.tp, mesh.cp) * tokens
     block_input = train.bytes.compute * model.dim / mesh.tp * tokens
-    n_layers = model.n_layers
+    n_layers = model.n_layers if blocks is None else blocks
     checkpointed = checkpointed_blocks(n_layers, mode)
     stored = (n_layers - checkpointed) * layer + checkpointed * block_input
     recompute = layer if checkpointed else 0.0
-    head = head_activation_bytes_per_token(model, train, mesh.tp) * tokens
-    return stored + recompute + head
+    head_bytes = head_activation_bytes_per_token(model, train, mesh.tp) * tokens if head else 0.0
+    if head and saved_only:
+        head_bytes -= model.vocab_size / mesh.tp * (train.bytes.compute + 4) * tokens
+    return stored + recompute + head_bytes
+
+
+def pipeline_train(train: TrainingSpec, mesh: MeshShape) -> TrainingSpec:
+    """Under pp the pipeline's micro-batches are the accumulation: ``micro_batch`` = local batch / m."""
+    m = microbatches(train, mesh)
+    if mesh.pp == 1 or not m or train.global_batch % (mesh.dp * m):
+        return train
+    return dataclasses.replace(train, micro_batch=train.global_batch // (mesh.dp * m))
+
+
+def saved_activation_bytes(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, pp_rank: int = 0, mode: str | None = None,
+    saved_only: bool = False,
+) -> float:  # fmt: skip
+    """Activation bytes one pp rank holds at its schedule's peak: for each local stage, the micro-batches in
+    flight (:func:`ndparallel.estimate.pipeline.in_flight`) x that stage's bytes per micro-batch."""
+    train = pipeline_train(train, mesh)
+    share = rank_shares(model, mesh)[pp_rank]
+    counts = in_flight(mesh, microbatches(train, mesh), pp_rank)
+    total = 0.0
+    for i, (blocks, count) in enumerate(zip(share.stage_blocks, counts, strict=True)):
+        per_mb = activation_bytes(model, train, mesh, mode, blocks, i == share.last_stage_local, saved_only)
+        total += count * per_mb
+    return total
 
 
 @dataclass(frozen=True)
@@ -134,6 +179,8 @@ class MemoryEstimate:
     activations_by_mode: dict[str, float]
     accumulated_grads: float = 0.0
     """Unsharded gradients FSDP keeps between micro-batches when gradient sync waits for the last one."""
+    pp_rank: int = 0
+    """With pipeline parallelism: the pp rank these numbers are for."""
 
     @property
     def state(self) -> float:
@@ -147,12 +194,23 @@ class MemoryEstimate:
         return {**asdict(self), "state": self.state, "peak": self.peak}
 
 
-def estimate_memory(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> MemoryEstimate:
-    """Per-rank memory of ``model`` trained with ``train`` on ``mesh``."""
+def estimate_memory(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, pp_rank: int | None = None
+) -> MemoryEstimate:
+    """Per-rank memory of ``model`` trained with ``train`` on ``mesh``. With pp: of ``pp_rank``, or (None) of
+    the pp rank with the highest peak."""
+    if mesh.pp > 1 and pp_rank is None:
+        ranks = [estimate_memory(model, train, mesh, r) for r in range(mesh.pp)]
+        return max(ranks, key=lambda e: e.peak)
     precision = train.bytes
-    params = params_per_rank(model, mesh)
+    share = rank_shares(model, mesh)[pp_rank or 0]
+    params = params_per_rank(model, mesh, share)
     units = fsdp_units(model, mesh.tp)
-    if mesh.fsdp > 1:
+    if mesh.pp > 1 and mesh.fsdp > 1:
+        # Under pp the schedule keeps every unit gathered (reshard_after_forward=False) and its gradients
+        # unsharded from the first micro-batch's backward to the last (docs/planning.md, "FSDP x pp").
+        transient = params * mesh.fsdp * (precision.compute + precision.reduce)
+    elif mesh.fsdp > 1:
         largest = max(units.values())
         if train.reshard_after_forward:
             gathered = 2 * largest * precision.compute  # the unit in use + the prefetched next one
@@ -163,8 +221,11 @@ def estimate_memory(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> M
         tp_local = params
         weight_copy = tp_local * precision.compute if precision.compute != precision.param else 0.0
         transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)
-    by_mode = {mode: activation_bytes(model, train, mesh, mode) for mode in ACTIVATION_CHECKPOINTING}
-    deferred_sync = train.defer_grad_sync and train.accumulation_steps(mesh) > 1
+    if mesh.pp > 1:
+        by_mode = {mode: saved_activation_bytes(model, train, mesh, pp_rank, mode) for mode in ACTIVATION_CHECKPOINTING}
+    else:
+        by_mode = {mode: activation_bytes(model, train, mesh, mode) for mode in ACTIVATION_CHECKPOINTING}
+    deferred_sync = train.defer_grad_sync and train.accumulation_steps(mesh) > 1 and mesh.pp == 1
     accumulated = params * mesh.fsdp * precision.reduce if deferred_sync and mesh.fsdp > 1 else 0.0
     return MemoryEstimate(
         params=params * precision.param,
@@ -174,4 +235,5 @@ def estimate_memory(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> M
         transient=transient,
         activations_by_mode=by_mode,
         accumulated_grads=accumulated,
+        pp_rank=pp_rank or 0,
     )

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.comm import Collective, collectives
 from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
+from ndparallel.estimate.pipeline import V_SCHEDULES, microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
 from ndparallel.sequence import sequence_problem
@@ -26,6 +28,8 @@ class Estimate:
     usable_memory: float
     problems: list[str] = field(default_factory=list)
     """Why the shape is invalid (divisibility); empty when valid."""
+    microbatches: int = 1
+    """Micro-batches per step on each data-parallel rank (the pipeline's m under pp)."""
 
     @property
     def valid(self) -> bool:
@@ -63,6 +67,11 @@ class Estimate:
                 f"(largest: {biggest} {parts[biggest] / GiB:.1f} GiB)"
             )
         text = f"headroom {self.headroom / GiB:.1f} GiB"
+        if self.mesh.pp > 1:
+            text += (
+                f"; pp {self.mesh.pp} x {self.mesh.stages_per_rank} stage(s)/rank, m={self.microbatches}, "
+                f"bubble {self.time.bubble:.0%}, peak on pp rank {self.memory.pp_rank}"
+            )
         top = self.dominant_comm
         if top is None:
             return text + "; no communication"
@@ -75,7 +84,8 @@ class Estimate:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "mesh": self.mesh.as_dict(),
+            "mesh": {**self.mesh.as_dict(), **(self.mesh.pp_dict() if self.mesh.pp > 1 else {})},
+            "microbatches": self.microbatches,
             "valid": self.valid,
             "fits": self.fits,
             "problems": list(self.problems),
@@ -102,10 +112,78 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
     if sequence:
         problems.append(sequence)
     per_step = mesh.dp * train.micro_batch
-    if train.global_batch % per_step:
+    if mesh.pp > 1:
+        problems += pipeline_problems(model, train, mesh)
+    elif train.global_batch % per_step:
         problems.append(
             f"global_batch={train.global_batch} not divisible by dp_replicate x dp_shard x micro_batch={per_step}"
         )
+    return problems
+
+
+def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> list[str]:
+    """Why a pp shape cannot run. On a build with pp-core's rules (``ndparallel.pp_rules``) the config's own
+    validation decides (``ParallelismConfig`` with the pp fields and the training's precision and
+    checkpointing: what ``ndparallel train`` refuses, e.g. pp with bf16 or HSDP until tested) and the schedule's
+    micro-batch rule is ``pp_rules.check_microbatches``; without it the same schedule rules are stated here.
+    Always: a block per stage at least and a batch that splits into m micro-batches (what the estimate needs),
+    and no cp / pure replicate (not modelled)."""
+    problems = []
+    rules = _pp_rules()
+    n_stages, local = mesh.pp * mesh.stages_per_rank, train.global_batch // mesh.dp
+    m = microbatches(train, mesh)
+    if rules is not None:
+        sizes = {f"{dim}_size": value for dim, value in mesh.as_dict().items()}
+        knobs = {"pp_size": mesh.pp, "pp_schedule": mesh.pp_schedule, "pp_microbatches": mesh.pp_microbatches or None,
+                 "pp_stages_per_rank": mesh.pp_stages_per_rank or None,
+                 "mixed_precision": "no" if train.precision == "fp32" else train.precision,
+                 "activation_checkpointing": train.activation_checkpointing,
+                 "cp_rotate_method": train.cp_rotate_method, "cp_load_balance": train.cp_load_balance}  # fmt: skip
+        try:
+            ParallelismConfig(**sizes, **knobs).resolve(mesh.world_size)
+        except ConfigError as err:
+            problems.append(str(err))
+    if n_stages > model.n_layers:
+        problems.append(f"pp={mesh.pp} x {mesh.stages_per_rank} stage(s) per rank > {model.n_layers} blocks")
+    if train.global_batch % mesh.dp or not m or local % m:
+        problems.append(
+            f"global_batch={train.global_batch} does not split over dp={mesh.dp} into pp_microbatches="
+            f"{m or mesh.pp_microbatches or '(accumulation steps)'} micro-batches"
+        )
+    elif rules is not None:
+        try:
+            rules.check_microbatches(mesh.pp_schedule, m, mesh.pp, mesh.stages_per_rank, "pp_microbatches")
+        except ConfigError as err:
+            problems.append(str(err))
+    else:
+        problems += _schedule_rules(mesh, m, n_stages)
+    if mesh.cp > 1 or (mesh.dp_replicate > 1 and mesh.fsdp == 1):
+        problems.append("pp with cp or pure dp_replicate is not modelled yet (pp x dp_shard / tp / HSDP are)")
+    return problems
+
+
+def _pp_rules():  # noqa: ANN202 (a module or None)
+    """pp-core's rule module (issue 13), or None on a build without pipeline parallelism."""
+    try:
+        from ndparallel import pp_rules
+    except ImportError:
+        return None
+    return pp_rules if "pp_size" in ParallelismConfig.__dataclass_fields__ else None
+
+
+def _schedule_rules(mesh: MeshShape, m: int, n_stages: int) -> list[str]:
+    """torch's schedule limits, for a build without ``ndparallel.pp_rules`` (the same rules as its)."""
+    problems = []
+    if mesh.pp_schedule in ("1f1b", "dualpipev") and m < n_stages:
+        problems.append(f"{mesh.pp_schedule} needs pp_microbatches >= {n_stages} stages, got m={m}")
+    elif mesh.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and m % max(1, m // mesh.pp):
+        problems.append(f"{mesh.pp_schedule}: m={m} is not a multiple of its rounds (m // pp = {m // mesh.pp})")
+    if mesh.pp_schedule in V_SCHEDULES and mesh.stages_per_rank != 2:
+        problems.append(f"{mesh.pp_schedule} needs exactly 2 stages per rank")
+    elif mesh.pp_schedule in ("gpipe", "1f1b") and mesh.stages_per_rank != 1:
+        problems.append(f"{mesh.pp_schedule} runs 1 stage per rank, not {mesh.stages_per_rank}")
+    elif mesh.pp_schedule not in ("gpipe", "1f1b") and mesh.stages_per_rank < 2:
+        problems.append(f"{mesh.pp_schedule} needs at least 2 stages per rank")
     return problems
 
 
@@ -119,24 +197,37 @@ def estimate(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: Cl
     memory = estimate_memory(model, train, mesh)
     comms = collectives(model, train, mesh, cluster)
     time = estimate_step_time(model, train, mesh, cluster, comms)
-    return Estimate(mesh, memory, comms, time, cluster.usable_memory, shape_problems(model, train, mesh))
+    problems = shape_problems(model, train, mesh)
+    micro = microbatches(train, mesh) if mesh.pp > 1 else train.accumulation_steps(mesh)
+    return Estimate(mesh, memory, comms, time, cluster.usable_memory, problems, micro)
 
 
-def mesh_shapes(world_size: int, fixed: Mapping[str, int] | None = None) -> list[MeshShape]:
-    """Every (dp_replicate, dp_shard, cp, tp) whose product is ``world_size``; ``fixed`` pins dims."""
+def mesh_shapes(
+    world_size: int, fixed: Mapping[str, int] | None = None, pp_schedules: tuple[str, ...] = (), **pp_knobs: int
+) -> list[MeshShape]:
+    """Every (dp_replicate, dp_shard, cp, tp) whose product is ``world_size``; ``fixed`` pins dims (``pp`` too).
+    With ``pp_schedules``, also every pp > 1 dividing the world, once per schedule (``pp_knobs``:
+    ``pp_microbatches``, ``pp_stages_per_rank``)."""
     fixed = dict(fixed or {})
-    unknown = sorted(set(fixed) - set(MeshShape().as_dict()))
+    unknown = sorted(set(fixed) - {*MeshShape().as_dict(), "pp"})
     if unknown:
-        raise ConfigError(f"unknown mesh dim(s) {unknown}; dims are dp_replicate, dp_shard, cp, tp")
+        raise ConfigError(f"unknown mesh dim(s) {unknown}; dims are pp, dp_replicate, dp_shard, cp, tp")
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     shapes = []
-    for tp in divisors:
-        for cp in divisors:
-            for shard in divisors:
-                rest, remainder = divmod(world_size, tp * cp * shard)
-                if remainder == 0:
-                    shapes.append(MeshShape(rest, shard, cp, tp))
-    return [s for s in shapes if all(s.as_dict()[k] == v for k, v in fixed.items())]
+    for pp in divisors if pp_schedules else [1]:
+        inner = world_size // pp
+        for tp in divisors:
+            for cp in divisors:
+                for shard in divisors:
+                    rest, remainder = divmod(inner, tp * cp * shard)
+                    if remainder or rest == 0:
+                        continue
+                    if pp == 1:
+                        shapes.append(MeshShape(rest, shard, cp, tp))
+                    else:
+                        shapes += [MeshShape(rest, shard, cp, tp, pp, name, **pp_knobs) for name in pp_schedules]
+    sizes = lambda s: {**s.as_dict(), "pp": s.pp}  # noqa: E731
+    return [s for s in shapes if all(sizes(s)[k] == v for k, v in fixed.items())]
 
 
 @dataclass(frozen=True)
@@ -154,9 +245,19 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
 
-def plan(model: ModelSpec, train: TrainingSpec, cluster: ClusterSpec, fixed: Mapping[str, int] | None = None) -> Plan:
-    """Estimate every mesh shape of ``cluster.num_gpus`` and rank the feasible ones by step time."""
-    shapes = mesh_shapes(cluster.num_gpus, fixed)
+def plan(
+    model: ModelSpec,
+    train: TrainingSpec,
+    cluster: ClusterSpec,
+    fixed: Mapping[str, int] | None = None,
+    search_pp: bool = False,
+    pp_schedules: tuple[str, ...] = ("1f1b",),
+    **pp_knobs: int,
+) -> Plan:
+    """Estimate every mesh shape of ``cluster.num_gpus`` and rank the feasible ones by step time. ``search_pp``
+    (or a pinned ``pp``): pipeline shapes too, once per schedule in ``pp_schedules``."""
+    with_pp = search_pp or dict(fixed or {}).get("pp", 1) > 1
+    shapes = mesh_shapes(cluster.num_gpus, fixed, pp_schedules if with_pp else (), **pp_knobs)
     if not shapes:
         pinned = " x ".join(f"{k}={v}" for k, v in dict(fixed or {}).items())
         raise ConfigError(

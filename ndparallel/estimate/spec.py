@@ -23,6 +23,7 @@ from ndparallel.peak import GPU_PEAK_BF16
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
     "GPU_PRESETS",
+    "PP_SCHEDULES",
     "PRECISIONS",
     "ClusterSpec",
     "MeshShape",
@@ -377,17 +378,51 @@ class TrainingSpec:
 
 
 # ---------------------------------------------------------------------------------------------- mesh
+# The config's schedule names once it has them (pp-core, issue 13); the contract's list until then.
+PP_SCHEDULES: tuple[str, ...] = tuple(
+    CHOICES.get(
+        "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+    )
+)
+
+
 @dataclass(frozen=True, order=True)
 class MeshShape:
-    """Sizes of the four mesh dims, outer -> inner: dp_replicate, dp_shard, cp, tp."""
+    """Sizes of the mesh dims, outer -> inner: (pp,) dp_replicate, dp_shard, cp, tp; and the pipeline's knobs.
+
+    ``pp`` is listed last as a field (so ``MeshShape(rep, shard, cp, tp)`` keeps working) but is the outermost
+    mesh dim. The pp knobs mirror ``ParallelismConfig``'s (PP_CONTRACT.md): ``pp_schedule``;
+    ``pp_microbatches`` (0: the training accumulation steps, the config's None); ``pp_stages_per_rank``
+    (0: 1 for gpipe / 1f1b, 2 otherwise, the config's None)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"mesh {key}={value!r} must be a positive integer")
+        for key in ("pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{key}={value!r} must be a positive integer (0 or omitted: the default)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"pp_schedule={self.pp_schedule!r} is not one of {list(PP_SCHEDULES)}")
 
     @property
     def world_size(self) -> int:
+        return self.pp * self.inner_size
+
+    @property
+    def inner_size(self) -> int:
+        """Ranks of one pipeline stage group (the mesh without pp)."""
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
@@ -400,8 +435,23 @@ class MeshShape:
         """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank holds (1 without pp)."""
+        if self.pp == 1:
+            return 1
+        return self.pp_stages_per_rank or (1 if self.pp_schedule in ("gpipe", "1f1b") else 2)
+
     def describe(self) -> str:
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
+        inner = f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
+        return inner if self.pp == 1 else f"pp{self.pp} {self.pp_schedule} x {inner}"
 
     def as_dict(self) -> dict[str, int]:
+        """The four inner dims (what link and group rules read); ``pp_dict`` has the pipeline's."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+
+    def pp_dict(self) -> dict[str, object]:
+        return {
+            "pp": self.pp, "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches or None,
+            "pp_stages_per_rank": self.pp_stages_per_rank or None,
+        }  # fmt: skip

@@ -10,6 +10,9 @@ Overlap assumptions (FSDP2 prefetching, overlapped gradient reduction, no async 
 * CP ring K/V transfers hide behind attention compute (forward, backward and recompute); the
   allgather and alltoall (Ulysses) collectives run before or after the attention that needs them:
   fully exposed.
+* Pipeline parallel: each rank computes its stages' share of the FLOPs (the slowest rank sets the pace),
+  stretched by the schedule's bubble, ``compute / (1 - bubble)``; the point-to-point sends of the fill and
+  the drain (``2 (p - 1)`` of one micro-batch) are exposed, the others overlap the next micro-batch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndparallel.estimate.comm import Collective
-from ndparallel.estimate.memory import checkpointed_blocks
+from ndparallel.estimate.memory import checkpointed_blocks, pipeline_train
+from ndparallel.estimate.pipeline import bubble_fraction, microbatches, rank_shares
 from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
 
 __all__ = ["StepTime", "estimate_step_time"]
@@ -37,6 +41,8 @@ class StepTime:
     model_flops_per_step: float
     world_size: int
     peak_flops: float
+    bubble: float = 0.0
+    """Pipeline parallel: idle share of the step (``compute_s`` already includes it)."""
 
     @property
     def exposed_comm_s(self) -> float:
@@ -58,7 +64,7 @@ class StepTime:
     def as_dict(self) -> dict[str, object]:
         return {
             "step_s": self.step_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
-            "exposed_comm_s": self.exposed_comm_s, "exposed_s": dict(self.exposed_s),
+            "exposed_comm_s": self.exposed_comm_s, "exposed_s": dict(self.exposed_s), "bubble": self.bubble,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
         }  # fmt: skip
 
@@ -67,6 +73,7 @@ def estimate_step_time(
     model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec, comms: list[Collective]
 ) -> StepTime:
     """Compute time and exposed communication of one optimizer step (module docstring: overlap rules)."""
+    train = pipeline_train(train, mesh)
     micro_steps = train.accumulation_steps(mesh) or 1
     seq = train.seq_len
     tokens = train.micro_batch * seq  # per data-parallel rank and micro-batch, shared by its cp x tp ranks
@@ -77,7 +84,8 @@ def estimate_step_time(
     # Recompute = one more forward (1/3 of forward + backward) of the checkpointed blocks.
     recompute_per_token = recomputed / model.n_layers * (layer_matmul_per_token + attention_per_token) / 3
 
-    rate = cluster.peak_flops * cluster.mfu * mesh.cp * mesh.tp  # one dp rank's cp x tp GPUs share its tokens
+    # one dp rank's cp x tp GPUs share its tokens; with pp each computes its stages' share (the largest sets the pace)
+    rate = cluster.peak_flops * cluster.mfu * mesh.cp * mesh.tp / _largest_share(model, mesh)
     forward_s = micro_steps * tokens * flops_per_token / 3 / rate
     backward_s = micro_steps * tokens * (2 * flops_per_token / 3 + recompute_per_token) / rate
     attention_s = micro_steps * tokens * attention_per_token * (1 + recomputed / model.n_layers / 3) / rate
@@ -96,7 +104,9 @@ def estimate_step_time(
     # Backward of each micro-batch hides its re-gathers and its gradient reductions: a reduce-scatter on each
     # micro-batch that reduce-scatters (all of them under FSDP unless deferred), the all-reduces (HSDP,
     # replicate) on the last. The last reduction of the step cannot overlap.
-    rs_steps = train.reduce_scatter_steps(mesh)
+    # under pp the schedule gathers each FSDP unit and reduce-scatters its gradient once per step
+    rs_steps = 1 if mesh.pp > 1 else train.reduce_scatter_steps(mesh)
+    gathers = 1 if mesh.pp > 1 else micro_steps
     scatter = [row for row in by_phase.get("grad_reduce", []) if row.kind == "reduce_scatter"]
     all_reduce = [row for row in by_phase.get("grad_reduce", []) if row.kind != "reduce_scatter"]
     scatter_per_sync = sum(row.time_s for row in scatter) / rs_steps
@@ -107,8 +117,11 @@ def estimate_step_time(
     last_calls = sum(row.time_s / row.calls for row in scatter) * rs_steps + sum(
         row.time_s / row.calls for row in all_reduce
     )
+    bubble = bubble_fraction(mesh, microbatches(train, mesh))
+    pp_sends = [row.time_s / row.calls for row in by_phase.get("pp", [])]
     exposed = {
-        "fsdp_forward": max(0.0, total("fsdp_forward") - forward_s) + first_calls("fsdp_forward", micro_steps),
+        "pp": 2 * (mesh.pp - 1) * max(pp_sends, default=0.0),
+        "fsdp_forward": max(0.0, total("fsdp_forward") - forward_s) + first_calls("fsdp_forward", gathers),
         "backward": backward_exposed + last_calls,
         "tp": total("tp"),
         "cp_ring": max(0.0, total("cp_ring") - attention_s),
@@ -116,11 +129,21 @@ def estimate_step_time(
     }
     tokens_per_step = train.global_batch * seq
     return StepTime(
-        compute_s=forward_s + backward_s,
+        compute_s=(forward_s + backward_s) / (1 - bubble),
         comm_s=sum(row.time_s for row in comms),
         exposed_s={k: v for k, v in exposed.items() if v > 0},
         tokens_per_step=tokens_per_step,
         model_flops_per_step=tokens_per_step * flops_per_token,
         world_size=mesh.world_size,
         peak_flops=cluster.peak_flops,
+        bubble=bubble,
     )
+
+
+def _largest_share(model: ModelSpec, mesh: MeshShape) -> float:
+    """The largest fraction of the model's matmul FLOPs one pp rank computes (1 without pp)."""
+    if mesh.pp == 1:
+        return 1.0
+    block = model.layer_matmul_params
+    total = model.n_layers * block + model.vocab_size * model.dim
+    return max((s.blocks * block + s.head * model.vocab_size * model.dim) / total for s in rank_shares(model, mesh))

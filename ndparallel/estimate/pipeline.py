@@ -1,0 +1,183 @@
+"""The pipeline-parallel (pp) part of the cost model: stage split, what each pp rank holds, micro-batches in
+flight per schedule, the bubble and point-to-point traffic. Formulas and their measured validation:
+docs/planning.md ("Pipeline parallelism").
+
+Rules of the schedules (torch.distributed.pipelining, measured on CPU/gloo, torch 2.13):
+
+* ``gpipe``: all forwards, then all backwards: every stage holds all ``m`` micro-batches.
+* ``1f1b``: stage ``s`` runs ``min(m, p - s)`` warm-up forwards, then one backward per forward: it holds
+  ``min(m, p - s)`` micro-batches.
+* ``interleaved_1f1b`` (``v`` stages per rank): pp rank ``r`` runs ``w = (v-1) * k + 2 (p-1-r)`` warm-up
+  forwards, ``k = m / max(1, m // p)`` micro-batches per round, then one more forward before its first
+  backward: ``min(m v, w + 1)`` stage-forwards in flight, the ``i``-th on its local stage ``(i // k) % v``
+  (torch's op order). Fitted to, and exact on, the measured table (docs/planning.md).
+* ``looped_bfs``, ``interleaved_zb``, ``zbv``, ``dualpipev``: not modelled from measurements yet: every local
+  stage is assumed to hold all ``m`` micro-batches (GPipe's bound; the spike measured ZBV at 0.9x of it).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ndparallel.estimate.spec import MeshShape, ModelSpec, TrainingSpec
+
+__all__ = [
+    "V_SCHEDULES",
+    "RankShare",
+    "bubble_fraction",
+    "in_flight",
+    "microbatches",
+    "rank_shares",
+    "stage_ranges",
+]
+
+V_SCHEDULES = ("zbv", "dualpipev")
+MEASURED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one pp rank holds: its stage ids, their block counts, and whether it has the embedding / the head
+    (final norm + output + loss). Without pp: the whole model."""
+
+    stage_ids: tuple[int, ...]
+    stage_blocks: tuple[int, ...]
+    embedding: bool
+    head: bool
+    last_stage_local: int = -1
+    """Index (in ``stage_ids``) of the local stage that holds the head, -1 if none."""
+
+    @property
+    def blocks(self) -> int:
+        return sum(self.stage_blocks)
+
+    @classmethod
+    def whole(cls, model: ModelSpec) -> RankShare:
+        return cls((0,), (model.n_layers,), True, True, 0)
+
+
+def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None = None) -> list[range]:
+    """Contiguous block ranges per stage: ``split`` (explicit ``[first, last)`` pairs) or balanced by parameter
+    count (the first stage also holds the embedding, the last the final norm and output): the split that
+    minimises the largest stage, each stage at least one block; the runtime's ``balanced_split`` when this
+    build has ``ndparallel.pipeline``."""
+    if split is not None:
+        return [range(a, b) for a, b in split]
+    return list(_balanced_ranges(model, n_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_ranges(model: ModelSpec, n_stages: int) -> tuple[range, ...]:
+    block = model.layer_matmul_params + model.layer_norm_params
+    first, last = model.embedding_params, model.output_params + model.dim
+    try:  # the runtime's own rule (pp-core's ndparallel.pipeline), so the estimate splits as training does
+        from ndparallel.pipeline.split import balanced_split
+    except ImportError:  # a build without it: the same algorithm, below
+        balanced_split = _balanced_split
+    if n_stages > model.n_layers:
+        return tuple(range(i, i + 1) for i in range(n_stages))  # invalid shape (refused by the planner)
+    return tuple(balanced_split([block] * model.n_layers, n_stages, first, last))
+
+
+def _balanced_split(block_sizes: list[int], n_stages: int, first_extra: int, last_extra: int) -> list[range]:
+    """Contiguous ranges minimising the largest stage (blocks + the first / last stage's extras); among equal
+    maxima the first cut found (earlier stages smaller). Dynamic programming over cut points."""
+    n = len(block_sizes)
+    prefix = [0]
+    for size in block_sizes:
+        prefix.append(prefix[-1] + size)
+
+    def weight(stage: int, a: int, b: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == n_stages - 1 else 0)
+        return prefix[b] - prefix[a] + extra
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]  # best[s][i]: blocks [0, i) on stages [0, s)
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], weight(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(n_stages, 0, -1):
+        bounds.append(range(cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def stage_ids_of_rank(pp_rank: int, mesh: MeshShape) -> list[int]:
+    """Looped schedules: ``r, r + p, ...``; V schedules: ``r, 2p - 1 - r``."""
+    p, v = mesh.pp, mesh.stages_per_rank
+    if mesh.pp_schedule in V_SCHEDULES:
+        return [pp_rank, 2 * p - 1 - pp_rank]
+    return [pp_rank + i * p for i in range(v)]
+
+
+def rank_shares(model: ModelSpec, mesh: MeshShape, split: list[list[int]] | None = None) -> list[RankShare]:
+    """One :class:`RankShare` per pp rank (a single whole-model share without pp)."""
+    if split is None:
+        return list(_rank_shares(model, mesh))
+    return _shares(model, mesh, split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_shares(model: ModelSpec, mesh: MeshShape) -> tuple[RankShare, ...]:
+    return tuple(_shares(model, mesh, None))
+
+
+def _shares(model: ModelSpec, mesh: MeshShape, split: list[list[int]] | None) -> list[RankShare]:
+    if mesh.pp == 1:
+        return [RankShare.whole(model)]
+    n_stages = mesh.pp * mesh.stages_per_rank
+    ranges = stage_ranges(model, n_stages, split)
+    shares = []
+    for r in range(mesh.pp):
+        ids = stage_ids_of_rank(r, mesh)
+        last = ids.index(n_stages - 1) if n_stages - 1 in ids else -1
+        shares.append(RankShare(tuple(ids), tuple(len(ranges[i]) for i in ids), 0 in ids, last >= 0, last))
+    return shares
+
+
+def microbatches(train: TrainingSpec, mesh: MeshShape) -> int:
+    """The pipeline's ``m``: ``pp_microbatches``, else the training accumulation steps (0 if the batch does not
+    divide)."""
+    return mesh.pp_microbatches or train.accumulation_steps(mesh)
+
+
+def in_flight(mesh: MeshShape, m: int, pp_rank: int) -> list[int]:
+    """Micro-batches each local stage of ``pp_rank`` holds activations for at the schedule's peak (module doc)."""
+    p, v, schedule = mesh.pp, mesh.stages_per_rank, mesh.pp_schedule
+    if p == 1:
+        return [1]
+    if schedule == "1f1b":
+        return [min(m, p - pp_rank)]
+    if schedule == "interleaved_1f1b":
+        per_round = m // max(1, m // p)
+        forwards = min(m * v, (v - 1) * per_round + 2 * (p - 1 - pp_rank) + 1)
+        counts = [0] * v
+        for i in range(forwards):
+            counts[(i // per_round) % v] += 1
+        return counts
+    return [m] * v  # gpipe (exact); looped_bfs and the zero-bubble schedules (an upper bound)
+
+
+def bubble_fraction(mesh: MeshShape, m: int) -> float:
+    """Idle share of a step: ``(p-1) / (m+p-1)`` for GPipe / 1F1B; interleaved schedules divide the fill and
+    drain by the stages per rank ``v``: ``(p-1) / (v m + p-1)``."""
+    if mesh.pp == 1 or m < 1:
+        return 0.0
+    p, v = mesh.pp, mesh.stages_per_rank
+    return (p - 1) / (v * m + p - 1)
+
+
+def p2p_sends(mesh: MeshShape, m: int, share: RankShare) -> tuple[int, int]:
+    """(activation sends, gradient sends) of one pp rank per step: each stage sends its output forward to
+    the next stage and the gradient of its input back to the previous one, once per micro-batch."""
+    n_stages = mesh.pp * mesh.stages_per_rank
+    forward = sum(m for sid in share.stage_ids if sid < n_stages - 1)
+    backward = sum(m for sid in share.stage_ids if sid > 0)
+    return forward, backward

@@ -1,0 +1,194 @@
+"""The pipeline-parallel cost model: its formulas by hand, and against real gloo ranks (per-rank saved
+activation bytes, parameter bytes, point-to-point and collective bytes within 10%; bytes are deterministic).
+
+The ranks run torch's pipelining through ``ndparallel.bench.pipeline.build_pipeline``, the stand-in for
+``ndparallel.pipeline.build_pipeline`` until pp-core (issue 13) lands. ``python -m tests.test_estimate_pp``
+prints the measured-vs-predicted table of docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from ndparallel.bench.pipeline import PipelineRun, measure_pipeline
+from ndparallel.errors import ConfigError
+from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, collectives, estimate, model_spec, plan
+from ndparallel.estimate.memory import params_per_rank, saved_activation_bytes
+from ndparallel.estimate.pipeline import bubble_fraction, in_flight, rank_shares, stage_ranges
+from ndparallel.models import TransformerConfig
+from ndparallel.testing import run_distributed
+
+MODEL = dict(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16, dtype="float32")
+BATCH, SEQ = 8, 16
+# (sizes, schedule, micro-batches): >= 6 pp shapes, on 2 and 4 ranks (one spawned group each)
+RUNS = {
+    2: [({"pp": 2}, "gpipe", 4), ({"pp": 2}, "1f1b", 4), ({"pp": 2}, "interleaved_1f1b", 4)],
+    4: [
+        ({"pp": 4}, "1f1b", 4),
+        ({"pp": 4}, "interleaved_1f1b", 4),
+        ({"pp": 2, "dp_shard": 2}, "1f1b", 2),
+        ({"pp": 2, "tp": 2}, "1f1b", 2),
+    ],
+}
+
+
+def _run(sizes: dict[str, int], schedule: str, m: int) -> PipelineRun:
+    return PipelineRun(MODEL, sizes, schedule, m, batch=BATCH, seq=SEQ, steps=2)
+
+
+def _mesh(sizes: dict[str, int], schedule: str, m: int) -> MeshShape:
+    return MeshShape(dp_shard=sizes.get("dp_shard", 1), tp=sizes.get("tp", 1), pp=sizes["pp"],
+                     pp_schedule=schedule, pp_microbatches=m)  # fmt: skip
+
+
+def predicted(sizes: dict[str, int], schedule: str, m: int) -> list[dict]:
+    """The estimator's per-pp-rank numbers for one run (fp32, CPU's composite RMSNorm)."""
+    model = model_spec(TransformerConfig(**MODEL))
+    mesh = _mesh(sizes, schedule, m)
+    train = TrainingSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32", fused_norm=False)
+    out = []
+    for r in range(mesh.pp):
+        comm: dict[str, float] = {}
+        for row in collectives(model, train, mesh, ClusterSpec(num_gpus=mesh.world_size), pp_rank=r):
+            if "norm weight grads" in row.name:  # reduced at clipping / optimizer, which the harness does not run
+                continue
+            comm[f"{row.group}/{row.kind}"] = comm.get(f"{row.group}/{row.kind}", 0) + row.payload_bytes
+        share = rank_shares(model, mesh)[r]
+        out.append({
+            "saved_activation_bytes": saved_activation_bytes(model, train, mesh, r, saved_only=True),
+            "param_bytes": params_per_rank(model, mesh, share) * 4,
+            "comm": comm,
+        })  # fmt: skip
+    return out
+
+
+def measure_many(runs: list[PipelineRun]) -> list[dict]:
+    return [measure_pipeline(run) for run in runs]
+
+
+def _pp_rank(sizes: dict[str, int], rank: int) -> int:
+    return rank // (sizes.get("dp_shard", 1) * sizes.get("tp", 1))
+
+
+# ------------------------------------------------------------------------------------------ formulas
+def test_stage_split_in_flight_and_bubble_by_hand():
+    model = model_spec(TransformerConfig(**MODEL))
+    assert [len(r) for r in stage_ranges(model, 2)] == [4, 4]  # embedding and head weigh the same
+    big_vocab = dataclasses.replace(model, vocab_size=4096)  # embedding = head = 4 blocks' worth
+    assert [len(r) for r in stage_ranges(big_vocab, 4)] == [1, 1, 5, 1]  # the runtime's tie-break: first cut found
+    assert [list(r) for r in stage_ranges(model, 2, [[0, 3], [3, 8]])] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    gpipe, one = MeshShape(pp=4, pp_schedule="gpipe"), MeshShape(pp=4, pp_schedule="1f1b")
+    assert [in_flight(gpipe, 8, r) for r in range(4)] == [[8]] * 4
+    assert [in_flight(one, 8, r) for r in range(4)] == [[4], [3], [2], [1]]
+    assert [in_flight(one, 2, r) for r in range(4)] == [[2], [2], [2], [1]]
+    inter = MeshShape(pp=4, pp_schedule="interleaved_1f1b")  # 2 stages per rank, 4 micro-batches per round
+    assert [sum(in_flight(inter, 8, r)) for r in range(4)] == [11, 9, 7, 5]
+    assert in_flight(MeshShape(pp=2, pp_schedule="interleaved_1f1b"), 4, 1) == [2, 1]
+    assert bubble_fraction(one, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(inter, 8) == pytest.approx(3 / 19)
+    assert bubble_fraction(MeshShape(), 8) == 0.0
+
+
+def test_pipeline_memory_time_and_planner_shapes():
+    model, cluster = model_spec("8b"), ClusterSpec(num_gpus=16)
+    train = TrainingSpec(global_batch=64, seq_len=4096, activation_checkpointing="full")
+    flat = estimate(model, train, MeshShape(dp_shard=16), cluster)
+    piped = estimate(model, train, MeshShape(dp_shard=8, pp=2, pp_schedule="1f1b"), cluster)
+    assert piped.memory.state > flat.memory.state  # half the layers, sharded over half the ranks: more state
+    assert piped.time.bubble == pytest.approx(1 / 9)  # m = 64 / 8 = 8 micro-batches
+    gpipe = estimate(model, train, MeshShape(dp_shard=8, pp=2, pp_schedule="gpipe"), cluster)
+    assert gpipe.memory.activations > piped.memory.activations  # GPipe holds all 8, 1F1B at most 2
+    result = plan(model, train, cluster, search_pp=True)
+    shapes = {e.mesh.describe() for e in result.ranked + result.rejected}
+    assert "pp2 1f1b x 1x8x1x1" in shapes and "1x16x1x1" in shapes
+    assert all(e.mesh.pp == 1 for e in plan(model, train, cluster).ranked)  # pp only when asked for
+
+
+# ------------------------------------------------------------------------------------------ measured
+@pytest.mark.parametrize("world_size", sorted(RUNS))
+def test_pipeline_predictions_match_measured_ranks_within_10_percent(world_size):
+    specs = RUNS[world_size]
+    per_rank = run_distributed(measure_many, world_size, [_run(*s) for s in specs], timeout=240)
+    for i, spec in enumerate(specs):
+        want = predicted(*spec)
+        for rank, results in enumerate(per_rank):
+            got, exp = results[i], want[_pp_rank(spec[0], rank)]
+            where = (spec, rank)
+            assert got["saved_activation_bytes"] == pytest.approx(exp["saved_activation_bytes"], rel=0.10), where
+            assert got["param_bytes"] == pytest.approx(exp["param_bytes"], rel=0.10), where
+            assert got["comm"].keys() == exp["comm"].keys(), (where, got["comm"], exp["comm"])
+            for key, value in exp["comm"].items():
+                assert got["comm"][key] == pytest.approx(value, rel=0.10), (where, key, got["comm"], exp["comm"])
+
+
+def validation_table() -> str:
+    """Measured (every rank) vs predicted, for docs/planning.md."""
+    lines = [
+        "| shape | schedule | m | rank (stages) | quantity | measured bytes | predicted | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for world_size, specs in sorted(RUNS.items()):
+        per_rank = run_distributed(measure_many, world_size, [_run(*s) for s in specs], timeout=240)
+        for i, (sizes, schedule, m) in enumerate(specs):
+            want = predicted(sizes, schedule, m)
+            shape = " x ".join(f"{k}{v}" for k, v in sizes.items())
+            for rank, results in enumerate(per_rank):
+                got, exp = results[i], want[_pp_rank(sizes, rank)]
+                rows = [(k, got[k], exp[k]) for k in ("saved_activation_bytes", "param_bytes")]
+                rows += [(k, got["comm"].get(k, 0), v) for k, v in sorted(exp["comm"].items())]
+                for key, value, guess in rows:
+                    error = (guess - value) / value if value else float("nan")
+                    lines.append(
+                        f"| {shape} | {schedule} | {m} | {rank} {got['stage_ids']} | {key} | {value:,} | "
+                        f"{guess:,.0f} | {error:+.2%} |"
+                    )
+                lines.append(
+                    f"| {shape} | {schedule} | {m} | {rank} {got['stage_ids']} | retained from step 1 (not modelled) "
+                    f"| {got['retained_bytes']:,} | - | - |"
+                )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(validation_table())
+
+
+def test_plan_command_compares_schedules_and_refuses_bad_pp_input(capsys):
+    from ndparallel.estimate.cli import main as plan_main
+
+    # fp32: pp is trained (and so planned) without mixed precision until a parity test covers it
+    argv = [
+        "plan",
+        "--model",
+        "8b",
+        "--gpus",
+        "16",
+        "--seq",
+        "4096",
+        "--global-batch",
+        "64",
+        "--pp",
+        "2",
+        "--precision",
+        "fp32",
+    ]
+    assert plan_main([*argv, "--pp-schedule", "all", "--json", "--top", "50", "--rejected", "50"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["ranked"] + data["rejected"]
+    assert {row["mesh"]["pp_schedule"] for row in rows} == {"gpipe", "1f1b", "interleaved_1f1b"}
+    assert all(row["mesh"]["pp"] == 2 and 0 < row["time"]["bubble"] < 1 for row in rows if row["valid"])
+    assert plan_main([*argv, "--pp-schedule", "1f1b"]) == 0
+    text = capsys.readouterr().out
+    assert "pp2 1f1b x" in text and "bubble" in text and "micro-batches in flight" in text
+    for bad, message in [
+        (["--pp-schedule", "zb"], "--pp-schedule='zb': unknown ['zb']"),
+        (["--pp-microbatches", "-2"], "--pp-microbatches=-2 must be a positive integer"),
+        (["--no-pp"], "--no-pp contradicts --pp 2"),
+    ]:
+        assert plan_main([*argv, *bad]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="pp_schedule='zb' is not one of"):
+        MeshShape(pp=2, pp_schedule="zb")
