@@ -42,6 +42,11 @@ CASES = {
 def _trainer_config(preset: str, train: TrainingSpec, mesh: MeshShape) -> TrainConfig:
     """The ``ndparallel train`` config of the same model, batch, sequence and mesh."""
     parallelism = ParallelismConfig(
+        pp_size=mesh.pp,
+        pp_schedule=mesh.pp_schedule,
+        pp_microbatches=mesh.pp_microbatches or None,
+        pp_stages_per_rank=mesh.pp_stages_per_rank or None,
+        mixed_precision="no" if train.precision == "fp32" else train.precision,
         dp_replicate_size=mesh.dp_replicate,
         dp_shard_size=mesh.dp_shard,
         cp_size=mesh.cp,
@@ -55,6 +60,18 @@ def _trainer_config(preset: str, train: TrainingSpec, mesh: MeshShape) -> TrainC
         data=DataConfig(seq_len=train.seq_len),
         train=LoopConfig(global_batch=train.global_batch, micro_batch=train.micro_batch),
     )
+
+
+# Pipeline shapes: (model preset, cluster, training, schedules searched).
+PP_CASES = {
+    "small_8gpus_pp_fp32": (
+        "small",
+        ClusterSpec(num_gpus=8),
+        TrainingSpec(global_batch=32, seq_len=256, micro_batch=1, precision="fp32"),
+        ("gpipe", "1f1b", "interleaved_1f1b"),
+    ),
+    "tiny_4gpus_pp_bf16": ("tiny", ClusterSpec(num_gpus=4), TrainingSpec(global_batch=8, seq_len=64), ("1f1b",)),
+}
 
 
 def _trainer_refusal(cfg: TrainConfig) -> str | None:
@@ -94,3 +111,21 @@ def test_the_batch_split_is_the_same_in_the_planner_and_the_trainer():
                 except ConfigError:
                     trained = 0
                 assert planned == trained, (shape.describe(), global_batch, micro_batch)
+
+
+@pytest.mark.parametrize("case", list(PP_CASES))
+def test_pipeline_shapes_the_planner_ranks_are_the_ones_the_trainer_accepts(case):
+    preset, cluster, train, schedules = PP_CASES[case]
+    result = plan(model_spec(preset), train, cluster, search_pp=True, pp_schedules=schedules)
+    pp_shapes = [e for e in result.ranked + result.rejected if e.mesh.pp > 1]
+    assert pp_shapes, "the search must include pp shapes"
+    assert any(e.valid for e in pp_shapes) or case.endswith("bf16"), "the fp32 case must rank pp shapes"
+    for e in pp_shapes:
+        try:  # under pp the config itself refuses what no parity test covers (e.g. bf16)
+            refusal = _trainer_refusal(_trainer_config(preset, train, e.mesh))
+        except ConfigError as err:
+            refusal = str(err)
+        if e.valid:
+            assert refusal is None, f"plan accepts {e.mesh.describe()} but train refuses it: {refusal}"
+        elif "not modelled" not in e.reason():  # the cost model's own gap (pp x cp), not a rule of the trainer's
+            assert refusal is not None, f"plan refuses {e.mesh.describe()} ({e.reason()}) but train accepts it"
