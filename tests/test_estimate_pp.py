@@ -1,8 +1,8 @@
 """The pipeline-parallel cost model: its formulas by hand, and against real gloo ranks (per-rank saved
 activation bytes, parameter bytes, point-to-point and collective bytes within 10%; bytes are deterministic).
 
-The ranks run torch's pipelining through ``ndparallel.bench.pipeline.build_pipeline``, the stand-in for
-``ndparallel.pipeline.build_pipeline`` until pp-core (issue 13) lands. ``python -m tests.test_estimate_pp``
+The ranks run the project's runtime, ``ndparallel.pipeline.build_pipeline`` (through
+``ndparallel.bench.pipeline.measure_pipeline``). ``python -m tests.test_estimate_pp``
 prints the measured-vs-predicted table of docs/planning.md.
 """
 
@@ -53,8 +53,6 @@ def predicted(sizes: dict[str, int], schedule: str, m: int) -> list[dict]:
     for r in range(mesh.pp):
         comm: dict[str, float] = {}
         for row in collectives(model, train, mesh, ClusterSpec(num_gpus=mesh.world_size), pp_rank=r):
-            if "norm weight grads" in row.name:  # reduced at clipping / optimizer, which the harness does not run
-                continue
             comm[f"{row.group}/{row.kind}"] = comm.get(f"{row.group}/{row.kind}", 0) + row.payload_bytes
         share = rank_shares(model, mesh)[r]
         out.append({

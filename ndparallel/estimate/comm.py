@@ -29,6 +29,7 @@ BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "send_recv": lambda n: 1.0,
     "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
 }
 
 
@@ -38,13 +39,14 @@ class Collective:
 
     name: str
     kind: str
-    """all_gather, reduce_scatter, all_reduce, send_recv or all_to_all."""
+    """all_gather, reduce_scatter, all_reduce, send_recv, all_to_all or broadcast."""
     group: str
     """Mesh dim or view it runs over: dp_shard_cp, dp_replicate, tp, cp, pp."""
     group_size: int
     phase: str
     """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp and cp (on the critical path),
-    cp_ring (hidden behind attention), pp (point-to-point between stages)."""
+    cp_ring (hidden behind attention), pp (point-to-point between stages), loss (the pipeline's loss, after the
+    schedule: on the critical path)."""
     calls: int
     """Calls per optimizer step."""
     payload_bytes: float
@@ -146,8 +148,8 @@ def collectives(
         add(f"TP {kind.replace('_', '-')} (SP activations)", kind, ("tp",), "tp",
             calls * micro_steps, calls * activation * micro_steps)  # fmt: skip
     norms = 2 * layers + share.head
-    # Under pp the norm weights' partial gradients are not reduced inside the schedule's backward (measured: no
-    # all-reduce in the step); they are reduced once, when clipping / the optimizer reads them.
+    # Under pp the norm weights' partial gradients are all-reduced once per step, not per micro-batch (measured
+    # through ndparallel.pipeline: tests/test_estimate_pp.py).
     norm_syncs = 1 if mesh.pp > 1 else micro_steps
     add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",
         norms * norm_syncs, norms * model.dim * precision.reduce * norm_syncs)  # fmt: skip
@@ -184,6 +186,11 @@ def _pipeline_rows(add, train: TrainingSpec, mesh: MeshShape, share: RankShare, 
     forward, backward = p2p_sends(mesh, microbatches(train, mesh), share)
     add("PP send (activations)", "send_recv", ("pp",), "pp", forward, forward * activation)
     add("PP send (activation grads)", "send_recv", ("pp",), "pp", backward, backward * activation)
+    # The step's loss (one float64): averaged over dp x cp where the last stage is, then broadcast over pp.
+    if share.head:
+        dp_cp = ("dp_shard", "cp") if mesh.dp_replicate == 1 else ("dp_replicate", "dp_shard", "cp")
+        add("PP loss all-reduce (dp x cp)", "all_reduce", dp_cp, "loss", 1, 8)
+    add("PP loss broadcast", "broadcast", ("pp",), "loss", 1, 8)
 
 
 def _context_parallel(

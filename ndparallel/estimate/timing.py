@@ -126,6 +126,7 @@ def estimate_step_time(
         "tp": total("tp"),
         "cp_ring": max(0.0, total("cp_ring") - attention_s),
         "cp": total("cp"),
+        "loss": total("loss"),
     }
     tokens_per_step = train.global_batch * seq
     return StepTime(
