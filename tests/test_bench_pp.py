@@ -1,7 +1,6 @@
-"""Pipeline-parallel bench cases: parsing, labels, refusals and the pipeline column (no ranks spawned).
+"""Pipeline-parallel bench cases: parsing, labels, refusals, the pipeline column, and one measured pp case.
 
-On a build without ``ndparallel.pipeline`` a pp case must come back as an unmeasured row that says so,
-never as a number; the rest of the sweep still runs.
+One pp case is measured on real ranks; the rest needs no ranks.
 """
 
 from __future__ import annotations
@@ -11,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.bench.case import pipeline_runtime_missing
-from ndparallel.bench.harness import run_cases
-from ndparallel.bench.report import format_table
 from ndparallel.bench.sweep import cases_from_config, load_cases
 from ndparallel.errors import ConfigError
 
@@ -48,13 +44,16 @@ def test_pp_cases_the_trainer_would_refuse_are_refused_early():
             cases_from_config(_config(shape))
 
 
-def test_pp_case_without_the_runtime_is_reported_not_measured(capsys):
-    if pipeline_runtime_missing() is None:
-        pytest.skip("this build has ndparallel.pipeline: pp cases are measured for real (tests/test_bench.py)")
-    (case,) = cases_from_config(_config({"pp_size": 2, "pp_schedule": "gpipe", "pp_microbatches": 4}))
-    (result,) = run_cases([case], peak_flops=1e12)  # nothing is spawned for it
-    assert "needs ndparallel.pipeline" in result.error and result.step_s == []
-    assert result.pipeline == {"pp": 2, "schedule": "gpipe", "microbatches": 4, "stages_per_rank": 1, "bubble": 0.2}
-    table = format_table([result])
-    assert "pp2 gpipe m4 bubble 20%" in table and "not measured: needs ndparallel.pipeline" in table
-    assert "not measured" in capsys.readouterr().out
+def test_a_pp_case_is_measured_on_real_ranks_and_trains_like_one_rank():
+    """The bench runs a pp case through ndparallel.pipeline and TrainStep: same losses as one rank (fp32, same
+    seed and global batch), and the table shows the schedule."""
+    from ndparallel.bench.harness import run_cases
+    from ndparallel.bench.report import format_table
+
+    config = _config({"label": "single"}, {"pp_size": 2, "pp_schedule": "gpipe", "pp_microbatches": 4})
+    config["defaults"].update(steps=2, compute_twin=False)
+    single, pipe = run_cases(cases_from_config(config), peak_flops=1e12, verbose=False)
+    assert not pipe.error and len(pipe.losses) == 2, pipe.error
+    assert pipe.losses == pytest.approx(single.losses, abs=1e-5)  # fp32; float64 parity: test_pipeline_parity
+    assert pipe.pipeline["schedule"] == "gpipe" and pipe.pipeline["microbatches"] == 4
+    assert "pp2 gpipe m4" in format_table([single, pipe])

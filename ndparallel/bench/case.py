@@ -19,22 +19,10 @@ from ndparallel.sequence import check_sequence_length
 from ndparallel.train.config import split_batch
 from ndparallel.train.step import forward_autocast_dtype
 
-__all__ = ["PP_KEYS", "BenchCase", "pipeline_runtime_missing"]
+__all__ = ["PP_KEYS", "BenchCase"]
 
 PP_KEYS = ("pp_size", "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split")
 """The pipeline fields of ``ParallelismConfig`` (PP_CONTRACT.md)."""
-
-
-def pipeline_runtime_missing() -> str | None:
-    """Why this build cannot run pipeline-parallel cases (None when it can): the bench needs the pp fields of
-    ``ParallelismConfig`` and ``ndparallel.pipeline.build_pipeline`` (pp-core, issue 13)."""
-    if "pp_size" not in ParallelismConfig.__dataclass_fields__:
-        return "needs ndparallel.pipeline: this build's ParallelismConfig has no pp_size (issue 13, pp-core)"
-    try:
-        from ndparallel.pipeline import build_pipeline  # noqa: F401
-    except ImportError:
-        return "needs ndparallel.pipeline.build_pipeline, which this build does not have (issue 13, pp-core)"
-    return None
 
 
 @dataclass
@@ -60,11 +48,6 @@ class BenchCase:
     @property
     def pp_size(self) -> int:
         return int(self.parallelism.get("pp_size", 1))
-
-    @property
-    def pipeline_missing(self) -> str | None:
-        """For a pp case, why it cannot run in this build (None otherwise): it is reported, never measured."""
-        return pipeline_runtime_missing() if self.pp_size > 1 else None
 
     def pipeline_shape(self) -> Any:
         """The estimator's ``MeshShape`` of this case (pp knobs included), for the bubble column."""

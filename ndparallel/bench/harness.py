@@ -110,9 +110,7 @@ class _Job:
 
 def _pipeline_parts(case: BenchCase, mesh: Mesh, twin: bool) -> tuple[torch.nn.Module, list, Any]:
     """A pp case: the contract's ``build_pipeline`` on a meta-device model, one AdamW per stage module, and the
-    trainer's ``TrainStep`` driving the pipeline (PP_CONTRACT.md; pp-core, issue 13). Cases only get here when
-    ``pipeline_runtime_missing()`` is None; this is the one place to adapt if pp-core's TrainStep takes the
-    pipeline differently."""
+    trainer's ``TrainStep`` driving the pipeline (docs/pipeline-parallel.md)."""
     from ndparallel.pipeline import build_pipeline
     from ndparallel.train.step import TrainStep
 
@@ -310,15 +308,6 @@ def run_cases(
     """
     for case in cases:
         case.validate()
-    blocked = {id(c): CaseResult.unmeasured(c, c.pipeline_missing) for c in cases if c.pipeline_missing}
-    if blocked:
-        if verbose:
-            names = ", ".join(c.name for c in cases if id(c) in blocked)
-            print(f"not measured ({next(iter(blocked.values())).error}): {names}", flush=True)
-        runnable = [c for c in cases if id(c) not in blocked]
-        measured = {id(c): r for c, r in zip(runnable, run_cases(runnable, peak_flops, threads_per_rank,
-                                                                 timeout_per_case, verbose), strict=False)}  # fmt: skip
-        return [blocked.get(id(c)) or measured[id(c)] for c in cases if id(c) in blocked or id(c) in measured]
     total = len(cases)
     prefixes = {id(c): f"[{i + 1}/{total}]" for i, c in enumerate(cases)}
     if inside_launcher():

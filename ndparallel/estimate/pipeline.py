@@ -21,9 +21,10 @@ import functools
 from dataclasses import dataclass
 
 from ndparallel.estimate.spec import MeshShape, ModelSpec, TrainingSpec
+from ndparallel.pipeline.placement import stage_ids
+from ndparallel.pipeline.split import balanced_split
 
 __all__ = [
-    "V_SCHEDULES",
     "RankShare",
     "bubble_fraction",
     "in_flight",
@@ -32,7 +33,6 @@ __all__ = [
     "stage_ranges",
 ]
 
-V_SCHEDULES = ("zbv", "dualpipev")
 MEASURED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -60,8 +60,7 @@ class RankShare:
 def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None = None) -> list[range]:
     """Contiguous block ranges per stage: ``split`` (explicit ``[first, last)`` pairs) or balanced by parameter
     count (the first stage also holds the embedding, the last the final norm and output): the split that
-    minimises the largest stage, each stage at least one block; the runtime's ``balanced_split`` when this
-    build has ``ndparallel.pipeline``."""
+    minimises the largest stage, each stage at least one block: the runtime's own ``balanced_split``."""
     if split is not None:
         return [range(a, b) for a, b in split]
     return list(_balanced_ranges(model, n_stages))
@@ -71,50 +70,14 @@ def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None 
 def _balanced_ranges(model: ModelSpec, n_stages: int) -> tuple[range, ...]:
     block = model.layer_matmul_params + model.layer_norm_params
     first, last = model.embedding_params, model.output_params + model.dim
-    try:  # the runtime's own rule (pp-core's ndparallel.pipeline), so the estimate splits as training does
-        from ndparallel.pipeline.split import balanced_split
-    except ImportError:  # a build without it: the same algorithm, below
-        balanced_split = _balanced_split
     if n_stages > model.n_layers:
         return tuple(range(i, i + 1) for i in range(n_stages))  # invalid shape (refused by the planner)
     return tuple(balanced_split([block] * model.n_layers, n_stages, first, last))
 
 
-def _balanced_split(block_sizes: list[int], n_stages: int, first_extra: int, last_extra: int) -> list[range]:
-    """Contiguous ranges minimising the largest stage (blocks + the first / last stage's extras); among equal
-    maxima the first cut found (earlier stages smaller). Dynamic programming over cut points."""
-    n = len(block_sizes)
-    prefix = [0]
-    for size in block_sizes:
-        prefix.append(prefix[-1] + size)
-
-    def weight(stage: int, a: int, b: int) -> int:
-        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == n_stages - 1 else 0)
-        return prefix[b] - prefix[a] + extra
-
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]  # best[s][i]: blocks [0, i) on stages [0, s)
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0
-    for s in range(1, n_stages + 1):
-        for i in range(s, n - (n_stages - s) + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], weight(s - 1, j, i))
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    bounds, i = [], n
-    for s in range(n_stages, 0, -1):
-        bounds.append(range(cut[s][i], i))
-        i = cut[s][i]
-    return bounds[::-1]
-
-
 def stage_ids_of_rank(pp_rank: int, mesh: MeshShape) -> list[int]:
-    """Looped schedules: ``r, r + p, ...``; V schedules: ``r, 2p - 1 - r``."""
-    p, v = mesh.pp, mesh.stages_per_rank
-    if mesh.pp_schedule in V_SCHEDULES:
-        return [pp_rank, 2 * p - 1 - pp_rank]
-    return [pp_rank + i * p for i in range(v)]
+    """The stages ``pp_rank`` holds, by the runtime's placement rule (loop: ``r, r + p, ...``; V: ``r, 2p-1-r``)."""
+    return stage_ids(pp_rank, mesh.pp, mesh.stages_per_rank, mesh.pp_schedule)
 
 
 def rank_shares(model: ModelSpec, mesh: MeshShape, split: list[list[int]] | None = None) -> list[RankShare]:

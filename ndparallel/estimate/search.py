@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ndparallel import pp_rules
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.comm import Collective, collectives
 from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
-from ndparallel.estimate.pipeline import V_SCHEDULES, microbatches
+from ndparallel.estimate.pipeline import microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
 from ndparallel.sequence import sequence_problem
@@ -122,27 +123,24 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
 
 
 def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> list[str]:
-    """Why a pp shape cannot run. On a build with pp-core's rules (``ndparallel.pp_rules``) the config's own
-    validation decides (``ParallelismConfig`` with the pp fields and the training's precision and
-    checkpointing: what ``ndparallel train`` refuses, e.g. pp with bf16 or HSDP until tested) and the schedule's
-    micro-batch rule is ``pp_rules.check_microbatches``; without it the same schedule rules are stated here.
-    Always: a block per stage at least and a batch that splits into m micro-batches (what the estimate needs),
-    and no cp / pure replicate (not modelled)."""
+    """Why a pp shape cannot run: the config's own validation (``ParallelismConfig`` with the pp fields and the
+    training's precision and checkpointing: what ``ndparallel train`` refuses, e.g. pp with bf16 or HSDP until
+    tested) and the schedule's micro-batch rule (``ndparallel.pp_rules.check_microbatches``); plus a block per
+    stage at least and a batch that splits into m micro-batches (what the estimate needs), and no cp / pure
+    replicate (not modelled)."""
     problems = []
-    rules = _pp_rules()
     n_stages, local = mesh.pp * mesh.stages_per_rank, train.global_batch // mesh.dp
     m = microbatches(train, mesh)
-    if rules is not None:
-        sizes = {f"{dim}_size": value for dim, value in mesh.as_dict().items()}
-        knobs = {"pp_size": mesh.pp, "pp_schedule": mesh.pp_schedule, "pp_microbatches": mesh.pp_microbatches or None,
-                 "pp_stages_per_rank": mesh.pp_stages_per_rank or None,
-                 "mixed_precision": "no" if train.precision == "fp32" else train.precision,
-                 "activation_checkpointing": train.activation_checkpointing,
-                 "cp_rotate_method": train.cp_rotate_method, "cp_load_balance": train.cp_load_balance}  # fmt: skip
-        try:
-            ParallelismConfig(**sizes, **knobs).resolve(mesh.world_size)
-        except ConfigError as err:
-            problems.append(str(err))
+    sizes = {f"{dim}_size": value for dim, value in mesh.as_dict().items()}
+    knobs = {"pp_size": mesh.pp, "pp_schedule": mesh.pp_schedule, "pp_microbatches": mesh.pp_microbatches or None,
+             "pp_stages_per_rank": mesh.pp_stages_per_rank or None,
+             "mixed_precision": "no" if train.precision == "fp32" else train.precision,
+             "activation_checkpointing": train.activation_checkpointing,
+             "cp_rotate_method": train.cp_rotate_method, "cp_load_balance": train.cp_load_balance}  # fmt: skip
+    try:
+        ParallelismConfig(**sizes, **knobs).resolve(mesh.world_size)
+    except ConfigError as err:
+        problems.append(str(err))
     if n_stages > model.n_layers:
         problems.append(f"pp={mesh.pp} x {mesh.stages_per_rank} stage(s) per rank > {model.n_layers} blocks")
     if train.global_batch % mesh.dp or not m or local % m:
@@ -150,40 +148,13 @@ def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) ->
             f"global_batch={train.global_batch} does not split over dp={mesh.dp} into pp_microbatches="
             f"{m or mesh.pp_microbatches or '(accumulation steps)'} micro-batches"
         )
-    elif rules is not None:
+    else:
         try:
-            rules.check_microbatches(mesh.pp_schedule, m, mesh.pp, mesh.stages_per_rank, "pp_microbatches")
+            pp_rules.check_microbatches(mesh.pp_schedule, m, mesh.pp, mesh.stages_per_rank, "pp_microbatches")
         except ConfigError as err:
             problems.append(str(err))
-    else:
-        problems += _schedule_rules(mesh, m, n_stages)
     if mesh.cp > 1 or (mesh.dp_replicate > 1 and mesh.fsdp == 1):
         problems.append("pp with cp or pure dp_replicate is not modelled yet (pp x dp_shard / tp / HSDP are)")
-    return problems
-
-
-def _pp_rules():  # noqa: ANN202 (a module or None)
-    """pp-core's rule module (issue 13), or None on a build without pipeline parallelism."""
-    try:
-        from ndparallel import pp_rules
-    except ImportError:
-        return None
-    return pp_rules if "pp_size" in ParallelismConfig.__dataclass_fields__ else None
-
-
-def _schedule_rules(mesh: MeshShape, m: int, n_stages: int) -> list[str]:
-    """torch's schedule limits, for a build without ``ndparallel.pp_rules`` (the same rules as its)."""
-    problems = []
-    if mesh.pp_schedule in ("1f1b", "dualpipev") and m < n_stages:
-        problems.append(f"{mesh.pp_schedule} needs pp_microbatches >= {n_stages} stages, got m={m}")
-    elif mesh.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and m % max(1, m // mesh.pp):
-        problems.append(f"{mesh.pp_schedule}: m={m} is not a multiple of its rounds (m // pp = {m // mesh.pp})")
-    if mesh.pp_schedule in V_SCHEDULES and mesh.stages_per_rank != 2:
-        problems.append(f"{mesh.pp_schedule} needs exactly 2 stages per rank")
-    elif mesh.pp_schedule in ("gpipe", "1f1b") and mesh.stages_per_rank != 1:
-        problems.append(f"{mesh.pp_schedule} runs 1 stage per rank, not {mesh.stages_per_rank}")
-    elif mesh.pp_schedule not in ("gpipe", "1f1b") and mesh.stages_per_rank < 2:
-        problems.append(f"{mesh.pp_schedule} needs at least 2 stages per rank")
     return problems
 
 
