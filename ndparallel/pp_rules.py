@@ -96,8 +96,8 @@ def check_microbatches(schedule: str, microbatches: int, pp_size: int, per_rank:
         raise ConfigError(f"{field}={microbatches!r} must be a positive integer")
     if spec.min_microbatches_is_stages and microbatches < n_stages:
         raise ConfigError(
-            f"{field}={microbatches} is fewer than the {n_stages} pipeline stages, which pp_schedule={schedule!r} "
-            f"needs at least; use {field} >= {n_stages}"
+            f"{field}={microbatches} is fewer than the {n_stages} pipeline stages that pp_schedule={schedule!r} "
+            f"needs; use at least {n_stages}"
         )
     if spec.interleaved_rule and microbatches % max(1, microbatches // pp_size):
         raise ConfigError(

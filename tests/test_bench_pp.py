@@ -35,7 +35,7 @@ def test_scaling_yaml_compares_schedules_side_by_side():
 def test_pp_cases_the_trainer_would_refuse_are_refused_early():
     for shape, message in [
         ({"pp_size": 2, "pp_schedule": "1f1b", "pp_microbatches": 3}, "does not split over dp=1"),
-        ({"pp_size": 4, "pp_schedule": "1f1b", "pp_microbatches": 2}, "pp_microbatches >= 4"),
+        ({"pp_size": 4, "pp_schedule": "1f1b", "pp_microbatches": 2}, "pp_microbatches=2 is fewer than the 4"),
         ({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 4, "pp_microbatches": 4},
          "pp=2 x 4 stage(s) per rank > 2 blocks"),
         ({"pp_size": 2, "pp_schedule": "1f1b"}, "needs pp_microbatches"),

@@ -239,7 +239,7 @@ def pipeline_microbatches(cfg: TrainConfig, p: ParallelismConfig, accumulation: 
     check_pp_split(p.pp_split, n_stages=n_stages, n_blocks=n_layers)
     field = "pp_microbatches"
     if p.pp_microbatches is None:
-        field = "pp_microbatches (default: the accumulation steps, train.global_batch / dp / train.micro_batch)"
+        field = "the pipeline's micro-batches (pp_microbatches unset: train.global_batch / dp / train.micro_batch)"
     elif cfg.train.micro_batch is not None and p.pp_microbatches != accumulation:
         raise ConfigError(
             f"pp_microbatches={p.pp_microbatches} and train.micro_batch={cfg.train.micro_batch} ({accumulation} "
@@ -253,7 +253,12 @@ def pipeline_microbatches(cfg: TrainConfig, p: ParallelismConfig, accumulation: 
                 "(train.global_batch / dp): torch's pipeline needs equal micro-batches"
             )
         accumulation = p.pp_microbatches
-    check_microbatches(p.pp_schedule, accumulation, p.pp_size, per_rank, field)
+    try:
+        check_microbatches(p.pp_schedule, accumulation, p.pp_size, per_rank, field)
+    except ConfigError as err:
+        if p.pp_microbatches is not None:
+            raise
+        raise ConfigError(f"{err} (set pp_microbatches, or a smaller train.micro_batch)") from None
     return accumulation
 
 
