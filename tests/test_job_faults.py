@@ -19,25 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.command import start_ndparallel
+from tests.command import children_of, start_ndparallel
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl (Linux)")
 
 
 # ----------------------------------------------------------------------------- process helpers
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                continue
-    return found
-
-
 def _alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
@@ -62,7 +49,7 @@ def _workers(launcher: subprocess.Popen, count: int, timeout: float = 90) -> dic
     while time.monotonic() < deadline:
         assert launcher.poll() is None, f"the launcher exited ({launcher.returncode}) before its workers started"
         ranks = {}
-        for pid in _children(launcher.pid):
+        for pid in children_of(launcher.pid):
             env = _env_of(pid)
             if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
                 ranks[int(env["RANK"])] = pid

@@ -14,7 +14,7 @@ import pytest
 
 from ndparallel.testing import run_distributed
 from ndparallel.train.config import TrainConfig
-from tests.command import run_ndparallel, start_ndparallel
+from tests.command import children_of, run_ndparallel, start_ndparallel
 
 
 def _config(parallelism: dict, ckpt_dir: str, **checkpoint) -> dict:
@@ -144,23 +144,10 @@ def test_sigint_on_one_rank_stops_all_ranks_together_after_saving(tmp_path):
     assert Path(checkpoint.latest(tmp_path / "ckpt")).name == f"step-{steps[0]:08d}"
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                continue
-    return found
-
-
 def _worker_pid(agent: int, local_rank: int, timeout: float = 60) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for pid in _children(agent):
+        for pid in children_of(agent):
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
                     env = f.read().split(b"\0")
