@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from ndparallel.comm.ring import attention_kernel, ring_attention, visible_blocks
 from ndparallel.errors import ConfigError
 from ndparallel.plans.context_parallel import (
-    gather_sequence,
     sequence_indices,
     shard_sequence,
     validate_sequence_length,
 )
 from ndparallel.testing import run_distributed
+from tests.sequence_functions import GatherRows, ShardRows
 
 # (rotate, load_balanced, causal, kv_heads) with 4 query heads.
 CASES = list(itertools.product(("ring", "allgather"), (True, False), (True, False), (4, 2)))
@@ -92,35 +92,6 @@ def test_ring_attention_matches_full_attention(cp):
 # ----------------------------------------------------------------------- float64 gradcheck (2 ranks)
 
 
-class _Shard(torch.autograd.Function):
-    """Full tensor (equal on every rank) -> this rank's rows; backward: sum every rank's row gradients."""
-
-    @staticmethod
-    def forward(ctx, x, balanced):
-        ctx.shape, ctx.balanced = x.shape, balanced
-        return shard_sequence(x, 1, dist.get_world_size(), dist.get_rank(), balanced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        idx = sequence_indices(ctx.shape[1], dist.get_world_size(), dist.get_rank(), ctx.balanced)
-        full = grad.new_zeros(ctx.shape).index_copy(1, idx, grad)
-        dist.all_reduce(full)
-        return full, None
-
-
-class _Gather(torch.autograd.Function):
-    """Local rows -> full tensor on every rank; backward (upstream grad equal on every rank): own rows."""
-
-    @staticmethod
-    def forward(ctx, x, balanced):
-        ctx.balanced = balanced
-        return gather_sequence(x, 1, dist.group.WORLD, balanced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return shard_sequence(grad, 1, dist.get_world_size(), dist.get_rank(), ctx.balanced), None
-
-
 def distributed_gradcheck() -> list[str]:
     """gradcheck of q, k, v -> gather(ring_attention(shard(q), shard(k), shard(v))) with every rank
     perturbing the same input element in lockstep, so numerical and analytical Jacobians are the
@@ -131,9 +102,9 @@ def distributed_gradcheck() -> list[str]:
         q, k, v, _ = _inputs(seq=8, kv_heads=1, dtype=torch.float64, batch=1, heads=2, dim=4)
 
         def fn(q, k, v, rotate=rotate, balanced=balanced, causal=causal):
-            local = [_Shard.apply(t, balanced) for t in (q, k, v)]
+            local = [ShardRows.apply(t, balanced) for t in (q, k, v)]
             out = ring_attention(*local, None, causal=causal, rotate=rotate, load_balanced=balanced)
-            return _Gather.apply(out, balanced)
+            return GatherRows.apply(out, balanced)
 
         inputs = tuple(t.requires_grad_() for t in (q, k, v))
         assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)

@@ -32,6 +32,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
 from tests.parity import build_model, make_batches
+from tests.sequence_functions import GatherRows, ShardRows
 
 STEPS, BATCH, SEQ, LR = 5, 4, 16, 1e-2
 ALLTOALL = {"cp_rotate_method": "alltoall"}
@@ -75,43 +76,6 @@ def _inputs(seq: int, kv_heads: int, dtype: torch.dtype, batch: int = 2, heads: 
     k = torch.randn(batch, seq, kv_heads, dim, generator=gen, dtype=dtype)
     v = torch.randn(batch, seq, kv_heads, dim, generator=gen, dtype=dtype)
     return q, k, v, torch.randn(batch, seq, heads, dim, generator=gen, dtype=dtype)
-
-
-class _Shard(torch.autograd.Function):
-    """Full tensor (equal on every rank) -> this rank's rows; backward: the sum of every rank's row gradients."""
-
-    @staticmethod
-    def forward(ctx, x, balanced):
-        from ndparallel.plans.context_parallel import shard_sequence
-
-        ctx.shape, ctx.balanced = x.shape, balanced
-        return shard_sequence(x, 1, dist.get_world_size(), dist.get_rank(), balanced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from ndparallel.plans.context_parallel import sequence_indices
-
-        idx = sequence_indices(ctx.shape[1], dist.get_world_size(), dist.get_rank(), ctx.balanced)
-        full = grad.new_zeros(ctx.shape).index_copy(1, idx, grad)
-        dist.all_reduce(full)
-        return full, None
-
-
-class _Gather(torch.autograd.Function):
-    """Local rows -> the full tensor on every rank; backward (upstream gradient equal on every rank): own rows."""
-
-    @staticmethod
-    def forward(ctx, x, balanced):
-        from ndparallel.plans.context_parallel import gather_sequence
-
-        ctx.balanced = balanced
-        return gather_sequence(x, 1, dist.group.WORLD, balanced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from ndparallel.plans.context_parallel import shard_sequence
-
-        return shard_sequence(grad, 1, dist.get_world_size(), dist.get_rank(), ctx.balanced), None
 
 
 def _op_errors(group, shard_balanced: bool, op_balanced: bool, causal: bool, kv_heads: int, dtype, seq: int):
@@ -167,9 +131,9 @@ def gradcheck_alltoall() -> list[str]:
         q, k, v, _ = _inputs(seq=4, kv_heads=1, dtype=torch.float64, batch=1, heads=2, dim=4)
 
         def fn(q, k, v, balanced=balanced, causal=causal):
-            local = [_Shard.apply(t, balanced) for t in (q, k, v)]
+            local = [ShardRows.apply(t, balanced) for t in (q, k, v)]
             out = ring_attention(*local, None, causal=causal, rotate="alltoall", load_balanced=balanced)
-            return _Gather.apply(out, balanced)
+            return GatherRows.apply(out, balanced)
 
         torch.manual_seed(0)
         inputs = tuple(t.requires_grad_() for t in (q, k, v))
