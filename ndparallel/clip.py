@@ -110,13 +110,17 @@ def _agreement_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _check_same_grads_on_every_rank(parameters: list[torch.Tensor]) -> None:
-    """Raise the same error on every rank unless all ranks hold gradients for the same parameters.
+def _check_same_grads_on_every_rank(parameters: list[torch.Tensor], pp_group: dist.ProcessGroup | None) -> None:
+    """Raise the same error on every rank unless all ranks that hold the same parameters hold gradients for
+    the same ones.
 
-    One all-reduce (MAX of ``[has_grad, 1 - has_grad]`` per parameter) over the world, when the
-    parameters hold DTensors whose meshes span it (every ndparallel mesh does); with plain tensors
-    only there is no collective and nothing to check. On disagreement,
-    :func:`ndparallel.comm.agree.failed_ranks` names the ranks (the same list on every rank).
+    Without pipeline parallelism every rank holds the same parameters; under pp (``pp_group``) the ranks of
+    one pp coordinate do, and each coordinate writes its flags into its own slot of one vector. One
+    all-reduce (MAX of ``[has_grad, 1 - has_grad]`` per parameter and slot) over the world, after one that
+    agrees on the longest parameter list, when the parameters hold DTensors whose meshes span the world (or
+    one pp slice of it: every ndparallel mesh does); with plain tensors only there is no collective and
+    nothing to check. On disagreement, :func:`ndparallel.comm.agree.failed_ranks` names the ranks (the same
+    list on every rank).
     """
     meshes = {p.device_mesh: None for p in parameters if isinstance(p, DTensor)}
     if not meshes or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -124,23 +128,33 @@ def _check_same_grads_on_every_rank(parameters: list[torch.Tensor]) -> None:
     ranks = set()
     for mesh in meshes:
         ranks.update(mesh.mesh.flatten().tolist())
-    if len(ranks) != dist.get_world_size():
+    slots = dist.get_world_size(pp_group) if pp_group is not None else 1
+    slot = dist.get_rank(pp_group) if pp_group is not None else 0
+    if len(ranks) * slots != dist.get_world_size():
         return  # a sub-world job: no group spans exactly its ranks without a collective new_group
+    device = _agreement_device(next(iter(meshes)))
     has = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32)
-    flags = torch.cat([has, 1 - has]).to(_agreement_device(next(iter(meshes))))
+    length = torch.tensor([len(parameters)], device=device)
+    dist.all_reduce(length, op=dist.ReduceOp.MAX)
+    flags = torch.zeros(slots, 2, int(length.item()), dtype=torch.int32)
+    flags[slot, 0, : len(parameters)] = has
+    flags[slot, 1, : len(parameters)] = 1 - has
+    flags = flags.to(device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    split = flags.cpu().view(2, -1)
-    disputed = [i for i in range(len(parameters)) if split[0, i] and split[1, i]]
+    flags = flags.cpu()
+    disputed = (flags[:, 0] * flags[:, 1]).nonzero().tolist()  # [slot, parameter] pairs, the same on every rank
     if not disputed:
         return
-    first = disputed[0]
-    lacking = failed_ranks(not has[first])  # one all-reduce of a one-hot vector: no pickles
-    having = [r for r in range(dist.get_world_size()) if r not in lacking]
+    bad_slot, first = disputed[0]
+    mine = slot == bad_slot
+    lacking = failed_ranks(mine and not has[first])  # one all-reduce of a one-hot vector each: no pickles
+    having = failed_ranks(mine and bool(has[first]))
+    where = f" of pipeline rank {bad_slot}" if slots > 1 else ""
     raise RuntimeError(
-        f"clip_grad_norm_: parameter {first} (shape {list(parameters[first].shape)}) has a gradient on rank(s) "
-        f"{having} but not on rank(s) {lacking} ({len(disputed)} parameter(s) disagree): the global norm would "
-        "differ from one process's. Run the same forward/backward on every rank before clipping (a rank that "
-        "skipped backward or set .grad = None alone)"
+        f"clip_grad_norm_: parameter {first}{where} has a gradient on rank(s) {having} but not on rank(s) "
+        f"{lacking} ({len(disputed)} parameter(s) disagree): the global norm would differ from one process's. "
+        "Run the same forward/backward on every rank before clipping (a rank that skipped backward or set "
+        ".grad = None alone)"
     )
 
 
@@ -170,7 +184,7 @@ def total_grad_norm(
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
-    _check_same_grads_on_every_rank(parameters)
+    _check_same_grads_on_every_rank(parameters, pp_group)
     norms = []
     for grads in _grads_by_mesh(parameters).values():
         with _quiet_sequential_reduce_warning():

@@ -82,6 +82,35 @@ def _clip_checks() -> dict:
             dtype=str(norm.dtype),
         )
     out["some_ranks"] = _grads_on_some_ranks_only()
+    out["pipeline"] = _pipeline_grads()
+    return out
+
+
+def _pipeline_grads() -> dict:
+    """pp 2 x dp 2: the two pp slices hold different parameters (1 and 2 of them). With every gradient present
+    the norm spans both stages; when rank 3 alone lacks one of its stage's gradients, every rank (both
+    stages) raises the same error naming the pipeline rank and the ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    inner, pp_group = mesh["dp"], mesh["pp"].get_group()
+    stage = mesh.get_local_rank("pp")
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2, dtype=torch.float64), inner, [Shard(0)]))
+        for _ in range(stage + 1)
+    ]
+    for p in params:  # every local gradient holds ones: the norm is sqrt(number of elements of both stages)
+        p.grad = DTensor.from_local(torch.ones(2, 2, dtype=torch.float64), inner, [Shard(0)])
+    out = {"norm": clip_grad_norm_(params, 1e9, pp_group=pp_group).item()}
+    if dist.get_rank() == 3:
+        params[1].grad = None
+    try:
+        clip_grad_norm_(params, 1.0, pp_group=pp_group)
+        out["message"] = "no error"
+    except RuntimeError as err:
+        out["message"] = str(err)
     return out
 
 
@@ -109,6 +138,10 @@ def _grads_on_some_ranks_only() -> dict:
 def test_clip_across_meshes_and_tensor_kinds_4_ranks():
     for rank, rank_out in enumerate(run_distributed(_clip_checks, 4)):
         some = rank_out.pop("some_ranks")
+        pipeline = rank_out.pop("pipeline")
+        assert math.isclose(pipeline["norm"], math.sqrt(8 + 16), rel_tol=1e-14), (rank, pipeline)
+        expected = "parameter 1 of pipeline rank 1 has a gradient on rank(s) [2] but not on rank(s) [3]"
+        assert expected in pipeline["message"], (rank, pipeline)
         assert "has a gradient on rank(s) [0] but not on rank(s) [1, 2, 3]" in some["message"], (rank, some)
         assert some["after"] == 4.0, "the process group must stay usable after the refusal"
         for norm_type, r in rank_out.items():
