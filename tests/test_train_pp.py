@@ -101,3 +101,22 @@ def test_pp_resume_is_exact_on_the_same_mesh_and_across_pp_sizes_and_schedules(t
         got = r0[name]
         assert got["start_step"] == 2, name
         assert got["losses"] == pytest.approx(straight[2:], abs=1e-10, rel=0), name
+
+
+def test_an_explicit_false_defer_grad_sync_is_refused_under_pp():
+    """torch's pipeline stage reduce-scatters FSDP gradients once per step, so ``defer_grad_sync: false`` (sync
+    every micro-batch) cannot be honoured under pp: refused by name; unset and true are accepted."""
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.errors import ConfigError
+    from ndparallel.train.config import TrainConfig
+
+    sizes = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_schedule="1f1b")
+    for defer in (None, True):
+        config = _config({}, "unused")
+        config["train"]["defer_grad_sync"] = defer
+        assert TrainConfig.from_dict(config).check_mesh(sizes) == 2
+    config = _config({}, "unused")
+    config["train"]["defer_grad_sync"] = False
+    with pytest.raises(ConfigError, match=r"train\.defer_grad_sync=false cannot be honoured with pp_size=2"):
+        TrainConfig.from_dict(config).check_mesh(sizes)
+    assert TrainConfig.from_dict(config).check_mesh(ParallelismConfig(dp_shard_size=4)) == 1  # fine without pp

@@ -77,10 +77,12 @@ class LoopConfig:
     max_nonfinite_steps: int = 1
     """Stop the job after this many steps in a row whose loss or gradient norm is NaN/inf (such a step
     applies no update and is not saved); 1: at the first."""
-    defer_grad_sync: bool = False
+    defer_grad_sync: bool | None = None
     """Under FSDP with several micro-batches, keep unsharded gradients until the last micro-batch and
     reduce-scatter once per step (less communication, much more memory); false: reduce-scatter every
-    micro-batch. Pure data parallel always defers. Same field as ``TrainingSpec.defer_grad_sync``."""
+    micro-batch. Unset: false, except under pipeline parallelism, where torch's pipeline stage always defers
+    (an explicit false is refused there). Pure data parallel always defers. Same field as
+    ``TrainingSpec.defer_grad_sync``."""
 
 
 @dataclass
@@ -237,6 +239,12 @@ def pipeline_microbatches(cfg: TrainConfig, p: ParallelismConfig, accumulation: 
             f"{n_layers}: every stage needs a block; use fewer stages or more layers"
         )
     check_pp_split(p.pp_split, n_stages=n_stages, n_blocks=n_layers)
+    if cfg.train.defer_grad_sync is False:
+        raise ConfigError(
+            f"train.defer_grad_sync=false cannot be honoured with pp_size={p.pp_size}: torch's pipeline stage "
+            "reduce-scatters FSDP gradients once, after the last micro-batch (docs/pipeline-parallel.md); leave "
+            "train.defer_grad_sync unset (or true)"
+        )
     field = "pp_microbatches"
     if p.pp_microbatches is None:
         field = "the pipeline's micro-batches (pp_microbatches unset: train.global_batch / dp / train.micro_batch)"

@@ -203,7 +203,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     corpus = ByteCorpus(cfg.data.seq_len, cfg.data.path, cfg.data.max_bytes)
     loader = BatchLoader(corpus, t.global_batch, dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"), seed=t.seed)
     train_step = TrainStep(
-        model, optimizer, mesh, max_grad_norm=t.max_grad_norm, defer_grad_sync=t.defer_grad_sync,
+        model, optimizer, mesh, max_grad_norm=t.max_grad_norm, defer_grad_sync=bool(t.defer_grad_sync),
         max_nonfinite_steps=t.max_nonfinite_steps, verbose=rank0, phase=watchdog.phase,
     )  # fmt: skip
 
