@@ -46,7 +46,8 @@ class Collective:
     phase: str
     """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp and cp (on the critical path),
     cp_ring (hidden behind attention), pp (point-to-point between stages), loss (the pipeline's loss, after the
-    schedule: on the critical path)."""
+    schedule: on the critical path), after_schedule (pure replicate under pp: the gradient all-reduce after
+    the schedule, on the critical path)."""
     calls: int
     """Calls per optimizer step."""
     payload_bytes: float
@@ -129,6 +130,11 @@ def collectives(
     if mesh.fsdp > 1:
         add("HSDP all-reduce (grad shards)", "all_reduce", ("dp_replicate",), "grad_reduce",
             n_units, replicated)  # fmt: skip
+    elif mesh.pp > 1:
+        # Pipeline.step runs the schedule under no_sync, then all-reduces every gradient of the rank's stages
+        # as one flat tensor (ndparallel/pipeline/runtime.py, _average_replicas): once per step, after the schedule.
+        add("replicate all-reduce (grads, after the schedule)", "all_reduce", ("dp_replicate",), "after_schedule",
+            1, replicated)  # fmt: skip
     else:
         buckets = max(1, math.ceil(replicated / DDP_BUCKET_BYTES))
         add("replicate all-reduce (grads)", "all_reduce", ("dp_replicate",), "grad_reduce",

@@ -175,7 +175,8 @@ class MemoryEstimate:
     """Saved activations of one micro-batch at the start of backward, chosen checkpointing mode."""
     transient: float
     """Largest short-lived buffer: all-gathered FSDP units (current + prefetched) and the unit's unsharded
-    gradient before its reduce-scatter; replicate: gradient buckets (+ bf16 weight copies)."""
+    gradient before its reduce-scatter; replicate: gradient buckets (+ bf16 weight copies); under pp: the stage's
+    gathered units and unsharded gradients (FSDP), or the flat gradient copy pure replicate all-reduces."""
     activations_by_mode: dict[str, float]
     accumulated_grads: float = 0.0
     """Unsharded gradients FSDP keeps between micro-batches when gradient sync waits for the last one."""
@@ -220,7 +221,12 @@ def estimate_memory(
     else:
         tp_local = params
         weight_copy = tp_local * precision.compute if precision.compute != precision.param else 0.0
-        transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)
+        if mesh.pp > 1 and mesh.dp_replicate > 1:
+            # After the schedule (activations freed) the runtime all-reduces one flat copy of every gradient
+            # (ndparallel/pipeline/runtime.py, _average_replicas); the bucketed path is not used under pp.
+            transient = max(weight_copy, params * precision.grad)
+        else:
+            transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)
     if mesh.pp > 1:
         by_mode = {mode: saved_activation_bytes(model, train, mesh, pp_rank, mode) for mode in ACTIVATION_CHECKPOINTING}
     else:

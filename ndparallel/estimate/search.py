@@ -126,8 +126,8 @@ def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) ->
     """Why a pp shape cannot run: the config's own validation (``ParallelismConfig`` with the pp fields and the
     training's precision and checkpointing: what ``ndparallel train`` refuses, e.g. pp with bf16 or HSDP until
     tested) and the schedule's micro-batch rule (``ndparallel.pp_rules.check_microbatches``); plus a block per
-    stage at least and a batch that splits into m micro-batches (what the estimate needs), and no cp / pure
-    replicate (not modelled)."""
+    stage at least and a batch that splits into m micro-batches (what the estimate needs). Every inner shape the
+    config accepts is modelled (pp x dp_shard / cp / tp / pure dp_replicate: docs/planning.md)."""
     problems = []
     n_stages, local = mesh.pp * mesh.stages_per_rank, train.global_batch // mesh.dp
     m = microbatches(train, mesh)
@@ -153,8 +153,6 @@ def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) ->
             pp_rules.check_microbatches(mesh.pp_schedule, m, mesh.pp, mesh.stages_per_rank, "pp_microbatches")
         except ConfigError as err:
             problems.append(str(err))
-    if mesh.cp > 1 or (mesh.dp_replicate > 1 and mesh.fsdp == 1):
-        problems.append("pp with cp or pure dp_replicate is not modelled yet (pp x dp_shard / tp / HSDP are)")
     return problems
 
 
