@@ -169,6 +169,19 @@ def test_pipeline_bf16_is_the_non_pp_bf16_model_per_stage():
             assert sends == 4 * 4096 * model.dim * e.compute
     bf16, fp32 = (estimate(model, TrainingSpec(16, 4096, precision=p), mesh, cluster) for p in ("bf16", "fp32"))
     assert bf16.memory.state == fp32.memory.state and bf16.memory.activations < 0.6 * fp32.memory.activations
+    # Without FSDP the trainer autocasts (ndparallel.train.step.forward_autocast_dtype): the residual stream, so
+    # the p2p tensor, stays fp32 and each micro-batch in flight saves its own bf16 copy of the stage's matmul
+    # weights (both measured through the runtime: docs/planning.md, "Mixed precision under pp").
+    mesh, train = MeshShape(tp=4, pp=2, pp_microbatches=4), TrainingSpec(global_batch=4, seq_len=4096)
+    for r, share in enumerate(rank_shares(model, mesh)):
+        rows = {row.name: row for row in collectives(model, train, mesh, ClusterSpec(num_gpus=8), r)}
+        p2p = rows["PP send (activations)" if r == 0 else "PP send (activation grads)"]
+        assert p2p.payload_bytes == 4 * 4096 * model.dim // 4 * 4  # m x [1, seq / tp, d] in fp32
+        copies = 2 * (share.blocks * model.layer_matmul_params + share.head * model.vocab_size * model.dim) / 4
+        per_mb = activation_bytes(model, train, mesh, None, share.blocks, share.head)  # the non-pp bf16 rule
+        memory = estimate_memory(model, train, mesh, r)
+        assert memory.activations == pytest.approx(in_flight(mesh, 4, r)[0] * (per_mb + copies), rel=1e-12)
+        assert memory.transient == 0.0  # no FSDP, no replicas: the weight copies are in the activations
 
 
 # ------------------------------------------------------------------------------------------ measured

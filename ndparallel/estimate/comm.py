@@ -14,7 +14,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from ndparallel.comm.ulysses import kv_heads_sent
-from ndparallel.estimate.memory import DDP_BUCKET_BYTES, checkpointed_blocks, pipeline_train, tp_local_params
+from ndparallel.estimate.memory import (
+    DDP_BUCKET_BYTES,
+    checkpointed_blocks,
+    pipeline_train,
+    residual_bytes,
+    tp_local_params,
+)
 from ndparallel.estimate.pipeline import RankShare, microbatches, p2p_sends, rank_shares
 from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
 
@@ -166,7 +172,7 @@ def collectives(
     for row in _context_parallel(model, train, mesh, tokens, recomputed, layers):
         add(*row[:3], "cp_ring" if train.cp_rotate_method == "ring" else "cp", *row[3:])
     if mesh.pp > 1:
-        _pipeline_rows(add, train, mesh, share, activation / mesh.tp)
+        _pipeline_rows(add, train, mesh, share, tokens * model.dim * residual_bytes(train, mesh) / mesh.tp)
     return rows
 
 
@@ -188,7 +194,7 @@ def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tp_l
 
 def _pipeline_rows(add, train: TrainingSpec, mesh: MeshShape, share: RankShare, activation: float) -> None:  # noqa: ANN001
     """Point-to-point between stages: per micro-batch each stage sends its output ([mb, seq/(cp tp), dim], the
-    sequence-parallel shard) forward and its input's gradient backward (same size)."""
+    sequence-parallel shard, in the residual stream's dtype) forward and its input's gradient backward (same size)."""
     forward, backward = p2p_sends(mesh, microbatches(train, mesh), share)
     add("PP send (activations)", "send_recv", ("pp",), "pp", forward, forward * activation)
     add("PP send (activation grads)", "send_recv", ("pp",), "pp", backward, backward * activation)

@@ -9,7 +9,7 @@ from ndparallel import pp_rules
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.comm import Collective, collectives
-from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
+from ndparallel.estimate.memory import MemoryEstimate, estimate_memory, precision_problem
 from ndparallel.estimate.pipeline import microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
@@ -109,6 +109,9 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
         problems.append(
             f"cp={mesh.cp} does not divide n_heads / tp = {model.n_heads // mesh.tp} (alltoall splits heads)"
         )
+    precision = precision_problem(train, mesh)  # the trainer's mixed-precision rule (fp16 needs FSDP)
+    if precision:
+        problems.append(precision)
     sequence = sequence_problem(train.seq_len, mesh.cp, mesh.tp, train.cp_load_balance, what="seq_len")
     if sequence:
         problems.append(sequence)
