@@ -14,7 +14,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from ndparallel.comm.ulysses import kv_heads_sent
-from ndparallel.estimate.memory import DDP_BUCKET_BYTES, checkpointed_blocks, pipeline_train, tp_local_params
+from ndparallel.estimate.memory import (
+    DDP_BUCKET_BYTES,
+    checkpointed_blocks,
+    pipeline_train,
+    residual_bytes,
+    tp_local_params,
+)
 from ndparallel.estimate.pipeline import RankShare, microbatches, p2p_sends, rank_shares
 from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
 
@@ -46,7 +52,8 @@ class Collective:
     phase: str
     """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp and cp (on the critical path),
     cp_ring (hidden behind attention), pp (point-to-point between stages), loss (the pipeline's loss, after the
-    schedule: on the critical path)."""
+    schedule: on the critical path), after_schedule (pure replicate under pp: the gradient all-reduce after
+    the schedule, on the critical path)."""
     calls: int
     """Calls per optimizer step."""
     payload_bytes: float
@@ -129,6 +136,11 @@ def collectives(
     if mesh.fsdp > 1:
         add("HSDP all-reduce (grad shards)", "all_reduce", ("dp_replicate",), "grad_reduce",
             n_units, replicated)  # fmt: skip
+    elif mesh.pp > 1:
+        # Pipeline.step runs the schedule under no_sync, then all-reduces every gradient of the rank's stages
+        # as one flat tensor (ndparallel/pipeline/runtime.py, _average_replicas): once per step, after the schedule.
+        add("replicate all-reduce (grads, after the schedule)", "all_reduce", ("dp_replicate",), "after_schedule",
+            1, replicated)  # fmt: skip
     else:
         buckets = max(1, math.ceil(replicated / DDP_BUCKET_BYTES))
         add("replicate all-reduce (grads)", "all_reduce", ("dp_replicate",), "grad_reduce",
@@ -160,7 +172,7 @@ def collectives(
     for row in _context_parallel(model, train, mesh, tokens, recomputed, layers):
         add(*row[:3], "cp_ring" if train.cp_rotate_method == "ring" else "cp", *row[3:])
     if mesh.pp > 1:
-        _pipeline_rows(add, train, mesh, share, activation / mesh.tp)
+        _pipeline_rows(add, train, mesh, share, tokens * model.dim * residual_bytes(train, mesh) / mesh.tp)
     return rows
 
 
@@ -182,7 +194,7 @@ def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tp_l
 
 def _pipeline_rows(add, train: TrainingSpec, mesh: MeshShape, share: RankShare, activation: float) -> None:  # noqa: ANN001
     """Point-to-point between stages: per micro-batch each stage sends its output ([mb, seq/(cp tp), dim], the
-    sequence-parallel shard) forward and its input's gradient backward (same size)."""
+    sequence-parallel shard, in the residual stream's dtype) forward and its input's gradient backward (same size)."""
     forward, backward = p2p_sends(mesh, microbatches(train, mesh), share)
     add("PP send (activations)", "send_recv", ("pp",), "pp", forward, forward * activation)
     add("PP send (activation grads)", "send_recv", ("pp",), "pp", backward, backward * activation)

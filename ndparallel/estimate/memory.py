@@ -10,21 +10,27 @@ replicate otherwise). Formulas: docs/planning.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass
 
 from ndparallel.comm.ulysses import kv_heads_sent
+from ndparallel.errors import ConfigError
 from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
 
 __all__ = [
     "MemoryEstimate",
     "activation_bytes",
+    "autocast_weight_bytes",
+    "autocasts",
     "checkpointed_blocks",
     "estimate_memory",
     "fsdp_units",
     "layer_activation_bytes_per_token",
     "params_per_rank",
     "pipeline_train",
+    "precision_problem",
+    "residual_bytes",
     "saved_activation_bytes",
 ]
 
@@ -138,6 +144,49 @@ def activation_bytes(
     return stored + recompute + head_bytes
 
 
+def autocasts(train: TrainingSpec, mesh: MeshShape) -> bool:
+    """Whether the forward runs under ``torch.autocast`` (mixed precision without FSDP): the trainer's rule,
+    :func:`ndparallel.train.step.forward_autocast_dtype` (fp16 there is refused: see :func:`precision_problem`).
+    Then the fp32 weights are cast per matmul and the residual stream stays in the parameter dtype."""
+    return train.precision != "fp32" and mesh.fsdp == 1 and not precision_problem(train, mesh)
+
+
+@functools.lru_cache(maxsize=64)
+def _autocast_refusal(precision: str, dp_shard: int, cp: int) -> str:
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.train.step import forward_autocast_dtype  # lazy: the trainer imports the pipeline runtime
+
+    mixed = "no" if precision == "fp32" else precision
+    try:
+        forward_autocast_dtype(ParallelismConfig(dp_shard_size=dp_shard, cp_size=cp, mixed_precision=mixed))
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def precision_problem(train: TrainingSpec, mesh: MeshShape) -> str:
+    """The trainer's refusal of ``train.precision`` on this mesh ("" if none): fp16 needs FSDP."""
+    return _autocast_refusal(train.precision, mesh.dp_shard, mesh.cp)
+
+
+def residual_bytes(train: TrainingSpec, mesh: MeshShape) -> int:
+    """Bytes per element of the residual stream (what pp sends between stages): the compute dtype under FSDP's
+    mixed-precision policy, which casts the weights; the parameter dtype under autocast (measured: fp32)."""
+    return train.bytes.param if autocasts(train, mesh) else train.bytes.compute
+
+
+def autocast_weight_bytes(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, blocks: int, head: bool, mode: str | None = None
+) -> float:
+    """Under autocast each forward saves its own compute-dtype copy of the matmul weights it used (the blocks
+    not checkpointed and the output projection; the embedding and norms run in fp32), until its backward: one
+    copy per pipeline micro-batch in flight (measured: tests/test_estimate_pp.py, docs/planning.md)."""
+    if not autocasts(train, mesh):
+        return 0.0
+    stored = blocks - checkpointed_blocks(blocks, mode or train.activation_checkpointing)
+    return train.bytes.compute * (stored * model.layer_matmul_params + head * model.vocab_size * model.dim) / mesh.tp
+
+
 def pipeline_train(train: TrainingSpec, mesh: MeshShape) -> TrainingSpec:
     """Under pp the pipeline's micro-batches are the accumulation: ``micro_batch`` = local batch / m."""
     m = microbatches(train, mesh)
@@ -151,14 +200,16 @@ def saved_activation_bytes(
     saved_only: bool = False,
 ) -> float:  # fmt: skip
     """Activation bytes one pp rank holds at its schedule's peak: for each local stage, the micro-batches in
-    flight (:func:`ndparallel.estimate.pipeline.in_flight`) x that stage's bytes per micro-batch."""
+    flight (:func:`ndparallel.estimate.pipeline.in_flight`) x that stage's bytes per micro-batch (under autocast
+    with the weight copies each micro-batch saves, :func:`autocast_weight_bytes`)."""
     train = pipeline_train(train, mesh)
     share = rank_shares(model, mesh)[pp_rank]
     counts = in_flight(mesh, microbatches(train, mesh), pp_rank)
     total = 0.0
     for i, (blocks, count) in enumerate(zip(share.stage_blocks, counts, strict=True)):
-        per_mb = activation_bytes(model, train, mesh, mode, blocks, i == share.last_stage_local, saved_only)
-        total += count * per_mb
+        head = i == share.last_stage_local
+        per_mb = activation_bytes(model, train, mesh, mode, blocks, head, saved_only)
+        total += count * (per_mb + autocast_weight_bytes(model, train, mesh, blocks, head, mode))
     return total
 
 
@@ -175,7 +226,8 @@ class MemoryEstimate:
     """Saved activations of one micro-batch at the start of backward, chosen checkpointing mode."""
     transient: float
     """Largest short-lived buffer: all-gathered FSDP units (current + prefetched) and the unit's unsharded
-    gradient before its reduce-scatter; replicate: gradient buckets (+ bf16 weight copies)."""
+    gradient before its reduce-scatter; replicate: gradient buckets (+ bf16 weight copies); under pp: the stage's
+    gathered units and unsharded gradients (FSDP), or the flat gradient copy pure replicate all-reduces."""
     activations_by_mode: dict[str, float]
     accumulated_grads: float = 0.0
     """Unsharded gradients FSDP keeps between micro-batches when gradient sync waits for the last one."""
@@ -220,7 +272,14 @@ def estimate_memory(
     else:
         tp_local = params
         weight_copy = tp_local * precision.compute if precision.compute != precision.param else 0.0
-        transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)
+        if mesh.pp > 1:
+            weight_copy = 0.0  # saved per micro-batch in flight: counted in the activations (autocast_weight_bytes)
+        if mesh.pp > 1 and mesh.dp_replicate > 1:
+            # After the schedule (activations freed) the runtime all-reduces one flat copy of every gradient
+            # (ndparallel/pipeline/runtime.py, _average_replicas); the bucketed path is not used under pp.
+            transient = max(weight_copy, params * precision.grad)
+        else:
+            transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)
     if mesh.pp > 1:
         by_mode = {mode: saved_activation_bytes(model, train, mesh, pp_rank, mode) for mode in ACTIVATION_CHECKPOINTING}
     else:

@@ -9,7 +9,7 @@ from ndparallel import pp_rules
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.comm import Collective, collectives
-from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
+from ndparallel.estimate.memory import MemoryEstimate, estimate_memory, precision_problem
 from ndparallel.estimate.pipeline import microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
@@ -109,6 +109,9 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
         problems.append(
             f"cp={mesh.cp} does not divide n_heads / tp = {model.n_heads // mesh.tp} (alltoall splits heads)"
         )
+    precision = precision_problem(train, mesh)  # the trainer's mixed-precision rule (fp16 needs FSDP)
+    if precision:
+        problems.append(precision)
     sequence = sequence_problem(train.seq_len, mesh.cp, mesh.tp, train.cp_load_balance, what="seq_len")
     if sequence:
         problems.append(sequence)
@@ -126,8 +129,8 @@ def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) ->
     """Why a pp shape cannot run: the config's own validation (``ParallelismConfig`` with the pp fields and the
     training's precision and checkpointing: what ``ndparallel train`` refuses, e.g. pp with bf16 or HSDP until
     tested) and the schedule's micro-batch rule (``ndparallel.pp_rules.check_microbatches``); plus a block per
-    stage at least and a batch that splits into m micro-batches (what the estimate needs), and no cp / pure
-    replicate (not modelled)."""
+    stage at least and a batch that splits into m micro-batches (what the estimate needs). Every inner shape the
+    config accepts is modelled (pp x dp_shard / cp / tp / pure dp_replicate: docs/planning.md)."""
     problems = []
     n_stages, local = mesh.pp * mesh.stages_per_rank, train.global_batch // mesh.dp
     m = microbatches(train, mesh)
@@ -153,8 +156,6 @@ def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) ->
             pp_rules.check_microbatches(mesh.pp_schedule, m, mesh.pp, mesh.stages_per_rank, "pp_microbatches")
         except ConfigError as err:
             problems.append(str(err))
-    if mesh.cp > 1 or (mesh.dp_replicate > 1 and mesh.fsdp == 1):
-        problems.append("pp with cp or pure dp_replicate is not modelled yet (pp x dp_shard / tp / HSDP are)")
     return problems
 
 

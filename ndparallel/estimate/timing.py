@@ -12,7 +12,8 @@ Overlap assumptions (FSDP2 prefetching, overlapped gradient reduction, no async 
   fully exposed.
 * Pipeline parallel: each rank computes its stages' share of the FLOPs (the slowest rank sets the pace),
   stretched by the schedule's bubble, ``compute / (1 - bubble)``; the point-to-point sends of the fill and
-  the drain (``2 (p - 1)`` of one micro-batch) are exposed, the others overlap the next micro-batch.
+  the drain (``2 (p - 1)`` of one micro-batch) are exposed, the others overlap the next micro-batch. Pure
+  replicate under pp all-reduces the gradients after the schedule: exposed.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def estimate_step_time(
         "cp_ring": max(0.0, total("cp_ring") - attention_s),
         "cp": total("cp"),
         "loss": total("loss"),
+        "after_schedule": total("after_schedule"),
     }
     tokens_per_step = train.global_batch * seq
     return StepTime(
