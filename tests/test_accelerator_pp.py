@@ -218,11 +218,3 @@ def test_pp2_dp_shard2_interleaved_accelerate_loop_matches_one_process(refs, tmp
     results = run_distributed(_cases, 4, cases, refs, str(tmp_path), timeout=600)
     _check(results, cases)
     assert [r[0]["dp_rank"] for r in results] == [0, 1, 0, 1]
-
-
-def test_pp_refuses_gradient_accumulation_by_name():
-    from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 with pp_size=2.*pp_microbatches"):
-        Accelerator(ParallelismConfig(pp_size=2), gradient_accumulation_steps=2)
