@@ -129,8 +129,9 @@ def test_train_config_pp_accumulation_is_the_micro_batching():
     assert cfg.check_mesh(cfg.parallelism.resolve(cfg.parallelism.world_size)) == 4
 
 
-def test_accelerator_refuses_pp_by_name():
+def test_accelerator_refuses_pp_with_gradient_accumulation_by_name():
     from ndparallel import Accelerator
 
-    with pytest.raises(ConfigError, match="Accelerator does not run pipeline parallelism"):
-        Accelerator(ParallelismConfig(pp_size=2))
+    # pp itself runs (tests/test_accelerator_pp.py); accumulation is the pipeline's micro-batching
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 with pp_size=2.*pp_microbatches"):
+        Accelerator(ParallelismConfig(pp_size=2), gradient_accumulation_steps=4)

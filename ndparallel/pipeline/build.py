@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.family import family_for
@@ -35,12 +39,15 @@ def build_pipeline(
     *,
     microbatches: int | None = None,
     seed: int | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> Pipeline:
     """This rank's stages of ``model`` (best built on the meta device), parallelised, and torch's schedule.
 
     ``cfg``/``mesh`` as for :func:`ndparallel.parallelize` (``pp_size > 1``). Micro-batches: ``microbatches``,
     else ``cfg.pp_microbatches``, else the number of stages. ``seed``: the weight-init seed of a meta model
-    (default its config's). Blocks: ``cfg.pp_split``, else balanced by parameter count (the first stage also
+    (default its config's). ``loss_fn(output, target)``: each micro-batch's loss on the last stage (default
+    :func:`ndparallel.cross_entropy_loss`, the micro-batch mean; torch divides gradients by the micro-batch
+    count). Blocks: ``cfg.pp_split``, else balanced by parameter count (the first stage also
     holds the embedding, the last the final norm and output).
     """
     mesh = mesh or init_distributed(cfg or ParallelismConfig())
@@ -61,7 +68,7 @@ def build_pipeline(
     modules = build_stage_modules(model, family, ranges, ids, cfg, mesh, seed)
     group = mesh["pp"].get_group()
     stages = [make_stage(mod, sid, n_stages, mesh.device, group) for mod, sid in zip(modules, ids, strict=True)]
-    schedule = make_schedule(cfg.pp_schedule, stages, m, cross_entropy_loss)
+    schedule = make_schedule(cfg.pp_schedule, stages, m, loss_fn or cross_entropy_loss)
     positions_arg = getattr(modules[0], "positions_arg", "positions")
     last = last_stage_rank(cfg.pp_size, per_rank, cfg.pp_schedule)
     return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg)

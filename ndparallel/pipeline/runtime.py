@@ -121,6 +121,16 @@ class Pipeline:
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the global mean loss (float64, every rank)."""
+        return self._run(tokens, labels, self.schedule.step)
+
+    def eval(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only (torch's ``schedule.eval``, no gradients): the global mean loss, as :meth:`step`'s."""
+        if not hasattr(self.schedule, "eval"):
+            raise ConfigError(f"pipeline eval needs torch's schedule.eval, which torch {torch.__version__} lacks")
+        with torch.no_grad():
+            return self._run(tokens, labels, self.schedule.eval)
+
+    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> torch.Tensor:
         self._check_batch(tokens, labels)
         device = self.mesh.device
         x, y = tokens.to(device).clone(), labels.to(device).clone()
@@ -130,8 +140,8 @@ class Pipeline:
         with context_parallel(self._inner, [x, y, positions], seq_dims=[1, 1, 1]), self._sync_context():
             args = (x,) if 0 in self.stage_ids else ()
             kwargs = {self.positions_arg: positions}
-            self.schedule.step(*args, target=y, losses=losses, return_outputs=False, **kwargs)
-        if self._replicate:
+            run(*args, target=y, losses=losses, return_outputs=False, **kwargs)
+        if self._replicate and torch.is_grad_enabled():
             self._average_replicas()
         return self._global_loss(losses)
 

@@ -34,9 +34,21 @@ from ndparallel.train.accelerator.options import (
     apply_settings,
     check_accelerate_options,
 )
+from ndparallel.train.accelerator.pipeline import PipelineModel, loss_kind, prepare_pipeline
+from ndparallel.train.accelerator.stage_optim import StageViews, merge_views, stage_views
 from ndparallel.train.step import forward_autocast_dtype, parallelize_config
 
 __all__ = ["Accelerator"]
+
+
+def _check_pp_accumulation(pp_size: int, steps: int) -> None:
+    """Under pp one model call is a whole pipeline step: accumulation is the pipeline's micro-batching."""
+    if pp_size > 1 and steps != 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps={steps} with pp_size={pp_size}: under pipeline parallelism the accumulation "
+            "is the pipeline's micro-batching; set gradient_accumulation_steps=1 and pp_microbatches (the number of "
+            "micro-batches one model call splits its batch into)"
+        )
 
 
 class Accelerator:
@@ -69,17 +81,11 @@ class Accelerator:
         if fsdp_plugin is not None:
             cfg = apply_settings(cfg, fsdp_plugin.settings, "fsdp_plugin")
         cfg = precision.merge_mixed_precision(cfg, mixed_precision)
-        if cfg.pp_size != 1:
-            # A pipeline schedule owns forward and backward of every micro-batch (model(x) then backward(loss)
-            # cannot express it); refused before any rank builds a mesh.
-            raise ConfigError(
-                f"Accelerator does not run pipeline parallelism (pp_size={cfg.pp_size}): a schedule owns the forward "
-                "and backward of every micro-batch; use ndparallel train, or ndparallel.pipeline.build_pipeline with "
-                "Pipeline.step(tokens, labels) in your own loop, or pp_size=1"
-            )
+        _check_pp_accumulation(cfg.pp_size, gradient_accumulation_steps)  # before any rank builds a mesh
         device_type = "cpu" if cpu else (device_type or os.environ.get("NDP_DEVICE") or None)  # launch --cpu-ranks
         self.mesh = mesh or init_distributed(cfg, device_type=device_type)
         self._config = cfg.resolve(self.mesh.size())
+        _check_pp_accumulation(self._config.pp_size, gradient_accumulation_steps)
         self._autocast = forward_autocast_dtype(self._config)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.project_dir = None if project_dir is None else str(project_dir)
@@ -177,18 +183,24 @@ class Accelerator:
         params_after = [dict(m.named_parameters()) for m in prepared_models]
         for obj in prepared:
             if isinstance(obj, torch.optim.Optimizer):
-                stepping.repoint(obj, names_before, params_after)
+                stepping.repoint(obj, names_before, params_after, drop_absent=self._pp)
                 stepping.step_only_when_syncing(obj, ("step", "zero_grad"), lambda: self.sync_gradients)
                 self._optimizers.append(obj)
         self._models.extend(prepared_models)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def _prepare_model(self, model: nn.Module) -> nn.Module:
+    @property
+    def _pp(self) -> bool:
+        return self._config.pp_size > 1
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module | PipelineModel:
         if any(isinstance(p, DTensor) for p in model.parameters()):
             raise ConfigError(
                 f"{type(model).__name__} is already sharded (DTensor parameters, e.g. from_pretrained(tp_plan=...)): "
                 "load it unsharded and let prepare() apply the parallelism_config, or use ndparallel.hf.load_pretrained"
             )
+        if self._pp:  # this rank's stages behind one call that runs the pipeline step (pipeline.py)
+            return prepare_pipeline(model, self._config, self.mesh)
         # Without FSDP the forward autocasts (below); FSDP casts through its policy.
         cfg = parallelize_config(self._config)
         model = parallelize(model.to(self.device), cfg, mesh=self.mesh, blocks=self._blocks(model))
@@ -231,12 +243,23 @@ class Accelerator:
         return no_sync(model)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()`` with the loss divided by the accumulation steps."""
+        """``loss.backward()`` with the loss divided by the accumulation steps. The ``outputs.loss`` of a
+        pipeline model call (pp) is left alone: that call already ran backward through every stage."""
+        kind = loss_kind(loss)
+        if kind == "backward":
+            return
+        if kind == "eval" or (self._pp and not loss.requires_grad):
+            raise ConfigError(
+                "under pp_size > 1 the model call runs backward itself: pass its outputs.loss unchanged to "
+                "accelerator.backward (a no-op), from a call in training mode with gradients enabled"
+            )
         (loss / self.gradient_accumulation_steps).backward(**kwargs)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Exact global gradient norm over every mesh the parameters live on; clips in place."""
-        return clip_grad_norm_(parameters, max_norm, norm_type)
+        """Exact global gradient norm over every mesh the parameters live on (and every pipeline stage); clips
+        in place."""
+        pp_group = self.mesh["pp"].get_group() if self._pp else None
+        return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast`` to the mixed-precision dtype where FSDP does not cast (else a no-op)."""
@@ -328,20 +351,37 @@ class Accelerator:
         saving.save_model(getattr(model, "_orig_mod", model), save_directory, max_shard_size, safe_serialization)
 
     def save_state(self, path: str, **state: Any) -> str:
-        """Checkpoint the prepared model, optimizer and schedulers (DCP; loadable on any mesh)."""
-        model, optimizer = self._single_model_and_optimizer()
+        """Checkpoint the prepared model, optimizer and schedulers (DCP; loadable on any mesh). Under pp: this
+        rank's stage modules, with one view of the optimizer per stage (format 3, as ``ndparallel train``)."""
+        model, optimizer, views = self._checkpoint_parts()
         if self._schedulers:
-            state["schedulers"] = [s.state_dict() for s in self._schedulers]
-        return checkpoint.save(path, model, optimizer, accelerator_step=self.step, **state)
+            state["schedulers"] = [stepping.scheduler_state(s) for s in self._schedulers]
+        path = checkpoint.save(path, model, optimizer, accelerator_step=self.step, **state)
+        if views is not None:
+            merge_views(self._optimizers[0], views)  # a save before the first step initialises the state
+        return path
 
     def load_state(self, path: str) -> dict[str, Any]:
         """Restore what ``save_state`` wrote; returns the extra state."""
-        model, optimizer = self._single_model_and_optimizer()
+        model, optimizer, views = self._checkpoint_parts()
         state = checkpoint.load(path, model, optimizer)
+        if views is not None:
+            merge_views(self._optimizers[0], views)
         for scheduler, saved in zip(self._schedulers, state.pop("schedulers", []), strict=False):
             scheduler.load_state_dict(saved)
         self.step = int(state.pop("accelerator_step", 0))
         return state
+
+    def _checkpoint_parts(self) -> tuple[Any, Any, StageViews | None]:
+        """What ``checkpoint.save``/``load`` take: the model and optimizer, or (pp) the stage modules and one
+        optimizer view per stage (then also the views, to merge back)."""
+        model, optimizer = self._single_model_and_optimizer()
+        if not isinstance(model, PipelineModel):
+            return model, optimizer, None
+        if optimizer is None:
+            return model.stages, None, None
+        views = stage_views(optimizer, model.stages)
+        return model.stages, [view for view, _ in views], views
 
     def _single_model_and_optimizer(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if len(self._models) != 1 or len(self._optimizers) > 1:

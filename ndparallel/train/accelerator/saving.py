@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel.comm.agree import agree
 from ndparallel.errors import ConfigError
+from ndparallel.train.accelerator.pipeline import PipelineModel
 
 __all__ = ["full_state_dict", "install_save_pretrained", "parse_size", "save_model"]
 
@@ -26,9 +27,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module | PipelineModel) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered: full CPU tensors on rank 0, ``{}`` on the other
-    ranks (as Accelerate's FSDP2 ``get_state_dict``). Collective: every rank calls it."""
+    ranks (as Accelerate's FSDP2 ``get_state_dict``). Collective: every rank calls it. A pipeline model (pp)
+    gathers every stage to rank 0."""
+    if isinstance(model, PipelineModel):
+        return model.full_state_dict()
     rank, result = _rank(), {}
     for name, tensor in model.state_dict().items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -91,7 +95,10 @@ def _write(tensors: dict[str, torch.Tensor], directory: Path, limit: int, safe: 
 
 
 def save_model(
-    model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB", safe_serialization=True
+    model: nn.Module | PipelineModel,
+    save_directory: str | os.PathLike,
+    max_shard_size: int | str = "10GB",
+    safe_serialization=True,
 ) -> None:
     """Write the full weights of ``model`` to ``save_directory`` on rank 0: ``model.safetensors`` (or
     ``pytorch_model.bin``), split into numbered shards plus an index above ``max_shard_size``."""

@@ -13,23 +13,28 @@ import torch
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["repoint", "step_only_when_syncing"]
+__all__ = ["repoint", "scheduler_state", "step_only_when_syncing"]
 
 _MARK = "_ndp_steps_when_syncing"
 
 
-def repoint(optimizer: torch.optim.Optimizer, old: dict[int, tuple[int, str]], new: list[dict[str, Any]]) -> None:
-    """Replace the optimizer's parameters (pre-parallelize objects) by the model's current ones, by name."""
+def repoint(
+    optimizer: torch.optim.Optimizer, old: dict[int, tuple[int, str]], new: list[dict[str, Any]], drop_absent=False
+) -> None:
+    """Replace the optimizer's parameters (pre-parallelize objects) by the model's current ones, by name.
+    ``drop_absent`` (pipeline parallel): a parameter this rank's stages do not hold leaves the optimizer (its
+    group stays, possibly empty, so LR schedulers keep their group indices)."""
     if optimizer.state:
         raise ConfigError("prepare() the optimizer before its first step (it already holds state)")
     for group in optimizer.param_groups:
         replaced = []
         for param in group["params"]:
-            if id(param) in old:
-                model_index, name = old[id(param)]
-                replaced.append(new[model_index][name])
-            else:
+            if id(param) not in old:
                 replaced.append(param)
+                continue
+            model_index, name = old[id(param)]
+            if name in new[model_index] or not drop_absent:
+                replaced.append(new[model_index][name])
         group["params"] = replaced
 
 
@@ -47,4 +52,11 @@ def step_only_when_syncing(obj: Any, methods: tuple[str, ...], syncing: Callable
             return _original(*args, **kwargs) if syncing() else None
 
         setattr(obj, name, types.MethodType(gated, obj))
-    setattr(obj, _MARK, True)
+    setattr(obj, _MARK, methods)
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """``scheduler.state_dict()`` without the gate patched on the instance (torch's LR schedulers return their
+    ``__dict__``, which then holds the gated ``step``: not state, and not storable)."""
+    patched = (*getattr(scheduler, _MARK, ()), _MARK)
+    return {k: v for k, v in scheduler.state_dict().items() if k not in patched}
