@@ -1,0 +1,249 @@
+"""Hugging Face models under pipeline parallelism, built on the meta device, against one plain PyTorch process.
+
+* config only: every stage of every split initialises to what :func:`ndparallel.hf.init.seeded_init` gives
+  the whole model (HF's rule, RNG seeded per module name), bit for bit (no ranks needed);
+* from a checkpoint: ``load_pretrained_pipeline`` reads only the tensors of the rank's stages (counted at
+  the safetensors reader) and gives the weights of a full load; pp2 and pp2 x cp2 (ring attention) then
+  train like one process on the full model in float64 (the pieces of tests/test_pipeline_parity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ndparallel.config import ConfigError  # noqa: E402
+from ndparallel.testing import run_distributed  # noqa: E402
+from tests.test_pipeline_parity import (  # noqa: E402
+    MAX_NORM,
+    OPTIM,
+    TOL,
+    _batches,
+    _error,
+    _mesh,
+    _plain_training,
+    _tiny_llama,
+    _tiny_llama_config,
+)
+
+
+def _meta_llama(dtype: torch.dtype = torch.float64):
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(_tiny_llama_config()).to(dtype)
+
+
+def _splits(n_blocks: int, n_stages: int):
+    """Every way to cut ``n_blocks`` into ``n_stages`` non-empty contiguous ranges."""
+    if n_stages == 1:
+        yield [range(0, n_blocks)]
+        return
+    for first in range(1, n_blocks - n_stages + 2):
+        for rest in _splits(n_blocks - first, n_stages - 1):
+            yield [range(0, first), *(range(r.start + first, r.stop + first) for r in rest)]
+
+
+def test_config_only_stages_initialise_like_the_whole_model_on_every_split():
+    from ndparallel.family import family_for
+    from ndparallel.hf.init import seeded_init
+
+    whole = _tiny_llama()  # materialised, float64
+    seeded_init(whole, seed=7)
+    expected = {n: p.detach().clone() for n, p in whole.named_parameters()}
+    inv_freq = whole.model.rotary_emb.inv_freq.clone()
+    assert not torch.equal(expected["model.layers.0.mlp.up_proj.weight"], expected["model.layers.1.mlp.up_proj.weight"])
+    for n_stages in (1, 2, 3, 4):
+        for ranges in _splits(4, n_stages):
+            meta = _meta_llama()
+            family = family_for(meta)
+            held = []
+            for sid, blocks in enumerate(ranges):
+                stage = family.pipeline_stage(meta, blocks, sid == 0, sid == n_stages - 1)
+                stage.to_empty(device="cpu")
+                stage.init_weights(7)
+                for name, param in stage.named_parameters():
+                    assert torch.equal(param, expected[name]), (ranges, name)
+                    held.append(name)
+                assert torch.equal(stage.model.rotary_emb.inv_freq, inv_freq)
+            assert sorted(held) == sorted(expected), ranges
+    # the rule is the seed's: another seed, other values; the caller's RNG stream is left where it was
+    state = torch.get_rng_state()
+    seeded_init(whole, seed=8)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not torch.equal(whole.lm_head.weight, expected["lm_head.weight"])
+
+
+class _CountingFile:
+    """A ``safe_open`` handle that records which tensors were read and how many bytes came back."""
+
+    def __init__(self, real, log: dict):
+        self._real, self._log = real, log
+
+    def __enter__(self):
+        self._real.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._real.__exit__(*exc)
+
+    def keys(self):
+        return self._real.keys()
+
+    def get_slice(self, name: str):
+        stored, log = self._real.get_slice(name), self._log
+
+        class _Slice:
+            def get_shape(self):
+                return stored.get_shape()
+
+            def __getitem__(self, region):
+                tensor = stored[region]
+                log["keys"].append(name)
+                log["bytes"] += tensor.numel() * tensor.element_size()
+                return tensor
+
+        return _Slice()
+
+
+def _count_reads(log: dict) -> None:
+    import safetensors
+
+    real = safetensors.safe_open
+    safetensors.safe_open = lambda *a, **k: _CountingFile(real(*a, **k), log)
+
+
+def _param_bytes(params) -> int:
+    """Bytes this rank holds of the materialised (not meta) ``params`` (a DTensor: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return sum(p.numel() * p.element_size() for p in local if not p.is_meta)
+
+
+def _train(pipe, ref: dict) -> dict:
+    """5 steps of the reference recipe on this rank's pipeline; the worst differences from ``ref``."""
+    optimizers = [torch.optim.AdamW(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
+    err = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "final": 0.0}
+    for step, (x, y) in enumerate(_batches(64)):
+        loss = pipe.step(x, y)
+        if step == 0:
+            for stage in pipe.stages:
+                for name, param in stage.named_parameters():
+                    err["grad"] = max(err["grad"], _error(param.grad, ref["grads"][name]))
+        norm = pipe.clip_grad_norm_(MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        err["loss"] = max(err["loss"], abs(loss.item() - ref["losses"][step]))
+        err["norm"] = max(err["norm"], abs(norm.item() - ref["norms"][step]))
+    for stage in pipe.stages:
+        for name, param in stage.named_parameters():
+            err["final"] = max(err["final"], _error(param, ref["final"][name]))
+    return err
+
+
+def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
+    """Load ``path`` as this rank's stages (counting the reads), check the weights, train; what was measured."""
+    import torch.distributed as dist
+
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.hf import load_pretrained_pipeline
+
+    cfg = ParallelismConfig(**parallel)
+    mesh = _mesh(cfg)
+    log = {"keys": [], "bytes": 0}
+    _count_reads(log)
+    pipe = load_pretrained_pipeline(path, cfg, mesh, microbatches=4, dtype=torch.float64)
+    stage_bytes = _param_bytes(p for s in pipe.stages for p in s.parameters())
+    names = sorted(n for s in pipe.stages for n, _ in s.named_parameters())
+    loaded = max(_error(p, full[n]) for s in pipe.stages for n, p in s.named_parameters())
+    whole = pipe.stages[0]._init_module.__self__  # the (meta) model the stages were cut from
+    held = _param_bytes(whole.parameters())  # only the stages' parameters were materialised
+    err = _train(pipe, ref)
+    dist.barrier()
+    shards = mesh.size("dp_shard") * mesh.size("cp")  # FSDP's shards of each stage (tensors here divide evenly)
+    out = {"err": err, "names": names, "read": log, "stage_bytes": stage_bytes, "loaded": loaded, "held": held}
+    return {**out, "shards": shards}
+
+
+def _full_path_bytes(parallel: dict) -> int:
+    """Parameter bytes a rank holds when the HF model is built with its weights before build_pipeline."""
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.pipeline import build_pipeline
+
+    cfg = ParallelismConfig(**parallel)
+    model = _tiny_llama()
+    build_pipeline(model, cfg, _mesh(cfg), microbatches=4)
+    return _param_bytes(model.parameters())
+
+
+def _refusals(path: str) -> list[str]:
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.hf import load_pretrained
+
+    cfg = ParallelismConfig(pp_size=2)
+    errors = []
+    try:
+        load_pretrained(path, cfg, _mesh(cfg))
+    except ConfigError as err:
+        errors.append(str(err))
+    return errors
+
+
+def _group(path: str, cases: list[dict], ref: dict, full: dict) -> list:
+    out = []
+    for case in cases:
+        if "bytes" in case:
+            out.append(_full_path_bytes(case["bytes"]))
+        elif "refusals" in case:
+            out.append(_refusals(path))
+        else:
+            out.append(_load_and_train(path, case["parallel"], ref, full))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[str, dict, dict]:
+    """A tiny float64 Llama written with transformers' own save_pretrained; the one-process reference on it."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = _tiny_llama()
+    model.save_pretrained(str(path))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = _plain_training(model, lambda m, x: m(input_ids=x).logits)
+    assert min(ref["norms"]) > MAX_NORM  # clipping is active on every step
+    return str(path), ref, full
+
+
+def _check_load(results: list[dict], full: dict) -> None:
+    every = {n: p.numel() * p.element_size() for n, p in full.items()}
+    for r in results:
+        print({k: f"{v:.1e}" for k, v in r["err"].items()}, "read", r["read"]["bytes"], "of", sum(every.values()))
+        assert max(r["err"].values()) < TOL, r["err"]
+        assert r["loaded"] == 0.0  # the stage's weights are the checkpoint's, exactly
+        # the rank read its stages' tensors, only the shard it holds (FSDP over dp_cp under cp), nothing else
+        assert sorted(r["read"]["keys"]) == r["names"]
+        assert r["read"]["bytes"] == r["stage_bytes"] == r["held"] < sum(every.values())
+        assert r["stage_bytes"] * r["shards"] == sum(every[n] for n in r["names"])
+    assert {n for r in results for n in r["names"]} == set(full)
+
+
+def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
+    path, ref, full = checkpoint
+    cases = [{"parallel": {"pp_size": 2}}, {"bytes": {"pp_size": 2}}, {"refusals": True}]
+    results = run_distributed(_group, 2, path, cases, ref, full, timeout=600)
+    _check_load([r[0] for r in results], full)
+    full_bytes = results[0][1]
+    meta_bytes = [r[0]["held"] for r in results]
+    print("parameter bytes per rank: meta path", meta_bytes, "full path", full_bytes)
+    assert full_bytes == sum(p.numel() * p.element_size() for p in full.values()) > max(meta_bytes)
+    assert "use ndparallel.hf.load_pretrained_pipeline" in results[0][2][0]
+
+
+def test_pp2_cp2_ring_attention_matches_one_process(checkpoint):
+    path, ref, full = checkpoint
+    cases = [{"parallel": {"pp_size": 2, "cp_size": 2}}]
+    results = run_distributed(_group, 4, path, cases, ref, full, timeout=600)
+    _check_load([r[0] for r in results], full)
