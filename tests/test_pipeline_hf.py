@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -108,11 +110,17 @@ class _CountingFile:
         return _Slice()
 
 
-def _count_reads(log: dict) -> None:
+@contextlib.contextmanager
+def _counting_reads(log: dict):
+    """Count what the safetensors reader returns while inside (the loader imports ``safe_open`` per call)."""
     import safetensors
 
     real = safetensors.safe_open
     safetensors.safe_open = lambda *a, **k: _CountingFile(real(*a, **k), log)
+    try:
+        yield log
+    finally:
+        safetensors.safe_open = real
 
 
 def _param_bytes(params) -> int:
@@ -154,9 +162,8 @@ def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
 
     cfg = ParallelismConfig(**parallel)
     mesh = _mesh(cfg)
-    log = {"keys": [], "bytes": 0}
-    _count_reads(log)
-    pipe = load_pretrained_pipeline(path, cfg, mesh, microbatches=4, dtype=torch.float64)
+    with _counting_reads({"keys": [], "bytes": 0}) as log:
+        pipe = load_pretrained_pipeline(path, cfg, mesh, microbatches=4, dtype=torch.float64)
     stage_bytes = _param_bytes(p for s in pipe.stages for p in s.parameters())
     names = sorted(n for s in pipe.stages for n, _ in s.named_parameters())
     loaded = max(_error(p, full[n]) for s in pipe.stages for n, p in s.named_parameters())
@@ -164,7 +171,7 @@ def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
     held = _param_bytes(whole.parameters())  # only the stages' parameters were materialised
     err = _train(pipe, ref)
     dist.barrier()
-    shards = mesh.size("dp_shard") * mesh.size("cp")  # FSDP's shards of each stage (tensors here divide evenly)
+    shards = mesh.size("dp_shard") * mesh.size("cp") * mesh.size("tp")  # FSDP's and TP's: every tensor divides
     out = {"err": err, "names": names, "read": log, "stage_bytes": stage_bytes, "loaded": loaded, "held": held}
     return {**out, "shards": shards}
 
@@ -178,6 +185,17 @@ def _full_path_bytes(parallel: dict) -> int:
     model = _tiny_llama()
     build_pipeline(model, cfg, _mesh(cfg), microbatches=4)
     return _param_bytes(model.parameters())
+
+
+def _config_only(parallel: dict, expected: dict) -> tuple[list[str], float]:
+    """build_pipeline on a meta model from a config: this rank's stages against seeded_init of the whole model."""
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.pipeline import build_pipeline
+
+    cfg = ParallelismConfig(**parallel)
+    pipe = build_pipeline(_meta_llama(), cfg, _mesh(cfg), microbatches=4, seed=7)
+    params = [(n, p) for s in pipe.stages for n, p in s.named_parameters()]
+    return sorted(n for n, _ in params), max(_error(p, expected[n]) for n, p in params)
 
 
 def _refusals(path: str) -> list[str]:
@@ -198,6 +216,8 @@ def _group(path: str, cases: list[dict], ref: dict, full: dict) -> list:
     for case in cases:
         if "bytes" in case:
             out.append(_full_path_bytes(case["bytes"]))
+        elif "config_only" in case:
+            out.append(_config_only(case["config_only"], case["expected"]))
         elif "refusals" in case:
             out.append(_refusals(path))
         else:
@@ -223,7 +243,7 @@ def _check_load(results: list[dict], full: dict) -> None:
         print({k: f"{v:.1e}" for k, v in r["err"].items()}, "read", r["read"]["bytes"], "of", sum(every.values()))
         assert max(r["err"].values()) < TOL, r["err"]
         assert r["loaded"] == 0.0  # the stage's weights are the checkpoint's, exactly
-        # the rank read its stages' tensors, only the shard it holds (FSDP over dp_cp under cp), nothing else
+        # the rank read its stages' tensors, only the shard it holds (FSDP over dp_cp under cp, TP), nothing else
         assert sorted(r["read"]["keys"]) == r["names"]
         assert r["read"]["bytes"] == r["stage_bytes"] == r["held"] < sum(every.values())
         assert r["stage_bytes"] * r["shards"] == sum(every[n] for n in r["names"])
@@ -232,7 +252,13 @@ def _check_load(results: list[dict], full: dict) -> None:
 
 def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     path, ref, full = checkpoint
+    from ndparallel.hf import seeded_init
+
+    whole = _tiny_llama()
+    seeded_init(whole, seed=7)
+    expected = {n: p.detach() for n, p in whole.named_parameters()}
     cases = [{"parallel": {"pp_size": 2}}, {"bytes": {"pp_size": 2}}, {"refusals": True}]
+    cases.append({"config_only": {"pp_size": 2}, "expected": expected})
     results = run_distributed(_group, 2, path, cases, ref, full, timeout=600)
     _check_load([r[0] for r in results], full)
     full_bytes = results[0][1]
@@ -240,10 +266,28 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     print("parameter bytes per rank: meta path", meta_bytes, "full path", full_bytes)
     assert full_bytes == sum(p.numel() * p.element_size() for p in full.values()) > max(meta_bytes)
     assert "use ndparallel.hf.load_pretrained_pipeline" in results[0][2][0]
+    # config only, through build_pipeline: each rank's stage is bit-identical to seeded_init of the whole model
+    assert [r[3][1] for r in results] == [0.0, 0.0]
+    assert sorted(n for r in results for n in r[3][0]) == sorted(expected)
 
 
-def test_pp2_cp2_ring_attention_matches_one_process(checkpoint):
+def test_pp2_cp2_ring_attention_and_pp2_tp2_match_one_process(checkpoint):
     path, ref, full = checkpoint
-    cases = [{"parallel": {"pp_size": 2, "cp_size": 2}}]
+    cases = [{"parallel": {"pp_size": 2, "cp_size": 2}}, {"parallel": {"pp_size": 2, "tp_size": 2}}]
     results = run_distributed(_group, 4, path, cases, ref, full, timeout=600)
-    _check_load([r[0] for r in results], full)
+    for index in range(len(cases)):
+        _check_load([r[index] for r in results], full)
+
+
+def test_tied_word_embeddings_are_refused_under_pp():
+    from transformers import LlamaForCausalLM
+
+    from ndparallel.family import family_for
+
+    config = _tiny_llama_config()
+    config.tie_word_embeddings = True
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ConfigError, match="tie_word_embeddings=True.*set config.tie_word_embeddings=False or use pp"):
+        family_for(model).pipeline_stage(model, [0, 1], True, False)

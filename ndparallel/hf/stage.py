@@ -48,8 +48,9 @@ class HFCausalLMStage(nn.Module):
             )
         if full.lm_head.weight is base.embed_tokens.weight:
             raise ConfigError(
-                f"{type(full).__name__} ties lm_head to embed_tokens, which pipeline stages would hold on different "
-                "ranks: pp_size > 1 is not supported for tied word embeddings; use pp_size=1"
+                f"{type(full).__name__} ties lm_head to embed_tokens (tie_word_embeddings=True), which pipeline "
+                "stages would hold on different ranks: pp_size > 1 does not support tied word embeddings yet; "
+                "set config.tie_word_embeddings=False or use pp_size=1"
             )
         self.config = full.config
         self.first, self.last = first, last
