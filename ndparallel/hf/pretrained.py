@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,10 @@ from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.parallelize import parallelize
-from ndparallel.pipeline.runtime import Pipeline
 from ndparallel.plans.fully_shard import fsdp_mesh
+
+if TYPE_CHECKING:  # floor 4; imported where called (docs/architecture.md: the loader's exception)
+    from ndparallel.pipeline.runtime import Pipeline
 
 __all__ = ["load_pretrained", "load_pretrained_pipeline", "local_region", "save_pretrained"]
 
