@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ndparallel.config import ConfigError  # noqa: E402
+from ndparallel.pp_rules import torch_supports_v_schedules  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.test_pipeline_parity import (  # noqa: E402
     MAX_NORM,
@@ -29,6 +30,8 @@ from tests.test_pipeline_parity import (  # noqa: E402
     _tiny_llama,
     _tiny_llama_config,
 )
+
+V_OR_LOOPED = "zbv" if torch_supports_v_schedules() else "interleaved_1f1b"
 
 
 def _meta_llama(dtype: torch.dtype = torch.float64):
@@ -48,18 +51,33 @@ def _splits(n_blocks: int, n_stages: int):
             yield [range(0, first), *(range(r.start + first, r.stop + first) for r in rest)]
 
 
-def test_config_only_stages_initialise_like_the_whole_model_on_every_split():
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("make_config", [_tiny_llama_config, _qwen2_config], ids=["llama", "qwen2-biases"])
+def test_config_only_stages_initialise_like_the_whole_model_on_every_split(make_config):
+    from transformers import AutoModelForCausalLM
+
     from ndparallel.family import family_for
     from ndparallel.hf.init import seeded_init
 
-    whole = _tiny_llama()  # materialised, float64
+    whole = AutoModelForCausalLM.from_config(make_config()).double()
     seeded_init(whole, seed=7)
     expected = {n: p.detach().clone() for n, p in whole.named_parameters()}
     inv_freq = whole.model.rotary_emb.inv_freq.clone()
     assert not torch.equal(expected["model.layers.0.mlp.up_proj.weight"], expected["model.layers.1.mlp.up_proj.weight"])
+    biases = [n for n in expected if n.endswith("bias")]
+    assert all(not expected[n].any() for n in biases) and (biases or make_config is _tiny_llama_config)
     for n_stages in (1, 2, 3, 4):
         for ranges in _splits(4, n_stages):
-            meta = _meta_llama()
+            with torch.device("meta"):
+                meta = AutoModelForCausalLM.from_config(make_config()).double()
             family = family_for(meta)
             held = []
             for sid, blocks in enumerate(ranges):
@@ -260,8 +278,11 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     expected = {n: p.detach() for n, p in whole.named_parameters()}
     cases = [{"parallel": {"pp_size": 2}}, {"bytes": {"pp_size": 2}}, {"refusals": True}]
     cases.append({"config_only": {"pp_size": 2}, "expected": expected})
+    # two stages per rank; V placement puts the first and the last stage on rank 0
+    cases.append({"parallel": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2}})
     results = run_distributed(_group, 2, path, cases, ref, full, timeout=600)
     _check_load([r[0] for r in results], full)
+    _check_load([r[4] for r in results], full)
     full_bytes = results[0][1]
     meta_bytes = [r[0]["held"] for r in results]
     print("parameter bytes per rank: meta path", meta_bytes, "full path", full_bytes)
