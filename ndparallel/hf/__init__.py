@@ -8,7 +8,10 @@ Everything Hugging Face lives in this folder, as one model family (docs/huggingf
     attention.py   the attention seam under tp/cp (registry functions) and its pre-flight refusals
     inputs.py      forward inputs under tp/cp: collective refusals, global position_ids
     loss.py        outputs.loss under tp/cp, exactly as in one process
-    pretrained.py  load_pretrained / save_pretrained: sharded safetensors straight into / out of a mesh
+    pretrained.py  load_pretrained / save_pretrained: sharded safetensors straight into / out of a mesh;
+                   load_pretrained_pipeline: the same for pp_size > 1 (a rank reads only its stages)
+    stage.py       HFCausalLMStage: a pipeline stage under the unsplit names
+    init.py        seeded_init: HF's init rule, seeded per module name (what a meta-built stage gets)
 
 ``ndparallel.parallelize(hf_model, cfg, mesh)`` recognises a PreTrainedModel by itself; load and save::
 
@@ -18,8 +21,9 @@ Everything Hugging Face lives in this folder, as one model family (docs/huggingf
 """
 
 from ndparallel.hf.attention import apply_hf_attention
+from ndparallel.hf.init import seeded_init
 from ndparallel.hf.plan import SUPPORTED_MODEL_TYPES, hf_fsdp_groups, hf_tp_plan, is_hf_model
-from ndparallel.hf.pretrained import load_pretrained, local_region, save_pretrained
+from ndparallel.hf.pretrained import load_pretrained, load_pretrained_pipeline, local_region, save_pretrained
 from ndparallel.hf.styles import GatherSequence, TiedColwiseParallel
 
 __all__ = [
@@ -31,6 +35,8 @@ __all__ = [
     "hf_tp_plan",
     "is_hf_model",
     "load_pretrained",
+    "load_pretrained_pipeline",
     "local_region",
     "save_pretrained",
+    "seeded_init",
 ]

@@ -26,7 +26,7 @@ from ndparallel.hf.inputs import InputLayout, input_hook
 from ndparallel.hf.loss import install_causal_lm_loss
 from ndparallel.mesh import Mesh
 
-__all__ = ["ATTENTION_RING", "ATTENTION_SDPA", "apply_hf_attention", "check_attention"]
+__all__ = ["ATTENTION_RING", "ATTENTION_SDPA", "apply_hf_attention", "check_attention", "route_hf_attention"]
 
 ATTENTION_SDPA, ATTENTION_RING = "ndparallel_sdpa", "ndparallel_ring"
 
@@ -111,20 +111,30 @@ def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | No
     ``shift_labels=`` give the one-process ``outputs.loss`` (:mod:`ndparallel.hf.loss`).
     """
     cfg = cfg or mesh.config
-    if not check_attention(model, cfg, mesh):
+    if not route_hf_attention(model, mesh, cfg):
         return model
     cp, cp_mesh = mesh.size("cp"), mesh["cp"]
     cp_group = cp_mesh.get_group() if cp > 1 else None
-    spec = _AttentionSpec(cp_group, cp, cfg.cp_rotate_method, cfg.cp_load_balance)
-    for module in model.modules():
-        if _is_hf_attention(module):
-            module._ndparallel_attention = spec
-    _register_attention(model, ATTENTION_RING if cp > 1 else ATTENTION_SDPA)
     cp_rank = cp_mesh.get_local_rank() if cp > 1 else 0
     layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance)
     model.register_forward_pre_hook(input_hook(layout), with_kwargs=True)
     install_causal_lm_loss(model, cp_group, cp, cp_rank, cfg.cp_load_balance)
     return model
+
+
+def route_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> bool:
+    """Only the attention routing of :func:`apply_hf_attention` (no input hook, no loss): what a pipeline stage
+    needs, whose runtime shards tokens, labels and ``position_ids`` itself. Returns whether it routed."""
+    if not check_attention(model, cfg, mesh):
+        return False
+    cp = mesh.size("cp")
+    cp_group = mesh["cp"].get_group() if cp > 1 else None
+    spec = _AttentionSpec(cp_group, cp, cfg.cp_rotate_method, cfg.cp_load_balance)
+    for module in model.modules():
+        if _is_hf_attention(module):
+            module._ndparallel_attention = spec
+    _register_attention(model, ATTENTION_RING if cp > 1 else ATTENTION_SDPA)
+    return True
 
 
 def check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> bool:

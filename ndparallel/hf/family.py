@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndparallel.config import ParallelismConfig
 from ndparallel.family import ModelFamily
-from ndparallel.hf.attention import apply_hf_attention, check_attention
+from ndparallel.hf.attention import apply_hf_attention, check_attention, route_hf_attention
 from ndparallel.hf.plan import hf_fsdp_groups, hf_tp_plan, is_hf_model
 from ndparallel.hf.stage import HFCausalLMStage
 from ndparallel.mesh import Mesh
@@ -30,10 +30,10 @@ class HuggingFaceFamily(ModelFamily):
     name = "huggingface"
     split_fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
     heads_field = "num_attention_heads"
-    pipeline_cp = False  # a stage's attention is not routed through ring attention yet
+    pipeline_cp = True  # stages route their attention through ring attention (tests/test_pipeline_hf.py)
 
     def matches(self, model: nn.Module) -> bool:
-        return is_hf_model(model)
+        return is_hf_model(model) or isinstance(model, HFCausalLMStage)
 
     def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         return hf_tp_plan(model)  # refuses, naming the module, what it cannot place
@@ -45,6 +45,9 @@ class HuggingFaceFamily(ModelFamily):
         return hf_fsdp_groups(model)
 
     def apply_attention(self, model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> nn.Module:
+        if isinstance(model, HFCausalLMStage):  # the pipeline runtime shards tokens, labels, position_ids
+            route_hf_attention(model, mesh, cfg)
+            return model
         return apply_hf_attention(model, mesh, cfg)  # tp or cp > 1: registry function, input hook, loss
 
     def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:

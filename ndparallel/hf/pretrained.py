@@ -2,9 +2,11 @@
 
 ``load_pretrained`` builds the model on the meta device (no memory for weights), parallelises it,
 allocates only each rank's shards, and reads from the safetensors files only the slice each rank
-owns (``safe_open(...).get_slice(name)[region]``). ``save_pretrained`` gathers one full tensor at a
-time onto rank 0, which writes ``model.safetensors`` and ``config.json``: the folder loads with
-``transformers``' ``from_pretrained`` and with ``load_pretrained`` on any mesh.
+owns (``safe_open(...).get_slice(name)[region]``). ``load_pretrained_pipeline`` does the same under
+``pp_size > 1``: each rank materialises and reads only the tensors of its own pipeline stages.
+``save_pretrained`` gathers one full tensor at a time onto rank 0, which writes ``model.safetensors`` and
+``config.json``: the folder loads with ``transformers``' ``from_pretrained`` and with ``load_pretrained`` on
+any mesh.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,10 @@ from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.parallelize import parallelize
 from ndparallel.plans.fully_shard import fsdp_mesh
 
-__all__ = ["load_pretrained", "local_region", "save_pretrained"]
+if TYPE_CHECKING:  # floor 4; imported where called (docs/architecture.md: the loader's exception)
+    from ndparallel.pipeline.runtime import Pipeline
+
+__all__ = ["load_pretrained", "load_pretrained_pipeline", "local_region", "save_pretrained"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -152,25 +157,69 @@ def load_pretrained(
     ``from_pretrained`` keeps them); ``parallelize_kwargs`` go to :func:`ndparallel.parallelize` (``plan``, ...).
     Nothing is downloaded: ``path`` must be a folder written by ``save_pretrained``.
     """
+    if mesh is None:
+        mesh = init_distributed(cfg or ParallelismConfig())
+    if mesh.size("pp") > 1:
+        raise ConfigError(
+            f"load_pretrained builds one model, but pp_size={mesh.size('pp')}: use "
+            "ndparallel.hf.load_pretrained_pipeline, which returns this rank's pipeline stages"
+        )
+    _check_meta_init(mesh)  # pp stages are materialised before parallelize: no such limit there
+    model, files = _meta_model(path, model_class, dtype)
+    model = parallelize(model, cfg, mesh, **parallelize_kwargs)
+    model.to_empty(device=mesh.device)
+    _init_buffers(model)
+    _fill_from_files(model, files)
+    return model
+
+
+def load_pretrained_pipeline(
+    path: str | os.PathLike,
+    cfg: ParallelismConfig | None = None,
+    mesh: Mesh | None = None,
+    *,
+    microbatches: int | None = None,
+    model_class: type | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Pipeline:
+    """:func:`load_pretrained` under ``pp_size > 1``: the model is built on the meta device, each rank
+    materialises only its stages (:func:`ndparallel.pipeline.build_pipeline`), and reads from the
+    safetensors files only its stages' tensors (their local shards under tp / FSDP inside the stage).
+
+    Returns the :class:`ndparallel.pipeline.Pipeline`; the weights equal a full load's
+    (docs/pipeline-parallel.md#hugging-face-models). Every rank calls it.
+    """
+    from ndparallel.hf.stage import LOAD_MARKER
+    from ndparallel.pipeline import build_pipeline
+
+    mesh = mesh or init_distributed(cfg or ParallelismConfig())
+    model, files = _meta_model(path, model_class, dtype)
+    setattr(model, LOAD_MARKER, True)  # stages compute only their rotary tables; parameters come from files
+    pipe = build_pipeline(model, cfg, mesh, microbatches=microbatches)
+    failure = None
+    try:
+        for stage in pipe.stages:
+            _fill_from_files(stage, files)
+    except (ConfigError, OSError) as err:  # every rank must learn of it: a rank's stages may be the only ones hit
+        failure = err
+    agree(failure, "load_pretrained_pipeline", error_type=ConfigError)
+    return pipe
+
+
+def _meta_model(path: str | os.PathLike, model_class: type | None, dtype: torch.dtype) -> tuple:
+    """The model of folder ``path`` on the meta device, parameters in ``dtype``; its tensor name -> file map."""
     transformers = _require_transformers()
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{str(path)!r} has no config.json: pass a local folder written by save_pretrained")
     config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if mesh is None:
-        mesh = init_distributed(cfg or ParallelismConfig())
-    _check_meta_init(mesh)
     model_class = model_class or transformers.AutoModelForCausalLM
     files = _weight_files(path)
     with torch.device("meta"):
         build = getattr(model_class, "from_config", None) or model_class
         model = build(config)
     _cast_parameters(model, dtype)
-    model = parallelize(model, cfg, mesh, **parallelize_kwargs)
-    model.to_empty(device=mesh.device)
-    _init_buffers(model)
-    _fill_from_files(model, files)
-    return model
+    return model, files
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

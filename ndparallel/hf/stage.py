@@ -2,7 +2,13 @@
 
 ``model.embed_tokens`` (first stage), ``model.layers.<i>`` (an ``nn.ModuleDict`` keyed by the original
 index), ``model.norm`` and ``lm_head`` (last stage); ``model.rotary_emb`` on every stage. The stage builds
-the causal mask and rotary embeddings itself, from ``position_ids`` (``[batch, seq]``).
+the causal mask and rotary embeddings itself, from ``position_ids`` (``[batch, seq]``: global positions,
+sharded with the tokens under cp).
+
+Built from a model on the meta device, a rank materialises only its stages (``to_empty``) and calls
+:meth:`HFCausalLMStage.init_weights`: HF's init rule seeded per module name (:mod:`ndparallel.hf.init`), or,
+for :func:`ndparallel.hf.load_pretrained_pipeline`, only the rotary tables (the weights are read after
+``parallelize``, each rank reading its stages' shards).
 """
 
 from __future__ import annotations
@@ -13,8 +19,13 @@ import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
+from ndparallel.hf.init import seeded_init
 
-__all__ = ["HFCausalLMStage"]
+__all__ = ["LOAD_MARKER", "HFCausalLMStage"]
+
+# Set on a meta model by load_pretrained_pipeline: its stages' parameters come from a checkpoint after
+# parallelize, so init_weights leaves them (only the rotary tables are computed).
+LOAD_MARKER = "_ndparallel_weights_from_checkpoint"
 
 
 class _Body(nn.Module):
@@ -37,11 +48,14 @@ class HFCausalLMStage(nn.Module):
             )
         if full.lm_head.weight is base.embed_tokens.weight:
             raise ConfigError(
-                f"{type(full).__name__} ties lm_head to embed_tokens, which pipeline stages would hold on different "
-                "ranks: pp_size > 1 is not supported for tied word embeddings; use pp_size=1"
+                f"{type(full).__name__} ties lm_head to embed_tokens (tie_word_embeddings=True), which pipeline "
+                "stages would hold on different ranks: pp_size > 1 does not support tied word embeddings yet; "
+                "set config.tie_word_embeddings=False or use pp_size=1"
             )
         self.config = full.config
         self.first, self.last = first, last
+        self._init_module = full._init_weights  # HF's per-module rule (a bound method: holds no weights)
+        self._params_from_checkpoint = bool(getattr(full, LOAD_MARKER, False))
         self.model = _Body()
         if first:
             self.model.embed_tokens = base.embed_tokens
@@ -50,6 +64,18 @@ class HFCausalLMStage(nn.Module):
         if last:
             self.model.norm = base.norm
             self.lm_head = full.lm_head
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """What :func:`ndparallel.hf.init.seeded_init` gives the whole model from ``seed`` (default 0), for this
+        stage's modules; the rotary tables. A stage of a checkpoint being loaded: the rotary tables only."""
+        if self._params_from_checkpoint:
+            for module in self.modules():
+                buffers_only = next(module.parameters(recurse=False), None) is None
+                if buffers_only and next(module.buffers(recurse=False), None) is not None:
+                    self._init_module(module)  # rotary inv_freq: computed from the config
+            return
+        seeded_init(self, 0 if seed is None else seed, self._init_module)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
