@@ -56,18 +56,19 @@ def broadcast_text(text: str, src: int = 0) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
-def gather_text(text: str) -> list[str]:
-    """Every rank's ``text``, on every rank, as UTF-8 bytes in tensors (nothing is pickled)."""
-    if not distributed() or dist.get_world_size() == 1:
+def gather_text(text: str, group: dist.ProcessGroup | None = None) -> list[str]:
+    """Every rank's ``text`` (of ``group``, default the world), on every rank of it, in group-rank order, as
+    UTF-8 bytes in tensors (nothing is pickled)."""
+    if not distributed() or dist.get_world_size(group) == 1:
         return [text]
     data = text.encode()
-    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=_device()))
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=_device()), group=group)
     longest = max(int(s.item()) for s in sizes)
     buf = torch.zeros(max(longest, 1), dtype=torch.uint8, device=_device())
     buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     bufs = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(bufs, buf)
+    dist.all_gather(bufs, buf, group=group)
     return [bytes(b[: int(n.item())].cpu().tolist()).decode() for b, n in zip(bufs, sizes, strict=True)]
 
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from ndparallel.loss import cross_entropy_loss
 from ndparallel.plans.context_parallel import gather_sequence, sequence_indices
 
-__all__ = ["install_causal_lm_loss", "labels_problem"]
+__all__ = ["install_causal_lm_loss", "labels_problem", "token_loss_sum"]
 
 
 def labels_problem(kwargs: dict[str, Any], local: int, cp_size: int) -> str | None:
@@ -71,7 +71,7 @@ def _local_positions(full: torch.Tensor, local: int, cp: tuple) -> torch.Tensor:
     return full.index_select(1, sequence_indices(full.shape[1], cp_size, cp_rank, load_balance, device=full.device))
 
 
-def _token_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Sum of the token cross entropies (0 when every target is ignored, with zero gradients)."""
     if isinstance(logits, DTensor):  # vocabulary-parallel: its mean divides by the count clamped to >= 1
         return cross_entropy_loss(logits, targets, ignore_index=ignore_index) * (targets != ignore_index).sum()
@@ -100,7 +100,7 @@ def _causal_lm_loss(cp: tuple[dist.ProcessGroup | None, int, int, bool]):
         targets = targets.to(logits.device)
         if cp_size == 1 and num_items_in_batch is None:
             return cross_entropy_loss(logits, targets, ignore_index=ignore_index)  # transformers' mean
-        total = _token_sum(logits, targets, ignore_index)
+        total = token_loss_sum(logits, targets, ignore_index)
         if num_items_in_batch is None:
             denominator = (targets != ignore_index).sum()
             dist.all_reduce(denominator, group=group)  # the valid tokens of these sequences, over the cp ranks

@@ -14,6 +14,7 @@ torch's mean over micro-batches and the mean over ``dp_cp`` give the one-process
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ndparallel.comm.agree import agree
+from ndparallel.comm.agree import agree, gather_text
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
-from ndparallel.hf.loss import _token_sum
+from ndparallel.hf.loss import token_loss_sum
 from ndparallel.mesh import Mesh
 from ndparallel.pipeline import Pipeline, build_pipeline
 
@@ -43,7 +44,7 @@ class _ScaledTokenSum:
     scale = 1.0
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return _token_sum(output, target, IGNORE_INDEX) * self.scale
+        return token_loss_sum(output, target, IGNORE_INDEX) * self.scale
 
 
 @dataclass
@@ -161,27 +162,31 @@ class PipelineModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's full (gathered) CPU tensors on rank 0 under the unsplit names, ``{}`` elsewhere.
-        Collective: every rank calls it."""
+        Collective: every rank calls it. Nothing is pickled: the names, shapes and dtypes travel as text
+        (:func:`ndparallel.comm.agree.gather_text`), the tensors by point-to-point sends to rank 0."""
         pp_group = self.pipeline.pp_group
         sends = 0 in dist.get_process_group_ranks(pp_group)  # this slice's first rank: rank 0's pp group
-        parts = []
+        local: list[tuple[int, str, torch.Tensor]] = []
         for sid, stage in zip(self.pipeline.stage_ids, self.stages, strict=True):
-            tensors = {}
             for name, tensor in stage.state_dict().items():
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                if sends:
-                    tensors[name] = full.detach().to("cpu", copy=True).contiguous()
-            parts.append((sid, tensors))
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective over the slice
+                local.append((sid, name, full.detach().to("cpu", copy=True).contiguous()))
         if not sends:
             return {}
-        gathered: list[Any] | None = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
-        dist.gather_object(parts, gathered, dst=0, group=pp_group)
-        if gathered is None:
+        layout = json.dumps([[sid, name, list(t.shape), str(t.dtype).removeprefix("torch.")] for sid, name, t in local])
+        layouts = [json.loads(text) for text in gather_text(layout, group=pp_group)]
+        device = self.pipeline.mesh.device
+        if dist.get_rank(pp_group) != 0:
+            for _, _, tensor in local:
+                dist.send(tensor.to(device), group=pp_group, group_dst=0)
             return {}
-        result: dict[str, torch.Tensor] = {}
-        for _, tensors in sorted((part for rank_parts in gathered for part in rank_parts), key=lambda p: p[0]):
-            result.update(tensors)
-        return result
+        received = list(local)
+        for source, entries in enumerate(layouts[1:], start=1):
+            for sid, name, shape, dtype in entries:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                dist.recv(tensor, group=pp_group, group_src=source)
+                received.append((sid, name, tensor.cpu()))
+        return {name: tensor for _, name, tensor in sorted(received, key=lambda entry: entry[0])}
 
 
 def prepare_pipeline(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> PipelineModel:
