@@ -118,8 +118,9 @@ def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) 
             continue
         first = first if first is not None else x.clone()
         model.train()
-        out = model(input_ids=x, labels=y) if hf else model(x, shift_labels=y)
-        acc.backward(out.loss)
+        with acc.accumulate(model):  # Accelerate's canonical loop: a no-op for a pipeline model
+            out = model(input_ids=x, labels=y) if hf else model(x, shift_labels=y)
+            acc.backward(out.loss)
         if step == 0:
             for name, param in model.named_parameters():
                 err["grad"] = max(err["grad"], (_full(param.grad) - ref["grads"][name]).abs().max().item())
@@ -137,7 +138,13 @@ def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) 
         out = model(input_ids=eval_x, labels=eval_y) if hf else model(eval_x, shift_labels=eval_y)
     err["eval"] = abs(out.loss.item() - ref["eval"])
     refusals = []
-    for bad in (lambda: model(eval_x), lambda: acc.backward(out.loss), lambda: acc.backward(out.loss * 1.0)):
+    wrong_calls = (
+        lambda: model(eval_x),
+        lambda: acc.backward(out.loss),
+        lambda: acc.backward(out.loss * 1.0),
+        lambda: acc.no_sync(model),
+    )
+    for bad in wrong_calls:
         try:
             bad()
         except ConfigError as e:
@@ -199,9 +206,10 @@ def _check(results: list[list[dict]], cases: list[dict]) -> None:
             assert all(torch.equal(o["first_batch"], r["first_batch"]) for o in same)
             assert len(same) == 2  # pp2
         refusals = per_rank[0]["refusals"]
-        assert len(refusals) == 3, refusals
+        assert len(refusals) == 4, refusals
         assert "pass exactly one of labels= (Hugging Face's convention" in refusals[0]
-        assert all("pass its outputs.loss unchanged to accelerator.backward" in r for r in refusals[1:])
+        assert all("pass its outputs.loss unchanged to accelerator.backward" in r for r in refusals[1:3])
+        assert "no_sync() has no meaning under pp_size > 1" in refusals[3]
 
 
 def test_pp2_accelerate_loop_matches_one_process(refs, tmp_path):

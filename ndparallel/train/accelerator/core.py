@@ -236,10 +236,16 @@ class Accelerator:
             self.sync_gradients = self.step % self.gradient_accumulation_steps == 0
         with contextlib.ExitStack() as stack:
             for model in models:  # the training step's rule: FSDP reduce-scatters each micro-batch
-                stack.enter_context(micro_batch_sync(model, last=self.sync_gradients))
+                if not isinstance(model, PipelineModel):  # pp: one call is one whole step (accumulation 1)
+                    stack.enter_context(micro_batch_sync(model, last=self.sync_gradients))
             yield
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        if isinstance(model, PipelineModel):
+            raise ConfigError(
+                "no_sync() has no meaning under pp_size > 1: one model call runs every micro-batch of the step and "
+                "the pipeline syncs gradients after the last; set pp_microbatches for more micro-batches per step"
+            )
         return no_sync(model)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
