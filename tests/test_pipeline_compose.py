@@ -93,7 +93,7 @@ def test_pp2_activation_checkpointing_matches_one_process(refs):
                 assert full >= STEPS * M * blocks and selective == full, calls
 
 
-@pytest.mark.slow  # inductor's C++ builds: 97 s with a warm cache, 207 s cold (2 loaded cores; 15 s w/o compile)
+@pytest.mark.slow  # inductor builds C++ kernels: 22-97 s with a warm cache, 207 s cold (2 loaded cores)
 def test_pp2_compile_matches_one_process(refs):
     # the 2 modes on 1f1b only: compiling dominates the time
     cases = [{"parallel": {"pp_size": 2, "pp_schedule": "1f1b", "compile": mode}} for mode in ("model", "blocks")]
