@@ -51,11 +51,7 @@ def test_pp_resolves_like_the_other_sizes():
         ({"pp_split": [[0, 2], [3, 4]]}, "contiguous and start at block 0"),
         ({"pp_split": [[0, 4]]}, "pp_split has 1 ranges but there are 2 stages"),
         ({"pp_split": "0-2"}, "must be a list of [first, last) block ranges"),
-        ({"activation_checkpointing": "full"}, "not supported with activation_checkpointing='full'"),
-        ({"compile": "blocks"}, "compile='blocks'"),
-        ({"mixed_precision": "bf16", "dp_shard_size": 2}, "mixed_precision='bf16'"),
-        ({"dp_replicate_size": 2, "dp_shard_size": 2}, "HSDP"),
-        ({"cp_size": 2, "cp_rotate_method": "alltoall"}, "cp_rotate_method='alltoall'"),
+        ({"mixed_precision": "bf16", "dp_shard_size": 2}, "not supported with mixed_precision='bf16'"),
     ],
 )
 def test_pp_validation_names_the_field(fields, fragment, monkeypatch):
@@ -71,6 +67,24 @@ def test_pp_rules_only_apply_with_pp():
     ParallelismConfig(
         pp_size=2, pp_schedule="interleaved_1f1b", pp_microbatches=4, pp_split=[[0, 1], [1, 2], [2, 3], [3, 4]]
     )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"activation_checkpointing": "full"},
+        {"activation_checkpointing": "selective"},
+        {"compile": "model"},
+        {"compile": "blocks"},
+        {"cp_size": 2, "cp_rotate_method": "alltoall"},
+        {"cp_size": 2, "cp_rotate_method": "allgather"},
+        {"dp_replicate_size": 2, "dp_shard_size": 2},
+        {"dp_replicate_size": 2, "cp_size": 2},
+    ],
+)
+def test_pp_composes_with_what_a_parity_test_covers(fields):
+    # tests/test_pipeline_compose.py proves each exact in float64
+    assert ParallelismConfig(pp_size=2, **fields).pp_size == 2
 
 
 def test_v_schedules_need_torch_2_12(monkeypatch):
