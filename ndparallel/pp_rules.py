@@ -140,10 +140,6 @@ def _unsupported(cfg: Any) -> list[str]:
         found.append(f"activation_checkpointing={cfg.activation_checkpointing!r}")
     if cfg.compile != "none":
         found.append(f"compile={cfg.compile!r}")
-    if cfg.mixed_precision != "no":
-        found.append(f"mixed_precision={cfg.mixed_precision!r}")
-    if cfg.cpu_offload:
-        found.append("cpu_offload=true")
     if cfg.cp_rotate_method != "ring":
         found.append(f"cp_rotate_method={cfg.cp_rotate_method!r}")
     both = cfg.dp_replicate_size != 1 and (cfg.dp_shard_size != 1 or cfg.cp_size != 1)

@@ -53,7 +53,6 @@ def test_pp_resolves_like_the_other_sizes():
         ({"pp_split": "0-2"}, "must be a list of [first, last) block ranges"),
         ({"activation_checkpointing": "full"}, "not supported with activation_checkpointing='full'"),
         ({"compile": "blocks"}, "compile='blocks'"),
-        ({"mixed_precision": "bf16", "dp_shard_size": 2}, "mixed_precision='bf16'"),
         ({"dp_replicate_size": 2, "dp_shard_size": 2}, "HSDP"),
         ({"cp_size": 2, "cp_rotate_method": "alltoall"}, "cp_rotate_method='alltoall'"),
     ],
