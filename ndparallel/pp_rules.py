@@ -133,6 +133,17 @@ def check_pp_split(split: Any, n_stages: int | None = None, n_blocks: int | None
         raise ConfigError(f"pp_split={split!r} covers blocks 0..{expected - 1} but the model has {n_blocks} blocks")
 
 
+# Zero-bubble schedules: backward split into an input pass and a deferred weight pass (measured under FSDP's
+# mixed-precision policy: step-1 weight gradients up to 3e-3 relative off 1f1b's, i.e. summed at bf16 resolution;
+# docs/pipeline-parallel.md).
+_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def _shards(cfg: Any) -> bool:
+    """FSDP is on (dp_shard x cp > 1); an unresolved -1 is decided when the config is resolved."""
+    return cfg.dp_shard_size not in (1, -1) or cfg.cp_size not in (1, -1)
+
+
 # What pp does not compose with yet (untested: refused until a parity test covers it).
 def _unsupported(cfg: Any) -> list[str]:
     found = []
@@ -140,6 +151,12 @@ def _unsupported(cfg: Any) -> list[str]:
         found.append(f"activation_checkpointing={cfg.activation_checkpointing!r}")
     if cfg.compile != "none":
         found.append(f"compile={cfg.compile!r}")
+    if cfg.mixed_precision != "no" and cfg.pp_schedule in _SPLIT_BACKWARD and _shards(cfg):
+        found.append(
+            f"mixed_precision={cfg.mixed_precision!r} under FSDP (dp_shard_size x cp_size > 1) on "
+            f"pp_schedule={cfg.pp_schedule!r}, whose deferred weight gradients FSDP sums over micro-batches in "
+            f"{cfg.mixed_precision} (use 1f1b, interleaved_1f1b or looped_bfs)"
+        )
     if cfg.cp_rotate_method != "ring":
         found.append(f"cp_rotate_method={cfg.cp_rotate_method!r}")
     both = cfg.dp_replicate_size != 1 and (cfg.dp_shard_size != 1 or cfg.cp_size != 1)
