@@ -51,7 +51,8 @@ def test_pp_resolves_like_the_other_sizes():
         ({"pp_split": [[0, 2], [3, 4]]}, "contiguous and start at block 0"),
         ({"pp_split": [[0, 4]]}, "pp_split has 1 ranges but there are 2 stages"),
         ({"pp_split": "0-2"}, "must be a list of [first, last) block ranges"),
-        ({"mixed_precision": "bf16", "dp_shard_size": 2}, "not supported with mixed_precision='bf16'"),
+        ({"mixed_precision": "bf16", "dp_shard_size": 2, "pp_schedule": "zbv"}, "mixed_precision='bf16' under FSDP"),
+        ({"mixed_precision": "fp16", "cp_size": 2, "pp_schedule": "interleaved_zb"}, "pp_schedule='interleaved_zb'"),
     ],
 )
 def test_pp_validation_names_the_field(fields, fragment, monkeypatch):
@@ -64,6 +65,8 @@ def test_pp_validation_names_the_field(fields, fragment, monkeypatch):
 def test_pp_rules_only_apply_with_pp():
     ParallelismConfig(activation_checkpointing="full", pp_microbatches=1)  # pp_size 1: nothing to refuse
     ParallelismConfig(pp_size=2, pp_microbatches=2)
+    ParallelismConfig(pp_size=2, mixed_precision="bf16", dp_shard_size=2, cpu_offload=True)  # lifted: a parity test
+    ParallelismConfig(pp_size=2, mixed_precision="bf16", pp_schedule="zbv")  # no FSDP: autocast, no bf16 sum
     ParallelismConfig(
         pp_size=2, pp_schedule="interleaved_1f1b", pp_microbatches=4, pp_split=[[0, 1], [1, 2], [2, 3], [3, 4]]
     )

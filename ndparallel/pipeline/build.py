@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
@@ -32,6 +34,14 @@ def _ranges(model, family, n_stages: int, explicit) -> list[range]:
     return stage_ranges([_numel(b) for b in blocks], n_stages, explicit, first, last)
 
 
+def _autocast_forward(module: nn.Module, dtype: torch.dtype, device_type: str) -> None:
+    """Run ``module``'s forward under ``torch.autocast(dtype)``: torch's schedule calls the stage (and its shape
+    inference) through ``module.__call__``, so this reaches every micro-batch's forward and only it: the loss
+    (fp32, outside the stage) and the backward (replaying the recorded casts) run outside autocast, as in
+    :class:`ndparallel.train.TrainStep`."""
+    module.forward = torch.autocast(device_type, dtype=dtype)(module.forward)
+
+
 def build_pipeline(
     model,
     cfg: ParallelismConfig | None = None,
@@ -49,6 +59,10 @@ def build_pipeline(
     :func:`ndparallel.cross_entropy_loss`, the micro-batch mean; torch divides gradients by the micro-batch
     count). Blocks: ``cfg.pp_split``, else balanced by parameter count (the first stage also
     holds the embedding, the last the final norm and output).
+
+    ``cfg.mixed_precision`` follows the training step's rule (:func:`ndparallel.train.step.forward_autocast_dtype`,
+    docs/pipeline-parallel.md): with FSDP its policy casts each stage; without, every stage forward autocasts
+    to bf16 (fp16 without FSDP raises :class:`ConfigError`).
     """
     mesh = mesh or init_distributed(cfg or ParallelismConfig())
     cfg = (cfg or mesh.config).resolve(mesh.size())
@@ -63,9 +77,16 @@ def build_pipeline(
     family = family_for(model)
     if cfg.cp_size > 1 and not family.pipeline_cp:
         raise ConfigError(f"pp_size > 1 with cp_size > 1 is not supported for model family {family.name!r} yet")
+    from ndparallel.train.step import forward_autocast_dtype  # the trainer's precision rule (imports pipeline)
+
+    autocast = forward_autocast_dtype(cfg)
     ranges = _ranges(model, family, n_stages, cfg.pp_split)
     ids = stage_ids(mesh.local_rank("pp"), cfg.pp_size, per_rank, cfg.pp_schedule)
-    modules = build_stage_modules(model, family, ranges, ids, cfg, mesh, seed)
+    stage_cfg = cfg if autocast is None else dataclasses.replace(cfg, mixed_precision="no")  # autocast casts
+    modules = build_stage_modules(model, family, ranges, ids, stage_cfg, mesh, seed)
+    if autocast is not None:
+        for module in modules:
+            _autocast_forward(module, autocast, mesh.device.type)
     group = mesh["pp"].get_group()
     stages = [make_stage(mod, sid, n_stages, mesh.device, group) for mod, sid in zip(modules, ids, strict=True)]
     schedule = make_schedule(cfg.pp_schedule, stages, m, loss_fn or cross_entropy_loss)
