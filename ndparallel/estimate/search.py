@@ -127,8 +127,9 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
 
 def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> list[str]:
     """Why a pp shape cannot run: the config's own validation (``ParallelismConfig`` with the pp fields and the
-    training's precision and checkpointing: what ``ndparallel train`` refuses under pp, ``pp_rules``) and the schedule's micro-batch rule (``ndparallel.pp_rules.check_microbatches``); plus a block per
-    stage at least and a batch that splits into m micro-batches (what the estimate needs). Every inner shape the
+    training's precision and checkpointing: what ``ndparallel train`` refuses under pp, ``pp_rules``) and the
+    schedule's micro-batch rule (``ndparallel.pp_rules.check_microbatches``); plus a block per stage at least
+    and a batch that splits into m micro-batches (what the estimate needs). Every inner shape the
     config accepts is modelled (pp x dp_shard / cp / tp / pure dp_replicate: docs/planning.md)."""
     problems = []
     n_stages, local = mesh.pp * mesh.stages_per_rank, train.global_batch // mesh.dp
