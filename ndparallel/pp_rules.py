@@ -22,6 +22,7 @@ __all__ = [
     "check_pp_split",
     "schedule_spec",
     "stages_per_rank",
+    "torch_compiles_pipeline_stages",
     "torch_supports_v_schedules",
 ]
 
@@ -48,12 +49,22 @@ PP_SCHEDULES: dict[str, ScheduleSpec] = {
 }
 
 
+def _torch_at_least(major: int, minor: int, version: str | None) -> bool:
+    text = (version or torch.__version__).split("+")[0]
+    found = tuple(int(part) for part in text.split(".")[:2])
+    return found >= (major, minor)
+
+
 def torch_supports_v_schedules(version: str | None = None) -> bool:
     """ZBV / DualPipeV: torch 2.11's stage warm-up sends to its own rank, which gloo cannot do (measured:
     "Pair is not connected" at the first step); 2.12 replaced that warm-up. So: torch >= 2.12."""
-    text = (version or torch.__version__).split("+")[0]
-    major, minor = (int(part) for part in text.split(".")[:2])
-    return (major, minor) >= (2, 12)
+    return _torch_at_least(2, 12, version)
+
+
+def torch_compiles_pipeline_stages(version: str | None = None) -> bool:
+    """``compile`` under pp: on torch 2.11 the last stage's compiled backward fails at the first step (measured,
+    float64 pp 2 1F1B: "expected scalar type Double but found Float"); exact on 2.13 and 2.14. So: torch >= 2.12."""
+    return _torch_at_least(2, 12, version)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
@@ -171,6 +182,11 @@ def check_pipeline_fields(cfg: Any) -> None:
         raise ConfigError(
             f"pp_schedule={cfg.pp_schedule!r} needs torch >= 2.12 (torch {torch.__version__}'s V-schedule warm-up "
             "fails on gloo); use pp_schedule=interleaved_zb or interleaved_1f1b, or upgrade torch"
+        )
+    if cfg.compile != "none" and not torch_compiles_pipeline_stages():
+        raise ConfigError(
+            f"compile={cfg.compile!r} with pp_size={cfg.pp_size} needs torch >= 2.12 (torch {torch.__version__}'s "
+            "compiled stage backward fails); set compile=none, or upgrade torch"
         )
     per_rank = stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank)
     _check_stages_per_rank(cfg.pp_schedule, spec, per_rank)

@@ -15,6 +15,8 @@ from collections import Counter
 import pytest
 
 import tests.test_pipeline_parity as parity
+from ndparallel.config import ConfigError, ParallelismConfig
+from ndparallel.pp_rules import torch_compiles_pipeline_stages
 from ndparallel.testing import run_distributed
 from tests.test_pipeline_parity import STEPS, _check, _transformer_reference
 
@@ -85,10 +87,12 @@ def test_pp2_activation_checkpointing_matches_one_process(refs):
             blocks = len(_blocks(rank[base]))
             calls = [rank[base + i]["attention_calls"] for i in range(3)]
             full, selective = calls[1] - calls[0], calls[2] - calls[0]
-            if base == 0:  # 1f1b: one recompute per checkpointed block and micro-batch (+1: the last stage's
-                # backward shape inference at the first step)
-                per = STEPS * M + ("output.weight" in rank[base]["names"])
-                assert (full, selective) == (per * blocks, per * selective_blocks[base]), calls
+            if base == 0:  # 1f1b: one recompute per checkpointed block and micro-batch (+1 on torch >= 2.12: the
+                # last stage's backward shape inference at the first step; torch 2.11 has none)
+                last = "output.weight" in rank[base]["names"]
+                per_step = [STEPS * M, STEPS * M + 1] if last else [STEPS * M]
+                expected = [(per * blocks, per * selective_blocks[base]) for per in per_step]
+                assert (full, selective) in expected, calls
             else:  # interleaved_zb recomputes more often (measured 221 and 402 for 2 blocks x 20 micro-batches)
                 assert full >= STEPS * M * blocks and selective == full, calls
 
@@ -97,6 +101,10 @@ def test_pp2_activation_checkpointing_matches_one_process(refs):
 def test_pp2_compile_matches_one_process(refs):
     # the 2 modes on 1f1b only: compiling dominates the time
     cases = [{"parallel": {"pp_size": 2, "pp_schedule": "1f1b", "compile": mode}} for mode in ("model", "blocks")]
+    if not torch_compiles_pipeline_stages():  # torch 2.11: refused by name (tests/test_pipeline_config.py)
+        with pytest.raises(ConfigError, match="needs torch >= 2.12"):
+            ParallelismConfig(**cases[0]["parallel"])
+        return
     results = run_distributed(_run_compose, 2, cases, refs, timeout=900)
     _check(results, cases, refs)
     for rank in results:

@@ -9,7 +9,7 @@ import torch
 from ndparallel.cli import main
 from ndparallel.config import ConfigError, ParallelismConfig
 from ndparallel.mesh import rank_groups
-from ndparallel.pp_rules import torch_supports_v_schedules
+from ndparallel.pp_rules import torch_compiles_pipeline_stages, torch_supports_v_schedules
 
 
 def test_pp_size_from_every_source(tmp_path):
@@ -97,6 +97,14 @@ def test_v_schedules_need_torch_2_12(monkeypatch):
     with pytest.raises(ConfigError, match="pp_schedule='zbv' needs torch >= 2.12"):
         ParallelismConfig(pp_size=2, pp_schedule="zbv")
     ParallelismConfig(pp_size=2, pp_schedule="interleaved_zb")  # loop placement: fine on 2.11
+
+
+def test_compile_under_pp_needs_torch_2_12(monkeypatch):
+    assert not torch_compiles_pipeline_stages("2.11.0+cu130") and torch_compiles_pipeline_stages("2.13.0+cpu")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ConfigError, match="compile='blocks' with pp_size=2 needs torch >= 2.12"):
+        ParallelismConfig(pp_size=2, compile="blocks")
+    ParallelismConfig(pp_size=1, compile="blocks")  # without pp: fine on 2.11
 
 
 def test_pp_groups_in_rank_table(tmp_path, capsys):
