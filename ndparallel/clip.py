@@ -116,11 +116,11 @@ def _check_same_grads_on_every_rank(parameters: list[torch.Tensor], pp_group: di
 
     Without pipeline parallelism every rank holds the same parameters; under pp (``pp_group``) the ranks of
     one pp coordinate do, and each coordinate writes its flags into its own slot of one vector. One
-    all-reduce (MAX of ``[has_grad, 1 - has_grad]`` per parameter and slot) over the world, after one that
-    agrees on the longest parameter list, when the parameters hold DTensors whose meshes span the world (or
-    one pp slice of it: every ndparallel mesh does); with plain tensors only there is no collective and
-    nothing to check. On disagreement, :func:`ndparallel.comm.agree.failed_ranks` names the ranks (the same
-    list on every rank).
+    all-reduce (MAX of ``[has_grad, 1 - has_grad]`` per parameter and slot) over the world (under pp after
+    one that agrees on the longest parameter list), when the parameters hold DTensors whose meshes span the
+    world (or one pp slice of it: every ndparallel mesh does); with plain tensors only (pure data parallel, pp
+    alone, pp x pure replicate) there is no collective and nothing to check. On disagreement,
+    :func:`ndparallel.comm.agree.failed_ranks` names the ranks (the same list on every rank).
     """
     meshes = {p.device_mesh: None for p in parameters if isinstance(p, DTensor)}
     if not meshes or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -135,7 +135,8 @@ def _check_same_grads_on_every_rank(parameters: list[torch.Tensor], pp_group: di
     device = _agreement_device(next(iter(meshes)))
     has = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32)
     length = torch.tensor([len(parameters)], device=device)
-    dist.all_reduce(length, op=dist.ReduceOp.MAX)
+    if slots > 1:  # the pp slots hold different parameter lists: agree on the longest
+        dist.all_reduce(length, op=dist.ReduceOp.MAX)
     flags = torch.zeros(slots, 2, int(length.item()), dtype=torch.int32)
     flags[slot, 0, : len(parameters)] = has
     flags[slot, 1, : len(parameters)] = 1 - has
@@ -147,8 +148,9 @@ def _check_same_grads_on_every_rank(parameters: list[torch.Tensor], pp_group: di
         return
     bad_slot, first = disputed[0]
     mine = slot == bad_slot
-    lacking = failed_ranks(mine and not has[first])  # one all-reduce of a one-hot vector each: no pickles
-    having = failed_ranks(mine and bool(has[first]))
+    holds = mine and first < len(parameters) and bool(has[first])
+    lacking = failed_ranks(mine and not holds)  # one all-reduce of a one-hot vector each: no pickles
+    having = failed_ranks(holds)
     where = f" of pipeline rank {bad_slot}" if slots > 1 else ""
     raise RuntimeError(
         f"clip_grad_norm_: parameter {first}{where} has a gradient on rank(s) {having} but not on rank(s) "

@@ -1,6 +1,6 @@
 """Pipeline parallelism with mixed precision and CPU offload, on real gloo ranks.
 
-The precision rule is the training step's (:func:`ndparallel.train.step.forward_autocast_dtype`): without FSDP
+The precision rule is the training step's (:func:`ndparallel.precision.forward_autocast_dtype`): without FSDP
 every stage forward autocasts to bf16; with FSDP (pp2 x dp_shard2) its policy casts the stage's parameters to
 bf16 (or fp16) and reduces gradients in fp32. Each bf16 run is compared with (a) the same precision without pp,
 written as one plain PyTorch process that does what that rule does (autocast forward, or a bf16 copy of the
@@ -121,7 +121,8 @@ def _run_without_pp(parallel: dict, accumulation: int) -> dict:
     from ndparallel.config import ParallelismConfig
     from ndparallel.models import Transformer, TransformerConfig
     from ndparallel.parallelize import parallelize
-    from ndparallel.train.step import TrainStep, parallelize_config
+    from ndparallel.precision import parallelize_config
+    from ndparallel.train.step import TrainStep
 
     cfg = ParallelismConfig(**parallel)
     mesh = _mesh(cfg)

@@ -15,9 +15,9 @@ import torch
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.precision import forward_autocast_dtype
 from ndparallel.sequence import check_sequence_length
 from ndparallel.train.config import split_batch
-from ndparallel.train.step import forward_autocast_dtype
 
 __all__ = ["PP_KEYS", "BenchCase"]
 

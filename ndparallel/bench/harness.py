@@ -61,7 +61,8 @@ class _Job:
 
     def __init__(self, case: BenchCase, mesh: Mesh, twin: bool = False):
         from ndparallel.parallelize import parallelize
-        from ndparallel.train.step import TrainStep, parallelize_config
+        from ndparallel.precision import parallelize_config
+        from ndparallel.train.step import TrainStep
 
         self.case, self.mesh, self.device = case, mesh, mesh.device
         mcfg = case.model_config()

@@ -14,9 +14,11 @@ import functools
 from dataclasses import asdict, dataclass
 
 from ndparallel.comm.ulysses import kv_heads_sent
+from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
+from ndparallel.precision import forward_autocast_dtype
 
 __all__ = [
     "MemoryEstimate",
@@ -146,16 +148,13 @@ def activation_bytes(
 
 def autocasts(train: TrainingSpec, mesh: MeshShape) -> bool:
     """Whether the forward runs under ``torch.autocast`` (mixed precision without FSDP): the trainer's rule,
-    :func:`ndparallel.train.step.forward_autocast_dtype` (fp16 there is refused: see :func:`precision_problem`).
+    :func:`ndparallel.precision.forward_autocast_dtype` (fp16 there is refused: see :func:`precision_problem`).
     Then the fp32 weights are cast per matmul and the residual stream stays in the parameter dtype."""
     return train.precision != "fp32" and mesh.fsdp == 1 and not precision_problem(train, mesh)
 
 
 @functools.lru_cache(maxsize=64)
 def _autocast_refusal(precision: str, dp_shard: int, cp: int) -> str:
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.train.step import forward_autocast_dtype  # lazy: the trainer imports the pipeline runtime
-
     mixed = "no" if precision == "fp32" else precision
     try:
         forward_autocast_dtype(ParallelismConfig(dp_shard_size=dp_shard, cp_size=cp, mixed_precision=mixed))

@@ -19,6 +19,7 @@ from ndparallel.pipeline.split import stage_ranges
 from ndparallel.pipeline.stages import build_stage_modules
 from ndparallel.pipeline.torch_api import make_schedule, make_stage
 from ndparallel.pp_rules import check_microbatches, stages_per_rank
+from ndparallel.precision import forward_autocast_dtype
 
 __all__ = ["build_pipeline"]
 
@@ -60,7 +61,7 @@ def build_pipeline(
     count). Blocks: ``cfg.pp_split``, else balanced by parameter count (the first stage also
     holds the embedding, the last the final norm and output).
 
-    ``cfg.mixed_precision`` follows the training step's rule (:func:`ndparallel.train.step.forward_autocast_dtype`,
+    ``cfg.mixed_precision`` follows the training step's rule (:func:`ndparallel.precision.forward_autocast_dtype`,
     docs/pipeline-parallel.md): with FSDP its policy casts each stage; without, every stage forward autocasts
     to bf16 (fp16 without FSDP raises :class:`ConfigError`).
     """
@@ -77,8 +78,6 @@ def build_pipeline(
     family = family_for(model)
     if cfg.cp_size > 1 and not family.pipeline_cp:
         raise ConfigError(f"pp_size > 1 with cp_size > 1 is not supported for model family {family.name!r} yet")
-    from ndparallel.train.step import forward_autocast_dtype  # the trainer's precision rule (imports pipeline)
-
     autocast = forward_autocast_dtype(cfg)
     ranges = _ranges(model, family, n_stages, cfg.pp_split)
     ids = stage_ids(mesh.local_rank("pp"), cfg.pp_size, per_rank, cfg.pp_schedule)

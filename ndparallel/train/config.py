@@ -26,8 +26,8 @@ from ndparallel.mesh import check_device_type
 from ndparallel.models import TransformerConfig
 from ndparallel.plans.tensor_parallel import check_tp_divisibility
 from ndparallel.pp_rules import check_microbatches, check_pp_split, stages_per_rank
+from ndparallel.precision import forward_autocast_dtype
 from ndparallel.sequence import check_sequence_length
-from ndparallel.train.step import forward_autocast_dtype
 
 __all__ = [
     "CheckpointConfig",

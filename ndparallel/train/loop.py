@@ -30,11 +30,12 @@ from ndparallel.models import Transformer
 from ndparallel.parallelize import parallelize
 from ndparallel.peak import device_peak
 from ndparallel.pipeline import Pipeline, build_pipeline
+from ndparallel.precision import parallelize_config
 from ndparallel.train.checkpointing import hold_checkpoint_dir
 from ndparallel.train.config import TrainConfig, job_device
 from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.progress import Progress, format_duration, format_rate
-from ndparallel.train.step import TrainStep, parallelize_config
+from ndparallel.train.step import TrainStep
 from ndparallel.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
@@ -65,7 +66,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_model(cfg: TrainConfig, mesh: Mesh, microbatches: int = 1) -> nn.Module | Pipeline:
     """The reference Transformer on this rank's device, parallelised over ``mesh`` (mixed precision as
-    :func:`ndparallel.train.step.parallelize_config` says: FSDP's policy, or the step's autocast). With
+    :func:`ndparallel.precision.parallelize_config` says: FSDP's policy, or the step's autocast). With
     ``pp_size > 1``: this rank's pipeline stages, built from the model on the meta device, running
     ``microbatches`` micro-batches per step."""
     if mesh.config.pp_size > 1:

@@ -7,16 +7,14 @@ communication :func:`ndparallel.grad_sync.micro_batch_sync` decides; then clip t
 let every rank agree the loss and norm are finite (:class:`~ndparallel.train.nonfinite.NonFiniteGuard`),
 and step the optimizer only if they are.
 
-Mixed precision, decided here once (:func:`forward_autocast_dtype`): with FSDP (``dp_shard x cp > 1``)
-FSDP2's policy casts (bf16/fp16 parameters and compute, fp32 gradient reduction); without FSDP the forward
-runs under ``torch.autocast(bf16)``, and fp16 is refused (it would need a loss scaler, which ndparallel
-does not have). The loss is computed in fp32, or float64 for a float64 model, either way.
+Mixed precision follows :mod:`ndparallel.precision` (re-exported here): with FSDP its policy casts; without
+FSDP the forward runs under ``torch.autocast(bf16)``. The loss is computed in fp32, or float64 for a float64
+model, either way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,42 +23,16 @@ import torch
 from torch import nn
 
 from ndparallel.clip import clip_grad_norm_
-from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.grad_sync import micro_batch_sync
 from ndparallel.mesh import Mesh
 from ndparallel.metrics import cross_entropy_loss
 from ndparallel.pipeline import Pipeline
 from ndparallel.plans.context_parallel import context_parallel
+from ndparallel.precision import forward_autocast_dtype
 from ndparallel.train.nonfinite import NonFiniteGuard
 
-__all__ = ["StepResult", "TrainStep", "forward_autocast_dtype", "parallelize_config"]
-
-_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _fsdp_casts(cfg: ParallelismConfig) -> bool:
-    return cfg.dp_shard_size * cfg.cp_size > 1  # FSDP shards over dp_shard x cp; its policy casts
-
-
-def forward_autocast_dtype(cfg: ParallelismConfig) -> torch.dtype | None:
-    """The dtype the forward autocasts to on the resolved mesh ``cfg``: None under FSDP (its policy casts) or
-    without mixed precision; bf16 otherwise. fp16 without FSDP raises :class:`ConfigError`."""
-    if cfg.mixed_precision == "no" or _fsdp_casts(cfg):
-        return None
-    if cfg.mixed_precision == "fp16":
-        raise ConfigError(
-            "mixed_precision=fp16 without FSDP (dp_shard_size x cp_size == 1) would need a loss scaler, which "
-            "ndparallel does not have: use bf16, or shard with dp_shard_size > 1"
-        )
-    return _LOW_PRECISION[cfg.mixed_precision]
-
-
-def parallelize_config(cfg: ParallelismConfig) -> ParallelismConfig:
-    """``cfg`` as ``parallelize`` should get it: mixed precision left to autocast where FSDP does not cast."""
-    if forward_autocast_dtype(cfg) is None:
-        return cfg
-    return dataclasses.replace(cfg, mixed_precision="no")
+__all__ = ["StepResult", "TrainStep"]
 
 
 @dataclass
@@ -76,7 +48,7 @@ class StepResult:
 class TrainStep:
     """Forward, loss, backward over micro-batches, clipping, the non-finite guard and the optimizer step.
 
-    ``model`` is parallelised over ``mesh`` (with :func:`parallelize_config`). ``max_grad_norm`` 0 disables
+    ``model`` is parallelised over ``mesh`` (with :func:`ndparallel.precision.parallelize_config`). ``max_grad_norm`` 0 disables
     clipping (the norm is still measured). ``defer_grad_sync``: see :func:`ndparallel.grad_sync.micro_batch_sync`.
     ``check_finite=False`` drops the non-finite agreement, only for runs whose numbers mean nothing (the
     bench's compute-only twin). ``phase(text)`` is told what runs next, e.g. ``"step 3: forward/backward"``

@@ -28,6 +28,7 @@ from ndparallel.hf.plan import is_hf_model
 from ndparallel.mesh import Mesh, destroy_distributed, init_distributed
 from ndparallel.parallelize import find_blocks, parallelize
 from ndparallel.plans.context_parallel import context_parallel
+from ndparallel.precision import forward_autocast_dtype, parallelize_config
 from ndparallel.train.accelerator import data, precision, saving, stepping, trackers
 from ndparallel.train.accelerator.options import (
     FullyShardedDataParallelPlugin,
@@ -36,7 +37,6 @@ from ndparallel.train.accelerator.options import (
 )
 from ndparallel.train.accelerator.pipeline import PipelineModel, loss_kind, prepare_pipeline
 from ndparallel.train.accelerator.stage_optim import StageViews, merge_views, stage_views
-from ndparallel.train.step import forward_autocast_dtype, parallelize_config
 
 __all__ = ["Accelerator"]
 

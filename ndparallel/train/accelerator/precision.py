@@ -1,7 +1,7 @@
 """Mixed precision for the Accelerator: FSDP2 casts where the mesh shards (dp_shard x cp > 1); elsewhere the
 prepared model's forward runs under ``torch.autocast`` and returns fp32 floating outputs, as Accelerate's
 ``mixed_precision=`` does. Which dtype, and the refusal of fp16 without FSDP, are the training step's rule
-(:func:`ndparallel.train.step.forward_autocast_dtype`)."""
+(:func:`ndparallel.precision.forward_autocast_dtype`)."""
 
 from __future__ import annotations
 
