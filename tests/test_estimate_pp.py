@@ -1,5 +1,6 @@
-"""The pipeline-parallel cost model: its formulas by hand, and against real gloo ranks (per-rank saved
-activation bytes within 10%; parameter bytes, point-to-point and collective bytes exactly: they are deterministic).
+"""The pipeline-parallel cost model: its formulas by hand, and against real gloo ranks, fp32 and bf16 (per-rank
+saved activation bytes within 10%, 15% under bf16 autocast; parameter bytes, point-to-point and collective bytes
+exactly: they are deterministic).
 
 The ranks run the project's runtime, ``ndparallel.pipeline.build_pipeline`` (through
 ``ndparallel.bench.pipeline.measure_pipeline``). ``python -m tests.test_estimate_pp``
@@ -23,7 +24,8 @@ from ndparallel.testing import run_distributed
 
 MODEL = dict(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16, dtype="float32")
 BATCH, SEQ = 8, 16
-# (sizes, schedule, micro-batches): >= 6 pp shapes, on 2 and 4 ranks (one spawned group each)
+# (sizes, schedule, micro-batches[, mixed_precision]): >= 6 pp shapes, on 2 and 4 ranks (one spawned group each);
+# bf16 once under FSDP (the policy) and once without (the trainer's forward autocast)
 RUNS = {
     2: [({"pp": 2}, "gpipe", 4), ({"pp": 2}, "1f1b", 4), ({"pp": 2}, "interleaved_1f1b", 4)],
     4: [
@@ -33,13 +35,25 @@ RUNS = {
         ({"pp": 2, "tp": 2}, "1f1b", 2),
         ({"pp": 2, "cp": 2}, "1f1b", 2),
         ({"pp": 2, "dp_replicate": 2}, "1f1b", 2),
+        ({"pp": 2, "dp_shard": 2}, "1f1b", 2, "bf16"),
+        ({"pp": 2, "dp_replicate": 2}, "1f1b", 2, "bf16"),
     ],
 }
 INNER = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
-def _run(sizes: dict[str, int], schedule: str, m: int) -> PipelineRun:
-    return PipelineRun(MODEL, sizes, schedule, m, batch=BATCH, seq=SEQ, steps=2)
+def _run(sizes: dict[str, int], schedule: str, m: int, mixed_precision: str = "no") -> PipelineRun:
+    return PipelineRun(MODEL, sizes, schedule, m, batch=BATCH, seq=SEQ, steps=2, mixed_precision=mixed_precision)
+
+
+def _activation_bound(spec: tuple) -> float:
+    """The saved-activation bound of one run: 10 % (fp32 and bf16 under FSDP's policy measure 0.4-1.6 % above the
+    model); 15 % under the trainer's forward autocast (mixed precision without FSDP), measured +10.1 % / +9.3 %
+    on stage 0 / 1: the non-pp activation rule counts every saved activation in the compute dtype, while under
+    autocast the residual stream and the norms stay fp32 (docs/planning.md, "Mixed precision under pp")."""
+    sizes, precision = spec[0], (spec[3:] or ("no",))[0]
+    autocast = precision != "no" and sizes.get("dp_shard", 1) * sizes.get("cp", 1) == 1
+    return 0.15 if autocast else 0.10
 
 
 def _mesh(sizes: dict[str, int], schedule: str, m: int) -> MeshShape:
@@ -53,11 +67,12 @@ def _label(group: str, mesh: MeshShape) -> str:
     return "dp_shard_cp" if group == "cp" and mesh.dp_shard == 1 else group
 
 
-def predicted(sizes: dict[str, int], schedule: str, m: int) -> list[dict]:
-    """The estimator's per-pp-rank numbers for one run (fp32, CPU's composite RMSNorm)."""
+def predicted(sizes: dict[str, int], schedule: str, m: int, mixed_precision: str = "no") -> list[dict]:
+    """The estimator's per-pp-rank numbers for one run (CPU's composite RMSNorm)."""
     model = model_spec(TransformerConfig(**MODEL))
     mesh = _mesh(sizes, schedule, m)
-    train = TrainingSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32", fused_norm=False)
+    precision = "fp32" if mixed_precision == "no" else mixed_precision
+    train = TrainingSpec(global_batch=BATCH, seq_len=SEQ, precision=precision, fused_norm=False)
     out = []
     for r in range(mesh.pp):
         comm: dict[str, float] = {}
@@ -194,7 +209,8 @@ def test_pipeline_predictions_match_measured_ranks(world_size):
         for rank, results in enumerate(per_rank):
             got, exp = results[i], want[_pp_rank(spec[0], rank)]
             where = (spec, rank)
-            assert got["saved_activation_bytes"] == pytest.approx(exp["saved_activation_bytes"], rel=0.10), where
+            bound = _activation_bound(spec)
+            assert got["saved_activation_bytes"] == pytest.approx(exp["saved_activation_bytes"], rel=bound), where
             assert got["param_bytes"] == exp["param_bytes"], where  # bytes are deterministic: exact
             assert got["comm"] == exp["comm"], where  # every group and kind, every byte
 
@@ -207,9 +223,9 @@ def validation_table() -> str:
     ]
     for world_size, specs in sorted(RUNS.items()):
         per_rank = run_distributed(measure_many, world_size, [_run(*s) for s in specs], timeout=240)
-        for i, (sizes, schedule, m) in enumerate(specs):
-            want = predicted(sizes, schedule, m)
-            shape = " x ".join(f"{k}{v}" for k, v in sizes.items())
+        for i, spec in enumerate(specs):
+            (sizes, schedule, m), want = spec[:3], predicted(*spec)
+            shape = " x ".join(f"{k}{v}" for k, v in sizes.items()) + "".join(f" {p}" for p in spec[3:])
             for rank, results in enumerate(per_rank):
                 got, exp = results[i], want[_pp_rank(sizes, rank)]
                 rows = [(k, got[k], exp[k]) for k in ("saved_activation_bytes", "param_bytes")]
@@ -234,22 +250,8 @@ if __name__ == "__main__":
 def test_plan_command_compares_schedules_and_refuses_bad_pp_input(capsys):
     from ndparallel.estimate.cli import main as plan_main
 
-    # fp32: pp is trained (and so planned) without mixed precision until a parity test covers it
-    argv = [
-        "plan",
-        "--model",
-        "8b",
-        "--gpus",
-        "16",
-        "--seq",
-        "4096",
-        "--global-batch",
-        "64",
-        "--pp",
-        "2",
-        "--precision",
-        "fp32",
-    ]
+    # the default precision, bf16: pp trains it (FSDP's policy or autocast per stage), so the planner ranks it
+    argv = ["plan", "--model", "8b", "--gpus", "16", "--seq", "4096", "--global-batch", "64", "--pp", "2"]
     assert plan_main([*argv, "--pp-schedule", "all", "--json", "--top", "50", "--rejected", "50"]) == 0
     data = json.loads(capsys.readouterr().out)
     rows = data["ranked"] + data["rejected"]

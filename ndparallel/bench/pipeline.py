@@ -10,7 +10,8 @@ local parameter bytes, the payload bytes of every collective and point-to-point 
 kind), and step times.
 
 The ranks run the project's pipeline runtime, :func:`ndparallel.pipeline.build_pipeline` (docs/pipeline-parallel.md),
-on a model built on the meta device, with a ``ParallelismConfig`` carrying the run's mesh sizes and pp fields;
+on a model built on the meta device, with a ``ParallelismConfig`` carrying the run's mesh sizes, pp fields and
+mixed precision;
 :func:`build_pipeline` below is the one place that builds it.
 """
 
@@ -49,6 +50,8 @@ class PipelineRun:
     schedule: str = "1f1b"
     microbatches: int = 4
     stages_per_rank: int | None = None
+    mixed_precision: str = "no"
+    """``ParallelismConfig.mixed_precision`` (``no``, ``bf16``, ``fp16``): the runtime's per-stage precision rule."""
     batch: int = 8
     seq: int = 32
     steps: int = 2
@@ -64,10 +67,11 @@ class PipelineRun:
         return size
 
     def parallelism(self) -> ParallelismConfig:
-        """The run's config: its mesh sizes (``dp_shard`` etc.) and pp fields."""
+        """The run's config: its mesh sizes (``dp_shard`` etc.), pp fields and mixed precision."""
         return ParallelismConfig(
             **{f"{dim}_size": size for dim, size in self.sizes.items()},
             pp_schedule=self.schedule, pp_microbatches=self.microbatches, pp_stages_per_rank=self.stages_per_rank,
+            mixed_precision=self.mixed_precision,
         )  # fmt: skip
 
 
