@@ -49,7 +49,8 @@ class TrainStep:
     """Forward, loss, backward over micro-batches, clipping, the non-finite guard and the optimizer step.
 
     ``model`` is parallelised over ``mesh`` (with :func:`ndparallel.precision.parallelize_config`).
-    ``max_grad_norm`` 0 disables clipping (the norm is still measured). ``defer_grad_sync``: see :func:`ndparallel.grad_sync.micro_batch_sync`.
+    ``max_grad_norm`` 0 disables clipping (the norm is still measured). ``defer_grad_sync``: see
+    :func:`ndparallel.grad_sync.micro_batch_sync`.
     ``check_finite=False`` drops the non-finite agreement, only for runs whose numbers mean nothing (the
     bench's compute-only twin). ``phase(text)`` is told what runs next, e.g. ``"step 3: forward/backward"``
     (the watchdog's heartbeat). ``around()`` is entered around each micro-batch's forward/backward and around
