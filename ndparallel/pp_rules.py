@@ -17,6 +17,7 @@ from ndparallel.errors import ConfigError
 __all__ = [
     "PP_SCHEDULES",
     "ScheduleSpec",
+    "check_defer_grad_sync",
     "check_microbatches",
     "check_pipeline_fields",
     "check_pp_split",
@@ -165,6 +166,17 @@ def _unsupported(cfg: Any) -> list[str]:
             f"{cfg.mixed_precision} (use 1f1b, interleaved_1f1b or looped_bfs)"
         )
     return found
+
+
+def check_defer_grad_sync(defer: bool | None, cfg: Any, field: str = "train.defer_grad_sync") -> None:
+    """Under pp with FSDP torch's pipeline stage reduce-scatters once, after the last micro-batch: an explicit
+    ``defer_grad_sync=False`` (sync every micro-batch) cannot be honoured and is refused; unset means deferred."""
+    if defer is False and cfg.pp_size > 1 and _shards(cfg):
+        raise ConfigError(
+            f"{field}=false cannot be honoured with pp_size={cfg.pp_size} under FSDP: torch's pipeline stage "
+            f"reduce-scatters gradients once, after the last micro-batch (docs/pipeline-parallel.md); leave {field} "
+            "unset (or true)"
+        )
 
 
 def check_pipeline_fields(cfg: Any) -> None:

@@ -11,8 +11,6 @@ load it and repeat steps 3-4 exactly.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +21,6 @@ TOL = 1e-10  # float64
 STEPS, BATCH, SEQ, MAX_NORM = 4, 8, 16, 0.5
 OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 TINY = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, seed=0)
-HAS_HF = importlib.util.find_spec("transformers") is not None
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +140,12 @@ def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) 
         lambda: acc.backward(out.loss),
         lambda: acc.backward(out.loss * 1.0),
         lambda: acc.no_sync(model),
+        # one rank's batch shape changes: every rank refuses it before the schedule (else the others would hang)
+        lambda: (
+            model(eval_x[:, :-1], shift_labels=eval_y[:, :-1])
+            if acc.process_index == 0
+            else model(eval_x, shift_labels=eval_y)
+        ),
     )
     for bad in wrong_calls:
         try:
@@ -186,9 +189,7 @@ def _cases(cases: list[dict], refs: dict, root: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def refs() -> dict:
-    out = {"transformer": _reference(False)}
-    if HAS_HF:
-        out["hf"] = _reference(True)
+    out = {"transformer": _reference(False), "hf": _reference(True)}  # transformers: the [hf] extra, make test
     assert min(out["transformer"]["norms"]) > MAX_NORM  # clipping is active on every step
     return out
 
@@ -205,17 +206,20 @@ def _check(results: list[list[dict]], cases: list[dict]) -> None:
             same = [o for o in per_rank if o["dp_rank"] == r["dp_rank"]]
             assert all(torch.equal(o["first_batch"], r["first_batch"]) for o in same)
             assert len(same) == 2  # pp2
+        for r in per_rank:
+            assert "pipeline batch shape changed" in r["refusals"][4], r["refusals"]
         refusals = per_rank[0]["refusals"]
-        assert len(refusals) == 4, refusals
+        assert len(refusals) == 5, refusals
         assert "pass exactly one of labels= (Hugging Face's convention" in refusals[0]
         assert all("pass its outputs.loss unchanged to accelerator.backward" in r for r in refusals[1:3])
         assert "no_sync() has no meaning under pp_size > 1" in refusals[3]
 
 
 def test_pp2_accelerate_loop_matches_one_process(refs, tmp_path):
-    cases = [{"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}}]
-    if HAS_HF:
-        cases.append({"parallel": {"pp_size": 2, "pp_schedule": "gpipe"}, "ref": "hf"})
+    cases = [
+        {"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}},
+        {"parallel": {"pp_size": 2, "pp_schedule": "gpipe"}, "ref": "hf"},
+    ]
     results = run_distributed(_cases, 2, cases, refs, str(tmp_path), timeout=600)
     _check(results, cases)
 

@@ -42,6 +42,10 @@ def test_pp_cases_the_trainer_would_refuse_are_refused_early():
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(message)):
             cases_from_config(_config(shape))
+    deferral_off = _config({"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "1f1b", "pp_microbatches": 2})
+    deferral_off["defaults"]["defer_grad_sync"] = False  # torch's stage always defers under FSDP: not honoured
+    with pytest.raises(ConfigError, match=re.escape("defer_grad_sync=false cannot be honoured with pp_size=2")):
+        cases_from_config(deferral_off)
 
 
 def test_a_pp_case_is_measured_on_real_ranks_and_trains_like_one_rank():

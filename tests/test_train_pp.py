@@ -105,7 +105,8 @@ def test_pp_resume_is_exact_on_the_same_mesh_and_across_pp_sizes_and_schedules(t
 
 def test_an_explicit_false_defer_grad_sync_is_refused_under_pp():
     """torch's pipeline stage reduce-scatters FSDP gradients once per step, so ``defer_grad_sync: false`` (sync
-    every micro-batch) cannot be honoured under pp: refused by name; unset and true are accepted."""
+    every micro-batch) cannot be honoured under pp with FSDP: refused by name; unset and true are accepted (and
+    false without FSDP, where the field does nothing, as without pp)."""
     from ndparallel.config import ParallelismConfig
     from ndparallel.errors import ConfigError
     from ndparallel.train.config import TrainConfig
@@ -120,3 +121,5 @@ def test_an_explicit_false_defer_grad_sync_is_refused_under_pp():
     with pytest.raises(ConfigError, match=r"train\.defer_grad_sync=false cannot be honoured with pp_size=2"):
         TrainConfig.from_dict(config).check_mesh(sizes)
     assert TrainConfig.from_dict(config).check_mesh(ParallelismConfig(dp_shard_size=4)) == 1  # fine without pp
+    no_fsdp = ParallelismConfig(pp_size=2, dp_replicate_size=2, pp_schedule="1f1b")  # replicate: always deferred
+    assert TrainConfig.from_dict(config).check_mesh(no_fsdp) == 2

@@ -15,6 +15,7 @@ import torch
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.pp_rules import check_defer_grad_sync
 from ndparallel.precision import forward_autocast_dtype
 from ndparallel.sequence import check_sequence_length
 from ndparallel.train.config import split_batch
@@ -42,8 +43,9 @@ class BenchCase:
     """Also run the compute-only twin (fake process group) to measure exposed communication."""
     micro_batch: int | None = None
     """Sequences per rank per forward (``train.micro_batch``); default the whole per-rank batch."""
-    defer_grad_sync: bool = False
-    """``train.defer_grad_sync``: under FSDP, sync gradients on the last micro-batch only."""
+    defer_grad_sync: bool | None = None
+    """``train.defer_grad_sync``: under FSDP, sync gradients on the last micro-batch only (unset: every
+    micro-batch, except under pp, where only deferral exists)."""
 
     @property
     def pp_size(self) -> int:
@@ -118,6 +120,7 @@ class BenchCase:
             raise ConfigError(f"bench case {self.name}: pp_size={self.pp_size!r} must be a positive integer")
         if self.pp_size > 1:
             self._validate_pipeline(mcfg)
+            check_defer_grad_sync(self.defer_grad_sync, cfg, f"bench case {self.name}: defer_grad_sync")
         self.accumulation_steps()  # raises for a batch split the trainer would refuse
         forward_autocast_dtype(cfg)  # the trainer's precision rule: fp16 needs FSDP
         check_sequence_length(

@@ -78,7 +78,7 @@ class _Job:
             # The compute-only twin's collectives move nothing, so its gradients are garbage: it skips the
             # non-finite check (which would stop it) and steps every time, as the real run does.
             self.train_step = TrainStep(
-                self.model, optimizer, mesh, defer_grad_sync=case.defer_grad_sync, check_finite=not twin
+                self.model, optimizer, mesh, defer_grad_sync=bool(case.defer_grad_sync), check_finite=not twin
             )
         self.accumulation = case.accumulation_steps()
         self.steps_taken = 0
@@ -119,7 +119,7 @@ def _pipeline_parts(case: BenchCase, mesh: Mesh, twin: bool) -> tuple[torch.nn.M
         model = Transformer(case.model_config())
     pipe = build_pipeline(model, mesh.config, mesh)
     optimizers = [torch.optim.AdamW(stage.parameters(), lr=1e-4) for stage in pipe.stages]
-    step = TrainStep(pipe, optimizers, mesh, defer_grad_sync=case.defer_grad_sync, check_finite=not twin)
+    step = TrainStep(pipe, optimizers, mesh, defer_grad_sync=bool(case.defer_grad_sync), check_finite=not twin)
     return torch.nn.ModuleList(pipe.stages), optimizers, step
 
 

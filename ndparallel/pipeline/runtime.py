@@ -66,7 +66,9 @@ class Pipeline:
         for stage in self.stages:
             yield from stage.parameters()
 
-    def _check_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+    def check_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Refuse (ConfigError, this rank only) a batch the schedule cannot run: not ``[batch, seq]``, a batch the
+        micro-batches do not divide, or a shape other than the first step's (torch would hang)."""
         if tokens.dim() != 2 or tokens.shape != labels.shape:
             raise ConfigError(
                 f"pipeline step needs [batch, seq] tokens and labels of one shape, got {list(tokens.shape)} and "
@@ -131,7 +133,7 @@ class Pipeline:
             return self._run(tokens, labels, self.schedule.eval)
 
     def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> torch.Tensor:
-        self._check_batch(tokens, labels)
+        self.check_batch(tokens, labels)
         device = self.mesh.device
         x, y = tokens.to(device).clone(), labels.to(device).clone()
         batch, seq = x.shape

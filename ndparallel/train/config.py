@@ -25,7 +25,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.mesh import check_device_type
 from ndparallel.models import TransformerConfig
 from ndparallel.plans.tensor_parallel import check_tp_divisibility
-from ndparallel.pp_rules import check_microbatches, check_pp_split, stages_per_rank
+from ndparallel.pp_rules import check_defer_grad_sync, check_microbatches, check_pp_split, stages_per_rank
 from ndparallel.precision import forward_autocast_dtype
 from ndparallel.sequence import check_sequence_length
 
@@ -80,8 +80,8 @@ class LoopConfig:
     defer_grad_sync: bool | None = None
     """Under FSDP with several micro-batches, keep unsharded gradients until the last micro-batch and
     reduce-scatter once per step (less communication, much more memory); false: reduce-scatter every
-    micro-batch. Unset: false, except under pipeline parallelism, where torch's pipeline stage always defers
-    (an explicit false is refused there). Pure data parallel always defers. Same field as
+    micro-batch. Unset: false, except under pipeline parallelism with FSDP, where torch's pipeline stage always
+    defers (an explicit false is refused there). Pure data parallel always defers. Same field as
     ``TrainingSpec.defer_grad_sync``."""
 
 
@@ -239,12 +239,7 @@ def pipeline_microbatches(cfg: TrainConfig, p: ParallelismConfig, accumulation: 
             f"{n_layers}: every stage needs a block; use fewer stages or more layers"
         )
     check_pp_split(p.pp_split, n_stages=n_stages, n_blocks=n_layers)
-    if cfg.train.defer_grad_sync is False:
-        raise ConfigError(
-            f"train.defer_grad_sync=false cannot be honoured with pp_size={p.pp_size}: torch's pipeline stage "
-            "reduce-scatters FSDP gradients once, after the last micro-batch (docs/pipeline-parallel.md); leave "
-            "train.defer_grad_sync unset (or true)"
-        )
+    check_defer_grad_sync(cfg.train.defer_grad_sync, p)
     field = "pp_microbatches"
     if p.pp_microbatches is None:
         field = "the pipeline's micro-batches (pp_microbatches unset: train.global_batch / dp / train.micro_batch)"

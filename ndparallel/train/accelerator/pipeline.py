@@ -145,6 +145,7 @@ class PipelineModel:
         error, targets = None, None
         try:  # a refusal on one rank (its batch) is raised on every rank before the pipeline's collectives
             targets = _targets(input_ids, labels, shift_labels, attention_mask, extra)
+            self.pipeline.check_batch(input_ids, targets)
         except ConfigError as err:
             error = err
         agree(error, "", error_type=ConfigError)
@@ -170,17 +171,18 @@ class PipelineModel:
         for sid, stage in zip(self.pipeline.stage_ids, self.stages, strict=True):
             for name, tensor in stage.state_dict().items():
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective over the slice
-                local.append((sid, name, full.detach().to("cpu", copy=True).contiguous()))
+                if sends:  # other slices only join the gather above
+                    local.append((sid, name, full.detach()))
         if not sends:
             return {}
         layout = json.dumps([[sid, name, list(t.shape), str(t.dtype).removeprefix("torch.")] for sid, name, t in local])
         layouts = [json.loads(text) for text in gather_text(layout, group=pp_group)]
-        device = self.pipeline.mesh.device
         if dist.get_rank(pp_group) != 0:
             for _, _, tensor in local:
-                dist.send(tensor.to(device), group=pp_group, group_dst=0)
+                dist.send(tensor.contiguous(), group=pp_group, group_dst=0)
             return {}
-        received = list(local)
+        received = [(sid, name, tensor.to("cpu", copy=True)) for sid, name, tensor in local]
+        device = self.pipeline.mesh.device
         for source, entries in enumerate(layouts[1:], start=1):
             for sid, name, shape, dtype in entries:
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)

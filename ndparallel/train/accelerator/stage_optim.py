@@ -15,6 +15,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from ndparallel.train.accelerator.stepping import GATE_ATTRIBUTE
+
 __all__ = ["StageViews", "merge_views", "stage_views"]
 
 StageViews = list[tuple[torch.optim.Optimizer, list[int]]]  # (view, index in the optimizer of each view group)
@@ -24,7 +26,7 @@ def stage_views(optimizer: torch.optim.Optimizer, stages: list[nn.Module]) -> St
     """Per stage: a view of ``optimizer`` over that stage's parameters (see the module doc)."""
     # Instance attributes: the gated step/zero_grad (stepping) and an LR scheduler's step counter wrap
     # the prepared optimizer itself; a view uses its class's methods.
-    hidden = {"step", "zero_grad", "_ndp_steps_when_syncing"}
+    hidden = {"step", "zero_grad", GATE_ATTRIBUTE}
     views: StageViews = []
     for stage in stages:
         held = {id(p) for p in stage.parameters()}

@@ -13,9 +13,9 @@ import torch
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["repoint", "scheduler_state", "step_only_when_syncing"]
+__all__ = ["GATE_ATTRIBUTE", "repoint", "scheduler_state", "step_only_when_syncing"]
 
-_MARK = "_ndp_steps_when_syncing"
+GATE_ATTRIBUTE = "_ndp_steps_when_syncing"  # on a gated optimizer / scheduler: the names of the gated methods
 
 
 def repoint(
@@ -42,7 +42,7 @@ def step_only_when_syncing(obj: Any, methods: tuple[str, ...], syncing: Callable
     """Make ``obj.<method>()`` a no-op (returning None) while ``syncing()`` is false; patched on the instance,
     so ``obj`` keeps its type and its state dict. The patch is a bound method: torch's LR schedulers wrap
     ``optimizer.step`` through its ``__func__``."""
-    if getattr(obj, _MARK, False):
+    if getattr(obj, GATE_ATTRIBUTE, False):
         return
     for name in methods:
         original = getattr(obj, name)
@@ -52,11 +52,11 @@ def step_only_when_syncing(obj: Any, methods: tuple[str, ...], syncing: Callable
             return _original(*args, **kwargs) if syncing() else None
 
         setattr(obj, name, types.MethodType(gated, obj))
-    setattr(obj, _MARK, methods)
+    setattr(obj, GATE_ATTRIBUTE, methods)
 
 
 def scheduler_state(scheduler: Any) -> dict[str, Any]:
     """``scheduler.state_dict()`` without the gate patched on the instance (torch's LR schedulers return their
     ``__dict__``, which then holds the gated ``step``: not state, and not storable)."""
-    patched = (*getattr(scheduler, _MARK, ()), _MARK)
+    patched = (*getattr(scheduler, GATE_ATTRIBUTE, ()), GATE_ATTRIBUTE)
     return {k: v for k, v in scheduler.state_dict().items() if k not in patched}
