@@ -225,8 +225,12 @@ def _check(name: str, per_rank: list[dict], ref: dict, tol: dict) -> dict:
 
 def test_pp2_bf16_autocast_matches_the_same_precision_without_pp():
     bf16 = {"mixed_precision": "bf16"}
-    schedules = ["1f1b", "gpipe", "interleaved_1f1b"]
-    cases = [{"parallel": {"pp_size": 2, "pp_schedule": s, **bf16}, "dtype": "float32"} for s in schedules]
+    # schedule, extra settings: the last one is bf16 with activation checkpointing (the recompute autocasts too)
+    variants = [("1f1b", {}), ("gpipe", {}), ("interleaved_1f1b", {}), ("1f1b", {"activation_checkpointing": "full"})]
+    schedules = [f"{s} {extra}" if extra else s for s, extra in variants]
+    cases = [
+        {"parallel": {"pp_size": 2, "pp_schedule": s, **bf16, **extra}, "dtype": "float32"} for s, extra in variants
+    ]
     cases += [
         {"without_pp": {"dp_replicate_size": 2, **bf16}, "accumulation": 2},  # autocasts too; 2-sequence micro-batches
         {"parallel": {"pp_size": 2, "mixed_precision": "fp16"}, "dtype": "float32", "refuse": True},
