@@ -313,3 +313,23 @@ def test_tied_word_embeddings_are_refused_under_pp():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with pytest.raises(ConfigError, match="tie_word_embeddings=True.*set config.tie_word_embeddings=False or use pp"):
         family_for(model).pipeline_stage(model, [0, 1], True, False)
+
+
+def test_stage_of_a_materialised_model_keeps_only_its_own_blocks():
+    """A stage built from a model with its weights must not keep the model (and so the other stages' weights)
+    alive: once the model is dropped, the blocks outside the stage are freed."""
+    import gc
+    import weakref
+
+    from ndparallel.family import family_for
+
+    model = _tiny_llama()
+    stage = family_for(model).pipeline_stage(model, [0], True, False)
+    outside = [weakref.ref(m) for m in (model, model.model.layers[1], model.lm_head)]
+    inside = weakref.ref(model.model.layers[0])
+    del model
+    gc.collect()
+    assert [ref() for ref in outside] == [None, None, None]
+    assert inside() is stage.model.layers["0"]
+    with pytest.raises(ConfigError, match="init_weights needs the model built on the meta device"):
+        stage.init_weights(7)

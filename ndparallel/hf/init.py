@@ -19,7 +19,7 @@ from torch import nn
 
 from ndparallel.models.seed import name_seed
 
-__all__ = ["seeded_init"]
+__all__ = ["init_buffers", "seeded_init"]
 
 
 def _owns_tensors(module: nn.Module) -> bool:
@@ -42,3 +42,14 @@ def seeded_init(model: nn.Module, seed: int = 0, init_module: Callable[[nn.Modul
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(name_seed(seed, fqn))
             init_module(module)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module, init_module: Callable[[nn.Module], None] | None = None) -> None:
+    """Recompute the buffers of modules that hold buffers and no parameters (rotary ``inv_freq``, which
+    ``to_empty`` leaves uninitialised) with HF's ``init_module`` (default ``model._init_weights``)."""
+    init_module = init_module or model._init_weights
+    for module in model.modules():
+        has_buffers = next(module.buffers(recurse=False), None) is not None
+        if has_buffers and next(module.parameters(recurse=False), None) is None:
+            init_module(module)  # HF's per-module init recomputes the rotary frequencies from the config
