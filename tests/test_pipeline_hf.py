@@ -216,16 +216,44 @@ def _config_only(parallel: dict, expected: dict) -> tuple[list[str], float]:
     return sorted(n for n, _ in params), max(_error(p, expected[n]) for n, p in params)
 
 
-def _refusals(path: str) -> list[str]:
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.hf import load_pretrained
+def _refusals(path: str, settings: list[dict]) -> list[str]:
+    """load_pretrained under pp; load_pretrained_pipeline with each of ``settings`` (untested under pp); a
+    load that fails on rank 1 only, with an error that is not a ConfigError (every rank must raise, no hang)."""
+    import torch.distributed as dist
 
-    cfg = ParallelismConfig(pp_size=2)
+    import ndparallel.hf.pretrained as pretrained
+    from ndparallel.config import ParallelismConfig
+    from ndparallel.hf import load_pretrained, load_pretrained_pipeline
+
+    base = {"pp_size": 2, "cp_size": dist.get_world_size() // 2}
+    cfg = ParallelismConfig(**base)
     errors = []
     try:
         load_pretrained(path, cfg, _mesh(cfg))
     except ConfigError as err:
         errors.append(str(err))
+    for setting in settings:
+        try:
+            cfg = ParallelismConfig(**base, **setting)
+            load_pretrained_pipeline(path, cfg, _mesh(cfg), microbatches=4)
+        except ConfigError as err:
+            errors.append(str(err))
+    real = pretrained._fill_from_files
+
+    def fail_on_rank_1(stage, files):
+        if dist.get_rank() == 1:
+            raise KeyError("a tensor rank 1 could not find")
+        real(stage, files)
+
+    pretrained._fill_from_files = fail_on_rank_1
+    try:
+        cfg = ParallelismConfig(**base)
+        load_pretrained_pipeline(path, cfg, _mesh(cfg), microbatches=4)
+    except ConfigError as err:
+        errors.append(f"{err} | cause: {type(err.__cause__).__name__}")
+    finally:
+        pretrained._fill_from_files = real
+    dist.barrier()
     return errors
 
 
@@ -237,7 +265,7 @@ def _group(path: str, cases: list[dict], ref: dict, full: dict) -> list:
         elif "config_only" in case:
             out.append(_config_only(case["config_only"], case["expected"]))
         elif "refusals" in case:
-            out.append(_refusals(path))
+            out.append(_refusals(path, case["refusals"]))
         else:
             out.append(_load_and_train(path, case["parallel"], ref, full))
     return out
@@ -269,6 +297,19 @@ def _check_load(results: list[dict], full: dict) -> None:
     assert {n for r in results for n in r["names"]} == set(full)
 
 
+def _check_refusals(per_rank: list[list[str]], untested: list[dict]) -> None:
+    """Every rank refused the same things, by name; rank 1's failure reached every rank, as a ConfigError."""
+    for errors in per_rank:
+        assert len(errors) == 2 + len(untested), errors
+        assert "use ndparallel.hf.load_pretrained_pipeline" in errors[0]
+        for setting, error in zip(untested, errors[1:-1], strict=True):
+            ((field, value),) = setting.items()
+            expected = f"{field}={value!r} is untested for pp_size > 1 with a Hugging Face model"
+            assert error.startswith(expected) and "or use pp_size=1" in error, error
+        assert "load_pretrained_pipeline: rank 1 of" in errors[-1] and "rank 1 could not find" in errors[-1]
+    assert per_rank[0][-1].endswith("cause: NoneType") and per_rank[1][-1].endswith("cause: KeyError")
+
+
 def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     path, ref, full = checkpoint
     from ndparallel.hf import seeded_init
@@ -276,7 +317,8 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     whole = _tiny_llama()
     seeded_init(whole, seed=7)
     expected = {n: p.detach() for n, p in whole.named_parameters()}
-    cases = [{"parallel": {"pp_size": 2}}, {"bytes": {"pp_size": 2}}, {"refusals": True}]
+    untested = [{"activation_checkpointing": "full"}, {"compile": "blocks"}]
+    cases = [{"parallel": {"pp_size": 2}}, {"bytes": {"pp_size": 2}}, {"refusals": untested}]
     cases.append({"config_only": {"pp_size": 2}, "expected": expected})
     # two stages per rank; V placement puts the first and the last stage on rank 0
     cases.append({"parallel": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2}})
@@ -287,7 +329,7 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     meta_bytes = [r[0]["held"] for r in results]
     print("parameter bytes per rank: meta path", meta_bytes, "full path", full_bytes)
     assert full_bytes == sum(p.numel() * p.element_size() for p in full.values()) > max(meta_bytes)
-    assert "use ndparallel.hf.load_pretrained_pipeline" in results[0][2][0]
+    _check_refusals([r[2] for r in results], untested)
     # config only, through build_pipeline: each rank's stage is bit-identical to seeded_init of the whole model
     assert [r[3][1] for r in results] == [0.0, 0.0]
     assert sorted(n for r in results for n in r[3][0]) == sorted(expected)
@@ -295,10 +337,13 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
 
 def test_pp2_cp2_ring_attention_and_pp2_tp2_match_one_process(checkpoint):
     path, ref, full = checkpoint
+    untested = [{"cp_rotate_method": "alltoall"}, {"cp_rotate_method": "allgather"}]
     cases = [{"parallel": {"pp_size": 2, "cp_size": 2}}, {"parallel": {"pp_size": 2, "tp_size": 2}}]
-    results = run_distributed(_group, 4, path, cases, ref, full, timeout=600)
+    results = run_distributed(_group, 4, path, [*cases, {"refusals": untested}], ref, full, timeout=600)
     for index in range(len(cases)):
         _check_load([r[index] for r in results], full)
+    # Ulysses and all-gather cp are untested for HF stages: refused by name (ring is the one proved above)
+    _check_refusals([r[2] for r in results], untested)
 
 
 def test_tied_word_embeddings_are_refused_under_pp():

@@ -193,7 +193,7 @@ def load_pretrained_pipeline(
     try:
         for stage in pipe.stages:
             _fill_from_files(stage, files)
-    except (ConfigError, OSError) as err:  # every rank must learn of it: a rank's stages may be the only ones hit
+    except Exception as err:  # any failure (a bad file, a failed copy): every rank must learn of it, or they hang
         failure = err
     agree(failure, "load_pretrained_pipeline", error_type=ConfigError)
     return pipe
