@@ -21,14 +21,13 @@ from ndparallel.pp_rules import torch_supports_v_schedules  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.test_pipeline_parity import (  # noqa: E402
     MAX_NORM,
-    OPTIM,
     TOL,
-    _batches,
     _error,
     _mesh,
     _plain_training,
     _tiny_llama,
     _tiny_llama_config,
+    _train_pipeline,
 )
 
 V_OR_LOOPED = "zbv" if torch_supports_v_schedules() else "interleaved_1f1b"
@@ -149,28 +148,6 @@ def _param_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in local if not p.is_meta)
 
 
-def _train(pipe, ref: dict) -> dict:
-    """5 steps of the reference recipe on this rank's pipeline; the worst differences from ``ref``."""
-    optimizers = [torch.optim.AdamW(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
-    err = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "final": 0.0}
-    for step, (x, y) in enumerate(_batches(64)):
-        loss = pipe.step(x, y)
-        if step == 0:
-            for stage in pipe.stages:
-                for name, param in stage.named_parameters():
-                    err["grad"] = max(err["grad"], _error(param.grad, ref["grads"][name]))
-        norm = pipe.clip_grad_norm_(MAX_NORM)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        err["loss"] = max(err["loss"], abs(loss.item() - ref["losses"][step]))
-        err["norm"] = max(err["norm"], abs(norm.item() - ref["norms"][step]))
-    for stage in pipe.stages:
-        for name, param in stage.named_parameters():
-            err["final"] = max(err["final"], _error(param, ref["final"][name]))
-    return err
-
-
 def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
     """Load ``path`` as this rank's stages (counting the reads), check the weights, train; what was measured."""
     import torch.distributed as dist
@@ -187,7 +164,7 @@ def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
     loaded = max(_error(p, full[n]) for s in pipe.stages for n, p in s.named_parameters())
     whole = pipe.stages[0]._init_module.__self__  # the (meta) model the stages were cut from
     held = _param_bytes(whole.parameters())  # only the stages' parameters were materialised
-    err = _train(pipe, ref)
+    err = _train_pipeline(pipe, ref, 64)
     dist.barrier()
     shards = mesh.size("dp_shard") * mesh.size("cp") * mesh.size("tp")  # ways the stage is cut (FSDP, TP)
     out = {"err": err, "names": names, "read": log, "stage_bytes": stage_bytes, "loaded": loaded, "held": held}
