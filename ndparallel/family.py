@@ -64,6 +64,10 @@ class ModelFamily:
     cp_attention: tuple[type | str, ...] = ()  # classes or FQN patterns that cp replaces by ring attention
     positions_arg: str = "positions"  # the forward argument that takes each token's global position
     pipeline_cp: bool = True  # whether pipeline stages of this family run context parallel (tested)
+    # ParallelismConfig fields this family's pipeline stages are untested with under pp_size > 1:
+    # build_pipeline refuses any set away from its default (a cp_* field only when cp_size > 1)
+    pipeline_untested: tuple[str, ...] = ()
+    label: str = "model"  # how refusals name a model of this family
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this family describes ``model``."""

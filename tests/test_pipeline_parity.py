@@ -103,6 +103,31 @@ def _mesh(cfg):
     return _MESHES[key]
 
 
+def _train_pipeline(pipe, ref: dict, vocab_size: int, dp: int = 1, dp_rank: int = 0) -> dict:
+    """The reference recipe (AdamW, clipping at ``MAX_NORM``) on this rank's pipeline, its dp slice of each
+    batch; the worst differences from ``ref``: loss and grad norm every step, step-1 grads, final params."""
+    optimizers = [torch.optim.AdamW(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
+    per = BATCH // dp
+    err = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "final": 0.0}
+    for step, (x, y) in enumerate(_batches(vocab_size)):
+        loss = pipe.step(x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per])
+        if step == 0:
+            for stage in pipe.stages:
+                for name, param in stage.named_parameters():
+                    assert param.grad is not None, f"{name} has no gradient after the step"
+                    err["grad"] = max(err["grad"], _error(param.grad, ref["grads"][name]))
+        norm = pipe.clip_grad_norm_(MAX_NORM)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        err["loss"] = max(err["loss"], abs(loss.item() - ref["losses"][step]))
+        err["norm"] = max(err["norm"], abs(norm.item() - ref["norms"][step]))
+    for stage in pipe.stages:
+        for name, param in stage.named_parameters():
+            err["final"] = max(err["final"], _error(param, ref["final"][name]))
+    return err
+
+
 def _run_case(case: dict, ref: dict) -> dict:
     """Train ``case`` on this rank's pipeline; the worst differences from ``ref``."""
     import torch.distributed as dist
@@ -119,26 +144,7 @@ def _run_case(case: dict, ref: dict) -> dict:
         with torch.device("meta"):  # no rank allocates a block it does not own
             model = Transformer(TransformerConfig(dtype=case.get("dtype", "float64"), **TINY))
     pipe = build_pipeline(model, cfg, mesh, microbatches=case.get("microbatches", 4))
-    optimizers = [torch.optim.AdamW(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
-    dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
-    per = BATCH // dp
-    err = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "final": 0.0}
-    for step, (x, y) in enumerate(_batches(model.config.vocab_size)):
-        loss = pipe.step(x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per])
-        if step == 0:
-            for stage in pipe.stages:
-                for name, param in stage.named_parameters():
-                    assert param.grad is not None, f"{name} has no gradient after the step"
-                    err["grad"] = max(err["grad"], _error(param.grad, ref["grads"][name]))
-        norm = pipe.clip_grad_norm_(MAX_NORM)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        err["loss"] = max(err["loss"], abs(loss.item() - ref["losses"][step]))
-        err["norm"] = max(err["norm"], abs(norm.item() - ref["norms"][step]))
-    for stage in pipe.stages:
-        for name, param in stage.named_parameters():
-            err["final"] = max(err["final"], _error(param, ref["final"][name]))
+    err = _train_pipeline(pipe, ref, model.config.vocab_size, mesh.size("dp"), mesh.local_rank("dp"))
     names = sorted(n for s in pipe.stages for n, _ in s.named_parameters())
     dist.barrier()
     return {"err": err, "ids": pipe.stage_ids, "names": names, "pp_ranks": dist.get_process_group_ranks(pipe.pp_group)}

@@ -4,7 +4,7 @@
 drawing from the global RNG, so a pipeline stage that holds blocks 4-7 cannot know what the RNG state would
 have been at block 4 without building blocks 0-3. :func:`seeded_init` keeps HF's rule (``_init_weights``:
 the distributions, stds, ones for norms, zeros for biases, the rotary tables) and changes only where the
-random numbers come from: each module draws from the RNG seeded by ``crc32(f"{seed}:{module FQN}")``
+random numbers come from: each module draws from the RNG seeded by :func:`ndparallel.models.seed.name_seed`
 (the reference Transformer's per-name rule, docs/pipeline-parallel.md#hugging-face-models). A module holding
 part of the model under the unsplit names (a stage) then gets exactly the values the whole model gets, on
 any pp size. The values differ from ``LlamaForCausalLM(config)``'s (same distributions, other draws).
@@ -12,18 +12,14 @@ any pp size. The values differ from ``LlamaForCausalLM(config)``'s (same distrib
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["module_seed", "seeded_init"]
+from ndparallel.models.seed import name_seed
 
-
-def module_seed(seed: int, fqn: str) -> int:
-    """The RNG seed of module ``fqn`` (32 bits: the CPU generator keeps only the low 32 bits of a seed)."""
-    return zlib.crc32(f"{seed}:{fqn}".encode())
+__all__ = ["init_buffers", "seeded_init"]
 
 
 def _owns_tensors(module: nn.Module) -> bool:
@@ -44,5 +40,16 @@ def seeded_init(model: nn.Module, seed: int = 0, init_module: Callable[[nn.Modul
         if not _owns_tensors(module):
             continue
         with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(module_seed(seed, fqn))
+            torch.manual_seed(name_seed(seed, fqn))
             init_module(module)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module, init_module: Callable[[nn.Module], None] | None = None) -> None:
+    """Recompute the buffers of modules that hold buffers and no parameters (rotary ``inv_freq``, which
+    ``to_empty`` leaves uninitialised) with HF's ``init_module`` (default ``model._init_weights``)."""
+    init_module = init_module or model._init_weights
+    for module in model.modules():
+        has_buffers = next(module.buffers(recurse=False), None) is not None
+        if has_buffers and next(module.parameters(recurse=False), None) is None:
+            init_module(module)  # HF's per-module init recomputes the rotary frequencies from the config

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ndparallel.comm.agree import agree
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
+from ndparallel.hf.init import init_buffers
 from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.parallelize import parallelize
 from ndparallel.plans.fully_shard import fsdp_mesh
@@ -106,14 +107,6 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _init_buffers(model: nn.Module) -> None:
-    """Recompute non-persistent buffers (rotary ``inv_freq``) that ``to_empty`` left uninitialised."""
-    for module in model.modules():
-        has_buffers = next(module.buffers(recurse=False), None) is not None
-        if has_buffers and next(module.parameters(recurse=False), None) is None:
-            model._init_weights(module)  # HF's per-module init: it recomputes rotary frequencies
-
-
 @torch.no_grad()
 def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
     from safetensors import safe_open
@@ -168,7 +161,7 @@ def load_pretrained(
     model, files = _meta_model(path, model_class, dtype)
     model = parallelize(model, cfg, mesh, **parallelize_kwargs)
     model.to_empty(device=mesh.device)
-    _init_buffers(model)
+    init_buffers(model)
     _fill_from_files(model, files)
     return model
 
@@ -200,7 +193,7 @@ def load_pretrained_pipeline(
     try:
         for stage in pipe.stages:
             _fill_from_files(stage, files)
-    except (ConfigError, OSError) as err:  # every rank must learn of it: a rank's stages may be the only ones hit
+    except Exception as err:  # any failure (a bad file, a failed copy): every rank must learn of it, or they hang
         failure = err
     agree(failure, "load_pretrained_pipeline", error_type=ConfigError)
     return pipe

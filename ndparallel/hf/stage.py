@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
-from ndparallel.hf.init import seeded_init
+from ndparallel.hf.init import init_buffers, seeded_init
 
 __all__ = ["LOAD_MARKER", "HFCausalLMStage"]
 
@@ -54,7 +54,10 @@ class HFCausalLMStage(nn.Module):
             )
         self.config = full.config
         self.first, self.last = first, last
-        self._init_module = full._init_weights  # HF's per-module rule (a bound method: holds no weights)
+        # HF's per-module rule, a bound method: it holds ``full``, so keep it only for a meta model (no weights);
+        # a materialised model's stages must not keep the other stages' weights alive.
+        on_meta = any(p.is_meta for p in full.parameters())
+        self._init_module = full._init_weights if on_meta else None
         self._params_from_checkpoint = bool(getattr(full, LOAD_MARKER, False))
         self.model = _Body()
         if first:
@@ -69,11 +72,13 @@ class HFCausalLMStage(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """What :func:`ndparallel.hf.init.seeded_init` gives the whole model from ``seed`` (default 0), for this
         stage's modules; the rotary tables. A stage of a checkpoint being loaded: the rotary tables only."""
+        if self._init_module is None:
+            raise ConfigError(
+                f"{type(self).__name__} was built from a materialised model, whose weights it already holds: "
+                "init_weights needs the model built on the meta device"
+            )
         if self._params_from_checkpoint:
-            for module in self.modules():
-                buffers_only = next(module.parameters(recurse=False), None) is None
-                if buffers_only and next(module.buffers(recurse=False), None) is not None:
-                    self._init_module(module)  # rotary inv_freq: computed from the config
+            init_buffers(self, self._init_module)  # rotary inv_freq: computed from the config
             return
         seeded_init(self, 0 if seed is None else seed, self._init_module)
 

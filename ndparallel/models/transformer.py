@@ -22,13 +22,13 @@ contract (``[batch, seq, heads, head_dim]`` in and out, k/v possibly with fewer 
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ndparallel.models.config import TransformerConfig
+from ndparallel.models.seed import name_seed
 
 __all__ = ["CoreAttention", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
 
@@ -55,12 +55,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.type_as(x)
 
 
-def _parameter_seed(seed: int, fqn: str) -> int:
-    """One generator seed per parameter, from the model seed and the parameter's name (32 bits: the CPU
-    generator's Mersenne twister keeps only the low 32 bits of a seed)."""
-    return zlib.crc32(f"{seed}:{fqn}".encode())
-
-
 @torch.no_grad()
 def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None = None) -> None:
     """Initialise ``module``'s parameters (plain tensors) as the reference Transformer does, each from a generator
@@ -73,7 +67,7 @@ def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None 
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        generator = torch.Generator(device=param.device).manual_seed(_parameter_seed(seed, name))
+        generator = torch.Generator(device=param.device).manual_seed(name_seed(seed, name))
         std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
         param.normal_(0.0, std, generator=generator)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from ndparallel.config import ParallelismConfig
 from ndparallel.errors import ConfigError
-from ndparallel.family import family_for
+from ndparallel.family import ModelFamily, family_for
 from ndparallel.mesh import Mesh, init_distributed
 from ndparallel.metrics import cross_entropy_loss
 from ndparallel.pipeline.placement import last_stage_rank, stage_ids
@@ -19,9 +19,11 @@ from ndparallel.pipeline.split import stage_ranges
 from ndparallel.pipeline.stages import build_stage_modules
 from ndparallel.pipeline.torch_api import make_schedule, make_stage
 from ndparallel.pp_rules import check_microbatches, stages_per_rank
-from ndparallel.precision import forward_autocast_dtype
+from ndparallel.precision import forward_autocast_dtype, parallelize_config
 
 __all__ = ["build_pipeline"]
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelismConfig)}
 
 
 def _numel(module) -> int:
@@ -33,6 +35,18 @@ def _ranges(model, family, n_stages: int, explicit) -> list[range]:
     first = _numel(family.pipeline_stage(model, [], True, False))
     last = _numel(family.pipeline_stage(model, [], False, True))
     return stage_ranges([_numel(b) for b in blocks], n_stages, explicit, first, last)
+
+
+def _check_untested(family: ModelFamily, cfg: ParallelismConfig) -> None:
+    """Refuse a ``family.pipeline_untested`` field set away from its default (a ``cp_*`` field counts only
+    when cp_size > 1): its stages were never proved against one process with it."""
+    for field in family.pipeline_untested:
+        value, default = getattr(cfg, field), _DEFAULTS[field]
+        if value != default and not (field.startswith("cp_") and cfg.cp_size == 1):
+            raise ConfigError(
+                f"{field}={value!r} is untested for pp_size > 1 with a {family.label}, so refused: "
+                f"set {field}={default!r} or use pp_size=1"
+            )
 
 
 def _autocast_forward(module: nn.Module, dtype: torch.dtype, device_type: str) -> None:
@@ -78,11 +92,11 @@ def build_pipeline(
     family = family_for(model)
     if cfg.cp_size > 1 and not family.pipeline_cp:
         raise ConfigError(f"pp_size > 1 with cp_size > 1 is not supported for model family {family.name!r} yet")
+    _check_untested(family, cfg)
     autocast = forward_autocast_dtype(cfg)
     ranges = _ranges(model, family, n_stages, cfg.pp_split)
     ids = stage_ids(mesh.local_rank("pp"), cfg.pp_size, per_rank, cfg.pp_schedule)
-    stage_cfg = cfg if autocast is None else dataclasses.replace(cfg, mixed_precision="no")  # autocast casts
-    modules = build_stage_modules(model, family, ranges, ids, stage_cfg, mesh, seed)
+    modules = build_stage_modules(model, family, ranges, ids, parallelize_config(cfg), mesh, seed)
     if autocast is not None:
         for module in modules:
             _autocast_forward(module, autocast, mesh.device.type)
