@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ndparallel.errors import EXIT_HUNG, EXIT_INTERRUPTED, ConfigError
 
-__all__ = ["WORKER_GUARD", "ExitClock", "launch", "torchrun_argv"]
+__all__ = ["WORKER_GUARD", "ExitClock", "children_of", "launch", "torchrun_argv"]
 
 SUBCOMMANDS = ("mesh", "train", "launch", "plan", "bench")
 WORKER_GUARD = Path(__file__).with_name("worker_guard.py")
@@ -125,17 +125,18 @@ def _child_pids() -> set[int]:
             listed = True
         except OSError:
             continue
-    return pids if listed else _children_by_scan()
+    return pids if listed else children_of(os.getpid())
 
 
-def _children_by_scan() -> set[int]:
-    """Children found through every process's parent pid (kernels without CONFIG_PROC_CHILDREN)."""
-    me, found = os.getpid(), set()
+def children_of(pid: int) -> set[int]:
+    """PIDs whose parent is ``pid``, found through every process's parent pid in /proc (Linux; also on kernels
+    without CONFIG_PROC_CHILDREN)."""
+    found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
                         found.add(int(entry))
             except (OSError, ValueError, IndexError):
                 continue

@@ -25,17 +25,3 @@ def run_ndparallel(*args: str, timeout: float = 120) -> subprocess.CompletedProc
 def start_ndparallel(*args: str, **popen: Any) -> subprocess.Popen:
     """``ndparallel ARGS`` from the repository root, without waiting."""
     return subprocess.Popen([*COMMAND, *args], cwd=REPO, env=clean_env(), **popen)
-
-
-def children_of(pid: int) -> list[int]:
-    """PIDs whose parent is ``pid``, read from /proc (Linux)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                continue
-    return found

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.command import children_of, start_ndparallel
+from ndparallel.launch import children_of
+from tests.command import start_ndparallel
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl (Linux)")
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from ndparallel.launch import children_of
 from ndparallel.testing import run_distributed
 from ndparallel.train.config import TrainConfig
-from tests.command import children_of, run_ndparallel, start_ndparallel
+from tests.command import run_ndparallel, start_ndparallel
 
 
 def _config(parallelism: dict, ckpt_dir: str, **checkpoint) -> dict:
