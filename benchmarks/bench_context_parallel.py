@@ -68,9 +68,9 @@ class SavedBytes:
 
 def _rank_main(model_cfg: TransformerConfig, seq: int, steps: int, warmup: int, rotates, balance: bool) -> dict:
     import ndparallel as ndp
-    from ndparallel.comm.counter import CommCounter
+    from ndparallel.distributed.counter import CommCounter
     from ndparallel.estimate.comm import BUS_FACTOR
-    from ndparallel.plans.context_parallel import apply_context_parallel, context_parallel, make_positions
+    from ndparallel.parallel.context_parallel import apply_context_parallel, context_parallel, make_positions
 
     cp = dist.get_world_size()
     models, meshes = {}, {}

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ndparallel.comm.buckets import GradBucket, all_reduce_buckets, assign_buckets
+from ndparallel.distributed.buckets import GradBucket, all_reduce_buckets, assign_buckets
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
 
@@ -61,7 +61,7 @@ def _rank_main(
     from torch.nn.parallel import DistributedDataParallel
 
     import ndparallel as ndp
-    from ndparallel.plans.replicate import apply_replicate, replicate_state
+    from ndparallel.parallel.replicate import apply_replicate, replicate_state
 
     mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_replicate_size=dist.get_world_size()))
     dp = mesh["dp_replicate"]

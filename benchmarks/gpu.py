@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ndparallel.distributed.peak import device_peak
 from ndparallel.models import Transformer, TransformerConfig
-from ndparallel.peak import device_peak
 
 BASELINE_TOKENS_PER_S = 86.1e3  # best plain PyTorch on one H200, DESIGN.md
 
@@ -77,9 +77,9 @@ def _build(variant: str, mcfg: TransformerConfig, device: torch.device, use_comp
                 block.compile()
         return model, _plain_loss_fn(model, compiled, {}), True
     from ndparallel import ParallelismConfig, init_distributed
-    from ndparallel.metrics import cross_entropy_loss
-    from ndparallel.parallelize import find_blocks, parallelize
-    from ndparallel.plans.fully_shard import apply_fully_shard
+    from ndparallel.parallel.fully_shard import apply_fully_shard
+    from ndparallel.parallel.loss import cross_entropy_loss
+    from ndparallel.parallel.parallelize import find_blocks, parallelize
 
     cfg = ParallelismConfig(compile="blocks" if use_compile else "none", mixed_precision="bf16")
     mesh = init_distributed(cfg, device_type=device.type)
@@ -156,8 +156,9 @@ def time_variant(variant: str, args: argparse.Namespace, device: torch.device) -
 def _losses_on_rank(parallelism: dict, preset: str, seq_len: int, batch: int, steps: int, device_type: str) -> list:
     """fp32 training losses of one mesh shape (every rank returns its view of the global loss)."""
     from ndparallel import ParallelismConfig, init_distributed
-    from ndparallel.metrics import average_over, cross_entropy_loss
-    from ndparallel.parallelize import parallelize
+    from ndparallel.distributed.reduce import average_over
+    from ndparallel.parallel.loss import cross_entropy_loss
+    from ndparallel.parallel.parallelize import parallelize
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from ndparallel.bench import BenchCase, run_cases
-from ndparallel.peak import cpu_matmul_peak
+from ndparallel.distributed.peak import cpu_matmul_peak
 
 SHAPES = {
     "single": {},

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ndparallel import Accelerator, ParallelismConfig
-from ndparallel.train.accelerator import FullyShardedDataParallelPlugin, set_seed
+from ndparallel.accelerator import FullyShardedDataParallelPlugin, set_seed
 
 MODEL_NAME = "tiny-random-llama"
 

@@ -1,16 +1,18 @@
 """ndparallel: N-dimensional parallelism (data replicate, FSDP shard, tensor, context) for PyTorch."""
 
 from ndparallel import checkpoint, models, train
-from ndparallel.clip import clip_grad_norm_
-from ndparallel.config import ParallelismConfig
+from ndparallel.accelerator import Accelerator, set_seed
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.distributed.process import destroy_distributed, init_distributed
+from ndparallel.distributed.reduce import average_over
 from ndparallel.errors import ConfigError
-from ndparallel.grad_sync import no_sync
-from ndparallel.mesh import Mesh, destroy_distributed, init_distributed
-from ndparallel.metrics import average_over, cross_entropy_loss
-from ndparallel.notebook import notebook_launcher
-from ndparallel.parallelize import parallelize
-from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.train.accelerator import Accelerator, set_seed
+from ndparallel.launch.notebook import notebook_launcher
+from ndparallel.parallel.clip import clip_grad_norm_
+from ndparallel.parallel.context_parallel import context_parallel
+from ndparallel.parallel.grad_sync import no_sync
+from ndparallel.parallel.loss import cross_entropy_loss
+from ndparallel.parallel.parallelize import parallelize
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """``python -m ndparallel`` == the ``ndparallel`` command."""
 
-from ndparallel.cli import main
+from ndparallel.launch.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

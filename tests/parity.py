@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from ndparallel.clip import clip_grad_norm_, total_grad_norm
-from ndparallel.metrics import average_over, cross_entropy_loss
+from ndparallel.distributed.reduce import average_over
 from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.parallel.clip import clip_grad_norm_, total_grad_norm
+from ndparallel.parallel.loss import cross_entropy_loss
 
 __all__ = [
     "FLOAT64_TOL",
@@ -89,7 +90,7 @@ def context_parallel_loss_fn(
     model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, mesh: Any
 ) -> torch.Tensor:
     """Forward + loss on this rank's sequence shard (cp ranks split the sequence; positions follow)."""
-    from ndparallel.plans.context_parallel import context_parallel, make_positions
+    from ndparallel.parallel.context_parallel import context_parallel, make_positions
 
     tokens, labels = tokens.clone(), labels.clone()
     positions = make_positions(tokens)
@@ -165,7 +166,7 @@ def train_steps(
     dp_size, dp_rank = 1, 0
     if parallel is not None:
         import ndparallel as ndp
-        from ndparallel.parallelize import parallelize
+        from ndparallel.parallel.parallelize import parallelize
 
         mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
         net = parallelize(net, mesh.config, mesh, **(parallelize_kwargs or {}))
@@ -209,7 +210,7 @@ def _no_sync(model: torch.nn.Module, mesh: Any):
     """Skip gradient communication on a non-final micro-batch (FSDP, HSDP or replicate)."""
     if mesh is None:
         return contextlib.nullcontext()
-    from ndparallel.grad_sync import no_sync
+    from ndparallel.parallel.grad_sync import no_sync
 
     return no_sync(model)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ndparallel.plans.context_parallel import gather_sequence, sequence_indices, shard_sequence
+from ndparallel.parallel.context_parallel import gather_sequence, sequence_indices, shard_sequence
 
 
 class ShardRows(torch.autograd.Function):

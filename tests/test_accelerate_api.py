@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ndparallel as ndp
+from ndparallel.accelerator import Accelerator, FullyShardedDataParallelPlugin
 from ndparallel.errors import ConfigError
-from ndparallel.train.accelerator import Accelerator, FullyShardedDataParallelPlugin
 
 
 @pytest.fixture

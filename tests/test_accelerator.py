@@ -22,8 +22,8 @@ def _loop(sizes: dict, accumulation: int, batch_size: int, out: str, resume: boo
     from torch.utils.data import DataLoader, TensorDataset
 
     import ndparallel as ndp
+    from ndparallel.accelerator import Accelerator
     from ndparallel.models import Transformer, TransformerConfig
-    from ndparallel.train.accelerator import Accelerator
 
     acc = Accelerator(
         ndp.ParallelismConfig(**sizes),

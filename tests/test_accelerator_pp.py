@@ -90,7 +90,7 @@ def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) 
     """The Accelerate loop on this rank; steps ``resume_from``.. after loading ``ckpt`` when given."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ndparallel.config import ConfigError
+    from ndparallel.errors import ConfigError
 
     if hf:
         model = _model(hf)  # Hugging Face stages keep the weights of the model built on every rank
@@ -170,7 +170,7 @@ def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) 
 
 def _cases(cases: list[dict], refs: dict, root: str) -> list[dict]:
     from ndparallel import Accelerator, ParallelismConfig
-    from ndparallel.mesh import init_distributed
+    from ndparallel.distributed.process import init_distributed
 
     meshes: dict = {}
     results = []

@@ -20,8 +20,8 @@ from ndparallel.bench.cli import apply_defaults_overrides
 from ndparallel.bench.memory import LiveMemory, state_bytes
 from ndparallel.bench.report import SCHEMA
 from ndparallel.bench.sweep import cases_from_config
-from ndparallel.cli import main
 from ndparallel.errors import ConfigError
+from ndparallel.launch.cli import main
 from ndparallel.models import TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

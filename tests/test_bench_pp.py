@@ -34,11 +34,12 @@ def test_scaling_yaml_compares_schedules_side_by_side():
 
 def test_pp_cases_the_trainer_would_refuse_are_refused_early():
     for shape, message in [
-        ({"pp_size": 2, "pp_schedule": "1f1b", "pp_microbatches": 3}, "does not split over dp=1"),
+        ({"pp_size": 2, "pp_schedule": "1f1b", "pp_microbatches": 3},
+         "pp_microbatches=3 does not divide the per-rank batch 8"),
         ({"pp_size": 4, "pp_schedule": "1f1b", "pp_microbatches": 2}, "pp_microbatches=2 is fewer than the 4"),
         ({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 4, "pp_microbatches": 4},
-         "pp=2 x 4 stage(s) per rank > 2 blocks"),
-        ({"pp_size": 2, "pp_schedule": "1f1b"}, "needs pp_microbatches"),
+         "pp_size=2 x pp_stages_per_rank=4 = 8 pipeline stages but model.n_layers=2"),
+        ({"pp_size": 2, "pp_schedule": "1f1b"}, "(set pp_microbatches, or a smaller train.micro_batch)"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(message)):
             cases_from_config(_config(shape))
@@ -49,7 +50,7 @@ def test_pp_cases_the_trainer_would_refuse_are_refused_early():
 
 
 def test_a_pp_case_is_measured_on_real_ranks_and_trains_like_one_rank():
-    """The bench runs a pp case through ndparallel.pipeline and TrainStep: same losses as one rank (fp32, same
+    """The bench runs a pp case through ndparallel.parallel.pipeline and TrainStep: same losses as one rank (fp32, same
     seed and global batch), and the table shows the schedule."""
     from ndparallel.bench.harness import run_cases
     from ndparallel.bench.report import format_table

@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 import ndparallel as ndp
 from ndparallel import checkpoint as ckpt
 from ndparallel.checkpoint import CheckpointError
-from ndparallel.metrics import average_over, cross_entropy_loss
+from ndparallel.distributed.reduce import average_over
 from ndparallel.models import Transformer, TransformerConfig
+from ndparallel.parallel.loss import cross_entropy_loss
 from ndparallel.testing import DistributedError, run_distributed
 from tests.parity import full_grads
 
@@ -47,7 +48,7 @@ def _setup(parallel: dict | None, seed: int = 0):
     net = Transformer(TransformerConfig.from_preset("tiny", seed=seed))
     mesh = None
     if parallel is not None:
-        from ndparallel.parallelize import parallelize
+        from ndparallel.parallel.parallelize import parallelize
 
         mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
         net = parallelize(net, mesh.config, mesh)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ndparallel.cli import _torchrun_argv, main
+from ndparallel.launch.cli import _torchrun_argv, main
 from tests.command import run_ndparallel
 
 
@@ -45,7 +45,7 @@ def test_train_with_cpu_ranks_checks_the_config_before_spawning():
 def test_launch_translates_to_torchrun_arguments(monkeypatch):
     import sys
 
-    from ndparallel.launch import WORKER_GUARD
+    from ndparallel.launch.torchrun import WORKER_GUARD
 
     monkeypatch.delenv("NDP_DEVICE", raising=False)
     monkeypatch.delenv("PYTHON_EXEC", raising=False)
@@ -175,7 +175,7 @@ def test_bad_sizes_devices_and_rank_counts_are_refused_early(tmp_path, capsys, m
 
 
 def test_timeout_flag_sets_the_config_field():
-    from ndparallel.cli import _parser, _train_config
+    from ndparallel.launch.cli import _parser, _train_config
 
     args = _parser().parse_args(["train", "--timeout", "42"])
     assert _train_config(args).train.timeout_s == 42.0
@@ -191,7 +191,7 @@ def test_resuming_a_finished_run_says_so(tmp_path):
         f"checkpoint.dir={ckpt}",
     ]
     script = (
-        "import sys\nfrom ndparallel.cli import main\n"
+        "import sys\nfrom ndparallel.launch.cli import main\n"
         f"assert main(['train', *{common!r}]) == 0\n"
         "print('---', flush=True)\n"
         f"sys.exit(main(['train', '--resume', *{common!r}]))\n"

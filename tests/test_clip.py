@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ndparallel.clip import clip_grad_norm_
+from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.testing import run_distributed
 
 NORM_TYPES = (2.0, 1.0, 3.0, math.inf)
@@ -186,7 +186,7 @@ def test_the_reduce_warning_is_quiet_only_inside_the_block_and_its_thread():
     import logging
     import threading
 
-    from ndparallel.clip import _REDISTRIBUTE_LOGGER, _quiet_sequential_reduce_warning
+    from ndparallel.parallel.clip import _REDISTRIBUTE_LOGGER, _quiet_sequential_reduce_warning
 
     logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
     level, filters = logger.level, list(logger.filters)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ndparallel import ConfigError, ParallelismConfig
-from ndparallel.train.config import TrainConfig
+from ndparallel.train.job_config import TrainConfig
 
 
 def test_defaults_and_resolve_fill():
@@ -212,7 +212,7 @@ def test_train_config_overrides(tmp_path):
 
 # ------------------------------------------------------------------- environment, duplicates, precedence
 def test_environment_variables_are_honoured_or_refused_by_name():
-    from ndparallel.config import environment_fields
+    from ndparallel.config.parallelism import environment_fields
 
     # Accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism: refused, pointing at cp + alltoall.
     with pytest.raises(ConfigError, match=r"PARALLELISM_CONFIG_SP_SIZE=2: .*cp_size=2 and cp_rotate_method=alltoall"):
@@ -287,7 +287,7 @@ def test_precedence_file_then_environment_then_command_line(tmp_path):
 
 def test_mesh_command_reads_the_environment(tmp_path, monkeypatch, capsys):
     """`NDP_TP_SIZE=4 ndparallel mesh CONFIG` used to print the file's tp size."""
-    from ndparallel.cli import main
+    from ndparallel.launch.cli import main
 
     path = _write(tmp_path, "parallelism:\n  dp_shard_size: -1\n  tp_size: 2\n")
     monkeypatch.setenv("NDP_TP_SIZE", "4")

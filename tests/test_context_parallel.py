@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.errors import ConfigError
-from ndparallel.metrics import cross_entropy_loss
+from ndparallel.parallel.loss import cross_entropy_loss
 from ndparallel.testing import run_distributed
 from tests.parity import NO_CLIP, assert_parity, build_model, full_grads, make_batches, reference, run_many
 
@@ -26,7 +26,7 @@ BF16_LOSS_TOL = 2e-2  # bf16 parameters/compute vs the fp32 reference (as in tes
 def cp_loss(model, tokens, labels, mesh):
     """parity.train_steps' loss hook: shard tokens, labels and positions over cp, mean over local tokens.
     backward runs after the block, so the buffers stay sharded (no_restore) for autograd's saved tensors."""
-    from ndparallel.plans.context_parallel import context_parallel, make_positions
+    from ndparallel.parallel.context_parallel import context_parallel, make_positions
 
     positions = make_positions(tokens)
     buffers = [tokens, labels, positions]
@@ -37,7 +37,7 @@ def cp_loss(model, tokens, labels, mesh):
 def cp_loss_as_users_write_it(model, tokens, labels, mesh):
     """The same loss as users often write it: tokens and labels as overlapping views of one tensor, labels
     listed twice (Accelerate's ``labels`` / ``shift_labels`` are one object), no positions (derived)."""
-    from ndparallel.plans.context_parallel import context_parallel
+    from ndparallel.parallel.context_parallel import context_parallel
 
     data = torch.cat([tokens, labels[:, -1:]], dim=1)
     tokens, labels = data[:, :-1], data[:, 1:]
@@ -77,7 +77,7 @@ def manual_cp_training(steps: int = STEPS, lr: float = DATA["lr"]) -> dict:
     """apply_context_parallel alone (float64), gradients averaged over the cp group by hand; same model, data
     and optimizer (AdamW, weight decay 0.1) as tests.parity.train_steps, so its single-process reference applies."""
     import ndparallel as ndp
-    from ndparallel.plans.context_parallel import apply_context_parallel
+    from ndparallel.parallel.context_parallel import apply_context_parallel
 
     torch.manual_seed(0)
     mesh = ndp.init_distributed(ndp.ParallelismConfig(cp_size=dist.get_world_size()))
@@ -108,7 +108,7 @@ def manual_cp_training(steps: int = STEPS, lr: float = DATA["lr"]) -> dict:
 
 def api_checks() -> dict:
     import ndparallel as ndp
-    from ndparallel.plans.context_parallel import (
+    from ndparallel.parallel.context_parallel import (
         RingAttention,
         apply_context_parallel,
         context_parallel,

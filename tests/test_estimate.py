@@ -197,7 +197,7 @@ def test_planner_ranks_infeasible_and_invalid_shapes_out():
     assert MeshShape(tp=8) in ranked  # tp=8 divides the 8 kv heads: valid
     many = plan(model, TrainingSpec(global_batch=64, seq_len=8192), ClusterSpec(num_gpus=32))
     reasons = {e.mesh.describe(): e.reason() for e in many.rejected}
-    assert reasons["1x1x1x32"] == "tp=32 does not divide n_kv_heads=8"
+    assert reasons["1x1x1x32"] == "tp_size=32 does not divide model.n_kv_heads=8; choose a tp_size that divides it"
 
 
 def test_planner_shape_rules_and_pins():
@@ -207,7 +207,7 @@ def test_planner_shape_rules_and_pins():
     assert {e.mesh.tp for e in result.ranked + result.rejected} == {2}
     reasons = {e.mesh: e.reason() for e in result.rejected}
     assert "seq_len 100 is not divisible by 2 x cp_size = 8" in reasons[MeshShape(cp=4, tp=2)]
-    assert "global_batch=6 not divisible" in reasons[MeshShape(dp_shard=4, tp=2)]
+    assert "train.global_batch=6 is not divisible" in reasons[MeshShape(dp_shard=4, tp=2)]
     with pytest.raises(ConfigError, match="matches the pinned sizes"):
         plan(model, TrainingSpec(), cluster, fixed={"tp": 3})
 
@@ -295,7 +295,7 @@ def saved_activation_bytes(fn, exclude: list[torch.Tensor]) -> int:
 
 def measure_activations(model: Transformer, seq: int = SEQ, batch: int = BATCH) -> dict[str, int]:
     """Saved bytes of block 0 and of the loss head (final norm, output, cross-entropy) for one micro-batch."""
-    from ndparallel.metrics import cross_entropy_loss
+    from ndparallel.parallel.loss import cross_entropy_loss
 
     data = torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     exclude = [*model.parameters(), model.rope_cos, model.rope_sin]
@@ -346,14 +346,14 @@ def _measure_run(shape: MeshShape, precision: str, checkpointing: str, micro_bat
     """parallelize the validation model on ``shape``, train one step, count the second step's collectives.
 
     With several micro-batches, gradients sync as ``ndparallel train`` syncs them
-    (``ndparallel.grad_sync.micro_batch_sync``: FSDP reduce-scatters every micro-batch, HSDP all-reduces and
+    (``ndparallel.parallel.grad_sync.micro_batch_sync``: FSDP reduce-scatters every micro-batch, HSDP all-reduces and
     replicate all-reduces on the last)."""
     from contextlib import nullcontext
 
     import ndparallel as ndp
     from ndparallel.estimate import CommCounter
-    from ndparallel.grad_sync import micro_batch_sync
-    from ndparallel.parallelize import parallelize
+    from ndparallel.parallel.grad_sync import micro_batch_sync
+    from ndparallel.parallel.parallelize import parallelize
     from tests.parity import context_parallel_loss_fn, default_loss_fn, local_bytes
 
     cfg = ndp.ParallelismConfig(
@@ -396,13 +396,14 @@ def _measure_run(shape: MeshShape, precision: str, checkpointing: str, micro_bat
 def measure_runs(runs: list[Run]) -> tuple[list[dict], dict[str, dict[str, int]]]:
     """Rank entry point: every run in one spawned group, then saved activations under tp=2 and cp=2."""
     import ndparallel as ndp
-    from ndparallel.plans.context_parallel import apply_context_parallel
-    from ndparallel.plans.tensor_parallel import apply_tensor_parallel
+    from ndparallel.models.transformer.family import transformer_tp_plan
+    from ndparallel.parallel.context_parallel import apply_context_parallel
+    from ndparallel.parallel.tensor_parallel import apply_tensor_parallel
 
     results = [_measure_run(*run) for run in runs]
     mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=-1, tp_size=2))
     model = Transformer(TransformerConfig(**VALIDATION_MODEL))
-    apply_tensor_parallel(model, mesh["tp"])
+    apply_tensor_parallel(model, mesh["tp"], transformer_tp_plan())
     acts = {"tp2": measure_activations(model)}
     mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=-1, cp_size=2))
     model = apply_context_parallel(Transformer(TransformerConfig(**VALIDATION_MODEL)), mesh, mesh.config)

@@ -2,7 +2,7 @@
 saved activation bytes within 10%, 15% under bf16 autocast; parameter bytes, point-to-point and collective bytes
 exactly: they are deterministic).
 
-The ranks run the project's runtime, ``ndparallel.pipeline.build_pipeline`` (through
+The ranks run the project's runtime, ``ndparallel.parallel.pipeline.build_pipeline`` (through
 ``ndparallel.bench.pipeline.measure_pipeline``). ``python -m tests.test_estimate_pp``
 prints the measured-vs-predicted table of docs/planning.md.
 """
@@ -184,7 +184,7 @@ def test_pipeline_bf16_is_the_non_pp_bf16_model_per_stage():
             assert sends == 4 * 4096 * model.dim * e.compute
     bf16, fp32 = (estimate(model, TrainingSpec(16, 4096, precision=p), mesh, cluster) for p in ("bf16", "fp32"))
     assert bf16.memory.state == fp32.memory.state and bf16.memory.activations < 0.6 * fp32.memory.activations
-    # Without FSDP the trainer autocasts (ndparallel.precision.forward_autocast_dtype): the residual stream, so
+    # Without FSDP the trainer autocasts (ndparallel.config.precision.forward_autocast_dtype): the residual stream, so
     # the p2p tensor, stays fp32 and each micro-batch in flight saves its own bf16 copy of the stage's matmul
     # weights (both measured through the runtime: docs/planning.md, "Mixed precision under pp").
     mesh, train = MeshShape(tp=4, pp=2, pp_microbatches=4), TrainingSpec(global_batch=4, seq_len=4096)

@@ -1,4 +1,4 @@
-"""The one FQN-pattern meaning (ndparallel.plans.fqn) and the model-family registry (ndparallel.family)."""
+"""The one FQN-pattern meaning (ndparallel.parallel.fqn) and the model-family registry (ndparallel.parallel.family)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ndparallel.models import Transformer, TransformerConfig
-from ndparallel.plans.fqn import first_match, fqn_matches, matching_modules
+from ndparallel.parallel.fqn import first_match, fqn_matches, matching_modules
 
 
 @pytest.mark.parametrize(
@@ -30,7 +30,7 @@ def test_fqn_pattern_meaning(fqn: str, pattern: str, expected: bool) -> None:
 
 
 def test_reference_plan_patterns_match_one_module_per_layer() -> None:
-    from ndparallel.plans.tensor_parallel import transformer_tp_plan
+    from ndparallel.models.transformer.family import transformer_tp_plan
 
     with torch.device("meta"):
         model = Transformer(TransformerConfig.from_preset("tiny", n_layers=3))
@@ -70,7 +70,7 @@ class Trunk(torch.nn.Module):
 
 
 def _recording_family():
-    from ndparallel.family import ModelFamily
+    from ndparallel.parallel.family import ModelFamily
 
     class Recording(ModelFamily):
         name = "recording"
@@ -100,7 +100,7 @@ def _recording_family():
 
 
 def test_family_for_picks_registered_then_hugging_face_then_the_reference_default() -> None:
-    from ndparallel.family import _REGISTERED, family_for, register_family
+    from ndparallel.parallel.family import _REGISTERED, family_for, register_family
 
     with torch.device("meta"):
         reference = Transformer(TransformerConfig.from_preset("tiny"))
@@ -117,7 +117,7 @@ def test_family_for_picks_registered_then_hugging_face_then_the_reference_defaul
 
 def _parallelize_with_a_registered_family() -> dict:
     import ndparallel as ndp
-    from ndparallel.family import _REGISTERED, register_family
+    from ndparallel.parallel.family import _REGISTERED, register_family
 
     family = register_family(_recording_family())
     try:
@@ -133,7 +133,7 @@ def _parallelize_with_a_registered_family() -> dict:
 def test_parallelize_asks_the_registered_family_and_explicit_arguments_override_it() -> None:
     import torch.distributed as dist
 
-    from ndparallel.mesh import destroy_distributed
+    from ndparallel.distributed.process import destroy_distributed
 
     assert not dist.is_initialized()
     try:  # one process (world size 1, in this process: no spawn), torn down after

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from ndparallel.comm.agree import agree
+from ndparallel.config.sequence import check_sequence_length, sequence_multiple, sequence_problem
+from ndparallel.distributed.agree import agree
 from ndparallel.errors import CheckpointError, ConfigError
-from ndparallel.sequence import check_sequence_length, sequence_multiple, sequence_problem
 from ndparallel.testing import run_distributed
 
 

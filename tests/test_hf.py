@@ -80,8 +80,8 @@ def qwen3_plan(model) -> dict:
 
 def hf_loss(model, tokens, labels, mesh, explicit_positions: bool = False) -> torch.Tensor:
     """Forward + ndparallel's loss; under cp the tokens/labels (and positions, if given) are sequence-sharded."""
-    from ndparallel.metrics import cross_entropy_loss
-    from ndparallel.plans.context_parallel import context_parallel
+    from ndparallel.parallel.context_parallel import context_parallel
+    from ndparallel.parallel.loss import cross_entropy_loss
 
     if mesh is None or mesh.size("cp") == 1:
         return cross_entropy_loss(model(input_ids=tokens).logits, labels)
@@ -96,14 +96,14 @@ def hf_loss(model, tokens, labels, mesh, explicit_positions: bool = False) -> to
 def train(family: str, parallel: dict | None, steps: int = STEPS, dtype: str = "float64") -> dict:
     """``steps`` AdamW steps on the family's tiny model; ``parallel=None``: one process, plain HF model."""
     import ndparallel as ndp
-    from ndparallel.clip import clip_grad_norm_
-    from ndparallel.metrics import average_over
+    from ndparallel.distributed.reduce import average_over
+    from ndparallel.parallel.clip import clip_grad_norm_
 
     model, mesh, dp, dp_rank = build(family, dtype=dtype), None, 1, 0
     if parallel is not None:
         mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
         plan = qwen3_plan(model) if family == "qwen3" and mesh.size("tp") > 1 else None
-        model = ndp.parallelize(model, mesh.config, mesh, plan=plan)
+        model = ndp.parallelize(model, mesh.config, mesh, tp_plan=plan)
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = GLOBAL_BATCH // dp
@@ -301,7 +301,7 @@ def wrapped_lm_head() -> dict:
     model = wrapped_llama()
     out = {"error": raised(lambda: ndp.parallelize(model, mesh.config, mesh))}
     out["untouched"] = type(model.lm_head.lm_head.weight).__name__
-    ndp.parallelize(model, mesh.config, mesh, plan=wrapped_plan(model))
+    ndp.parallelize(model, mesh.config, mesh, tp_plan=wrapped_plan(model))
     tokens, labels = make_batches(1, GLOBAL_BATCH, SEQ, model.config.vocab_size)[0]
     with torch.no_grad():
         out["loss"] = ndp.average_over(mesh["dp_cp"], hf_loss(model, tokens, labels, mesh))
@@ -416,7 +416,7 @@ def test_wrapped_lm_head_is_refused_by_name_and_the_documented_plan_is_exact(gro
             "'lm_head' (LmHeadWrapper)",
             "not an nn.Linear",
             "'lm_head.lm_head'",
-            "plan=",
+            "tp_plan=",
             "blocks=",
             "fsdp_groups=",
         ):
@@ -433,7 +433,7 @@ def test_forward_errors_under_tp_and_cp(group):
     assert "labels has 3 positions" in errors["labels"] and "context_parallel" in errors["labels"], errors
     assert "sliding_window=4" in errors["window"], errors
     assert "dp_replicate_size=2 without FSDP" in errors["replicate"], errors
-    assert "model_type='gpt2'" in errors["gpt2"] and "plan=" in errors["gpt2"], errors
+    assert "model_type='gpt2'" in errors["gpt2"] and "tp_plan=" in errors["gpt2"], errors
     assert errors["gpt2_untouched"] == "Parameter", "the refusal must come before the model is sharded"
 
 
@@ -457,7 +457,7 @@ def test_unsupported_architecture_is_a_config_error():
     from ndparallel.hf import hf_tp_plan
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
-    with pytest.raises(ConfigError, match=r"model_type='gpt2'.*plan=\{fqn_pattern: ParallelStyle\}"):
+    with pytest.raises(ConfigError, match=r"model_type='gpt2'.*tp_plan=\{fqn_pattern: ParallelStyle\}"):
         hf_tp_plan(gpt2)
     with pytest.raises(ConfigError, match="unsharded"):
         hf_tp_plan(gpt2, untested=True)  # GPT-2's fused c_attn / LayerNorm biases are not in the derived table
@@ -474,7 +474,7 @@ def test_models_outside_the_families_are_refused_naming_the_module():
     for part in (
         "model_type='qwen3'",
         "'model.layers.*.self_attn.q_norm' (Qwen3RMSNorm)",
-        "plan=",
+        "tp_plan=",
         "blocks=",
         "fsdp_groups=",
     ):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.launch import children_of
+from ndparallel.launch.torchrun import children_of
 from tests.command import start_ndparallel
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl (Linux)")
@@ -341,7 +341,7 @@ def test_two_nodes_on_one_machine_train_together_and_a_lost_node_is_named(tmp_pa
 
 def test_the_launcher_never_lets_a_worker_start_without_it(tmp_path):
     """The worker guard refuses to run a rank whose launcher is already gone (the race prctl leaves)."""
-    from ndparallel.launch import WORKER_GUARD as guard
+    from ndparallel.launch.torchrun import WORKER_GUARD as guard
 
     env = {**os.environ, "NDP_LAUNCHER_PID": "1"}  # init is never our parent
     result = subprocess.run(

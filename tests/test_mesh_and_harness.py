@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ndparallel import ParallelismConfig
-from ndparallel.mesh import VIEWS, format_rank_table, rank_groups
+from ndparallel.distributed.mesh import VIEWS, format_rank_table, rank_groups
 from ndparallel.testing import DistributedError, DistributedTimeout, run_distributed
 
 # Hand-written: ranks laid out row-major over (dp_replicate, dp_shard, cp, tp).
@@ -62,7 +62,7 @@ def _mesh_groups(sizes: dict) -> dict:
     import torch.distributed as dist
 
     import ndparallel as ndp
-    from ndparallel.mesh import MESH_DIMS
+    from ndparallel.config.dims import MESH_DIMS
 
     mesh = ndp.init_distributed(ndp.ParallelismConfig(**sizes), device_type="cpu")
     groups = {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in (*MESH_DIMS, *VIEWS)}

@@ -123,7 +123,7 @@ def test_clipping_is_active_in_clipped_runs():
 def _api_checks() -> dict:
     import ndparallel as ndp
     from ndparallel.errors import ConfigError
-    from ndparallel.parallelize import parallelize
+    from ndparallel.parallel.parallelize import parallelize
     from tests.parity import build_model
 
     out = {}
@@ -173,8 +173,8 @@ def test_parallelize_api_on_2_ranks():
 # ------------------------------------------------------------------------ HSDP mesh with cp > 1 (4 ranks)
 def _hsdp_cp_mesh() -> dict:
     import ndparallel as ndp
-    from ndparallel.mesh import _unflatten
-    from ndparallel.plans.fully_shard import fsdp_mesh
+    from ndparallel.distributed.mesh import _unflatten
+    from ndparallel.parallel.fully_shard import fsdp_mesh
 
     mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_replicate_size=2, cp_size=2))
     dp_mesh = fsdp_mesh(mesh)
@@ -248,7 +248,7 @@ def test_find_blocks_default_fqns_and_predicate():
     from torch import nn
 
     from ndparallel.errors import ConfigError
-    from ndparallel.parallelize import find_blocks
+    from ndparallel.parallel.parallelize import find_blocks
     from tests.parity import build_model
 
     model = build_model()
@@ -262,7 +262,7 @@ def test_find_blocks_default_fqns_and_predicate():
 
 
 def test_activation_checkpointing_modes_keep_fqns_and_values():
-    from ndparallel.plans.activation_checkpoint import apply_activation_checkpointing
+    from ndparallel.parallel.activation_checkpoint import apply_activation_checkpointing
     from tests.parity import build_model
 
     model = build_model({"n_layers": 3})

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from ndparallel.config import ConfigError
-from ndparallel.family import family_for
+from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
-from ndparallel.pipeline import balanced_split, last_stage_rank, stage_ids, stage_ranges
+from ndparallel.parallel.family import family_for
+from ndparallel.parallel.pipeline import balanced_split, last_stage_rank, stage_ids, stage_ranges
 
 TINY = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, seed=3)
 

@@ -15,8 +15,9 @@ from collections import Counter
 import pytest
 
 import tests.test_pipeline_parity as parity
-from ndparallel.config import ConfigError, ParallelismConfig
-from ndparallel.pp_rules import torch_compiles_pipeline_stages
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.pipeline import torch_compiles_pipeline_stages
+from ndparallel.errors import ConfigError
 from ndparallel.testing import run_distributed
 from tests.test_pipeline_parity import STEPS, _check, _transformer_reference
 
@@ -36,7 +37,7 @@ def _run_compose(cases: list[dict], refs: dict) -> list[dict]:
     import torch
     from torch.nn.modules.module import register_module_forward_hook
 
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.config.parallelism import ParallelismConfig
 
     out = []
     for case in cases:

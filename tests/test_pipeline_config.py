@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndparallel.cli import main
-from ndparallel.config import ConfigError, ParallelismConfig
-from ndparallel.mesh import rank_groups
-from ndparallel.pp_rules import torch_compiles_pipeline_stages, torch_supports_v_schedules
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.pipeline import torch_compiles_pipeline_stages, torch_supports_v_schedules
+from ndparallel.distributed.mesh import rank_groups
+from ndparallel.errors import ConfigError
+from ndparallel.launch.cli import main
 
 
 def test_pp_size_from_every_source(tmp_path):
@@ -123,7 +124,7 @@ def test_pp_groups_in_rank_table(tmp_path, capsys):
 
 
 def _train_config(parallel: dict, **train):
-    from ndparallel.train.config import TrainConfig
+    from ndparallel.train.job_config import TrainConfig
 
     return TrainConfig.from_dict({"parallelism": parallel, "model": {"n_layers": 4}, "train": train})
 

@@ -1,6 +1,6 @@
 """Hugging Face models under pipeline parallelism, built on the meta device, against one plain PyTorch process.
 
-* config only: every stage of every split initialises to what :func:`ndparallel.hf.init.seeded_init` gives
+* config only: every stage of every split initialises to what :func:`ndparallel.models.hf.init.seeded_init` gives
   the whole model (HF's rule, RNG seeded per module name), bit for bit (no ranks needed);
 * from a checkpoint: ``load_pretrained_pipeline`` reads only the tensors of the rank's stages (counted at
   the safetensors reader) and gives the weights of a full load; pp2 and pp2 x cp2 (ring attention) then
@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from ndparallel.config import ConfigError  # noqa: E402
-from ndparallel.pp_rules import torch_supports_v_schedules  # noqa: E402
+from ndparallel.config.pipeline import torch_supports_v_schedules  # noqa: E402
+from ndparallel.errors import ConfigError  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.test_pipeline_parity import (  # noqa: E402
     MAX_NORM,
@@ -63,8 +63,8 @@ def _qwen2_config():
 def test_config_only_stages_initialise_like_the_whole_model_on_every_split(make_config):
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.family import family_for
-    from ndparallel.hf.init import seeded_init
+    from ndparallel.models.hf.init import seeded_init
+    from ndparallel.parallel.family import family_for
 
     whole = AutoModelForCausalLM.from_config(make_config()).double()
     seeded_init(whole, seed=7)
@@ -152,7 +152,7 @@ def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
     """Load ``path`` as this rank's stages (counting the reads), check the weights, train; what was measured."""
     import torch.distributed as dist
 
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.hf import load_pretrained_pipeline
 
     cfg = ParallelismConfig(**parallel)
@@ -173,8 +173,8 @@ def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
 
 def _full_path_bytes(parallel: dict) -> int:
     """Parameter bytes a rank holds when the HF model is built with its weights before build_pipeline."""
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.pipeline import build_pipeline
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.parallel.pipeline import build_pipeline
 
     cfg = ParallelismConfig(**parallel)
     model = _tiny_llama()
@@ -184,8 +184,8 @@ def _full_path_bytes(parallel: dict) -> int:
 
 def _config_only(parallel: dict, expected: dict) -> tuple[list[str], float]:
     """build_pipeline on a meta model from a config: this rank's stages against seeded_init of the whole model."""
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.pipeline import build_pipeline
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.parallel.pipeline import build_pipeline
 
     cfg = ParallelismConfig(**parallel)
     pipe = build_pipeline(_meta_llama(), cfg, _mesh(cfg), microbatches=4, seed=7)
@@ -198,8 +198,8 @@ def _refusals(path: str, settings: list[dict]) -> list[str]:
     load that fails on rank 1 only, with an error that is not a ConfigError (every rank must raise, no hang)."""
     import torch.distributed as dist
 
-    import ndparallel.hf.pretrained as pretrained
-    from ndparallel.config import ParallelismConfig
+    import ndparallel.models.hf.pretrained as pretrained
+    from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.hf import load_pretrained, load_pretrained_pipeline
 
     base = {"pp_size": 2, "cp_size": dist.get_world_size() // 2}
@@ -326,7 +326,7 @@ def test_pp2_cp2_ring_attention_and_pp2_tp2_match_one_process(checkpoint):
 def test_tied_word_embeddings_are_refused_under_pp():
     from transformers import LlamaForCausalLM
 
-    from ndparallel.family import family_for
+    from ndparallel.parallel.family import family_for
 
     config = _tiny_llama_config()
     config.tie_word_embeddings = True
@@ -343,7 +343,7 @@ def test_stage_of_a_materialised_model_keeps_only_its_own_blocks():
     import gc
     import weakref
 
-    from ndparallel.family import family_for
+    from ndparallel.parallel.family import family_for
 
     model = _tiny_llama()
     stage = family_for(model).pipeline_stage(model, [0], True, False)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndparallel.pp_rules import torch_supports_v_schedules
+from ndparallel.config.pipeline import torch_supports_v_schedules
 from ndparallel.testing import run_distributed
 
 TOL = 1e-10  # float64; measured <= 2e-14 (docs/pipeline-parallel.md)
@@ -95,7 +95,7 @@ _MESHES: dict = {}
 
 def _mesh(cfg):
     """One mesh per shape in a spawned group (building one creates process groups: seconds on a loaded machine)."""
-    from ndparallel.mesh import init_distributed
+    from ndparallel.distributed.process import init_distributed
 
     key = tuple(cfg.sizes.values())
     if key not in _MESHES:
@@ -132,9 +132,9 @@ def _run_case(case: dict, ref: dict) -> dict:
     """Train ``case`` on this rank's pipeline; the worst differences from ``ref``."""
     import torch.distributed as dist
 
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.models import Transformer, TransformerConfig
-    from ndparallel.pipeline import build_pipeline
+    from ndparallel.parallel.pipeline import build_pipeline
 
     cfg = ParallelismConfig(**case["parallel"])
     mesh = _mesh(cfg)
@@ -152,7 +152,7 @@ def _run_case(case: dict, ref: dict) -> dict:
 
 def _train_losses(parallel: dict) -> list[float]:
     """``ndparallel train``'s loop (3 steps, float64, clipping active) on this group's mesh."""
-    from ndparallel.train.config import TrainConfig
+    from ndparallel.train.job_config import TrainConfig
     from ndparallel.train.loop import train
 
     cfg = TrainConfig.from_dict({
@@ -167,9 +167,10 @@ def _train_losses(parallel: dict) -> list[float]:
 def _refusals() -> list[str]:
     """What the step refuses before torch would crash or hang: a batch the micro-batches do not divide, a
     shape different from the first step's."""
-    from ndparallel.config import ConfigError, ParallelismConfig
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.errors import ConfigError
     from ndparallel.models import Transformer, TransformerConfig
-    from ndparallel.pipeline import build_pipeline
+    from ndparallel.parallel.pipeline import build_pipeline
 
     cfg = ParallelismConfig(pp_size=2)
     with torch.device("meta"):
@@ -189,8 +190,9 @@ def _mesh_groups(parallel: dict) -> dict:
     """This rank's group of every dim and view, and what the mesh of its pp slice says."""
     import torch.distributed as dist
 
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.mesh import MESH_DIMS, VIEWS
+    from ndparallel.config.dims import MESH_DIMS
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.distributed.mesh import VIEWS
 
     mesh = _mesh(ParallelismConfig(**parallel))
     groups = {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in (*MESH_DIMS, *VIEWS)}
@@ -270,8 +272,8 @@ def test_pp2_composes_with_every_dim_and_pp4_on_four_ranks(refs):
 
 
 def test_pp2_dp_shard2_tp2_on_eight_ranks(refs):
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.mesh import rank_groups
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.distributed.mesh import rank_groups
 
     sizes = {"pp_size": 2, "dp_shard_size": 2, "tp_size": 2}
     cases = [{"parallel": {**sizes, "pp_schedule": "1f1b"}}]

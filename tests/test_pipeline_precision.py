@@ -1,6 +1,6 @@
 """Pipeline parallelism with mixed precision and CPU offload, on real gloo ranks.
 
-The precision rule is the training step's (:func:`ndparallel.precision.forward_autocast_dtype`): without FSDP
+The precision rule is the training step's (:func:`ndparallel.config.precision.forward_autocast_dtype`): without FSDP
 every stage forward autocasts to bf16; with FSDP (pp2 x dp_shard2) its policy casts the stage's parameters to
 bf16 (or fp16) and reduces gradients in fp32. Each bf16 run is compared with (a) the same precision without pp,
 written as one plain PyTorch process that does what that rule does (autocast forward, or a bf16 copy of the
@@ -102,7 +102,7 @@ def _exact_reference() -> dict:
 
 def _train(parallel: dict) -> list[float]:
     """``ndparallel train`` (3 steps, fp32 weights, clipping active) on this group's ranks."""
-    from ndparallel.train.config import TrainConfig
+    from ndparallel.train.job_config import TrainConfig
     from ndparallel.train.loop import train
 
     cfg = TrainConfig.from_dict({
@@ -118,10 +118,10 @@ def _run_without_pp(parallel: dict, accumulation: int) -> dict:
     """The same precision without pp, through the trainer's step (1-sequence micro-batches, as the pp runs)."""
     import torch.distributed as dist
 
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.config.precision import parallelize_config
     from ndparallel.models import Transformer, TransformerConfig
-    from ndparallel.parallelize import parallelize
-    from ndparallel.precision import parallelize_config
+    from ndparallel.parallel.parallelize import parallelize
     from ndparallel.train.step import TrainStep
 
     cfg = ParallelismConfig(**parallel)
@@ -147,9 +147,9 @@ def _run(case: dict) -> dict:
     """Train ``case`` on this rank's pipeline (5 AdamW steps); its losses, norms, step-1 grads, final params."""
     import torch.distributed as dist
 
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.models import Transformer, TransformerConfig
-    from ndparallel.pipeline import build_pipeline
+    from ndparallel.parallel.pipeline import build_pipeline
 
     if "train" in case:
         return {"train": _train(case["train"])}

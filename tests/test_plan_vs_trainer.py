@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from ndparallel.config import ParallelismConfig
+from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.errors import ConfigError
 from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, mesh_shapes, model_spec, plan
 from ndparallel.models import TransformerConfig
-from ndparallel.train.config import DataConfig, LoopConfig, TrainConfig
+from ndparallel.train.job_config import DataConfig, LoopConfig, TrainConfig
 
 # (model preset, cluster, training): real sizes, and awkward ones (batch 6, sequence 100 or 96, 12 GPUs).
 CASES = {

@@ -118,7 +118,7 @@ def train_replicated(model: nn.Module, kind: str, mode: str, dp_rank: int, dp_si
     ``mode``: ``plain`` (one backward), ``accum`` (two micro-batches, the first under no_sync),
     ``two_backward`` (two micro-batches, both synchronising).
     """
-    from ndparallel.plans.replicate import no_sync
+    from ndparallel.parallel.replicate import no_sync
 
     opt = _optimizer(model)
     per_rank = GLOBAL_BATCH // dp_size
@@ -175,7 +175,7 @@ def _failed_backward(model: nn.Module) -> None:
 
 def _two_rank_checks() -> dict:
     import ndparallel as ndp
-    from ndparallel.plans.replicate import apply_replicate, no_sync, replicate_state
+    from ndparallel.parallel.replicate import apply_replicate, no_sync, replicate_state
 
     rank = dist.get_rank()
     mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_replicate_size=2))
@@ -221,7 +221,7 @@ def _four_rank_checks() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import ndparallel as ndp
-    from ndparallel.plans.replicate import apply_replicate, replicate_state
+    from ndparallel.parallel.replicate import apply_replicate, replicate_state
 
     rank = dist.get_rank()
     out = {}
@@ -318,14 +318,14 @@ def test_replicate_four_ranks_and_tensor_parallel(refs):
 
 @pytest.mark.parametrize("bad", [0, -1.0, "25", True, math.nan, math.inf, None])
 def test_bad_bucket_mb(bad):
-    from ndparallel.plans.replicate import apply_replicate
+    from ndparallel.parallel.replicate import apply_replicate
 
     with pytest.raises(ConfigError, match="bucket_mb"):
         apply_replicate(_build("plain", 0), None, bucket_mb=bad)  # checked before the mesh is touched
 
 
 def test_bad_mesh_and_no_sync_without_replicate():
-    from ndparallel.plans.replicate import apply_replicate, no_sync
+    from ndparallel.parallel.replicate import apply_replicate, no_sync
 
     with pytest.raises(ConfigError, match="dp_replicate"):
         apply_replicate(_build("plain", 0), None)
@@ -335,7 +335,7 @@ def test_bad_mesh_and_no_sync_without_replicate():
 
 
 def test_bucket_assignment():
-    from ndparallel.comm.buckets import assign_buckets
+    from ndparallel.distributed.buckets import assign_buckets
 
     params = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64), torch.zeros(1)]
     # cap 80 bytes = 20 fp32: [10,10] | [30] alone (larger than the cap) | float64 | [1]

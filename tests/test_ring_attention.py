@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ndparallel.comm.ring import attention_kernel, ring_attention, visible_blocks
+from ndparallel.distributed.ring import attention_kernel, ring_attention, visible_blocks
 from ndparallel.errors import ConfigError
-from ndparallel.plans.context_parallel import (
+from ndparallel.parallel.context_parallel import (
     sequence_indices,
     shard_sequence,
     validate_sequence_length,

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndparallel.errors import ConfigError
-from ndparallel.plans.tensor_parallel import check_tp_divisibility, cross_entropy_loss, transformer_tp_plan
+from ndparallel.models.transformer.family import FAMILY, transformer_tp_plan
+from ndparallel.parallel.loss import cross_entropy_loss
+from ndparallel.parallel.tensor_parallel import check_tp_divisibility
 from ndparallel.testing import run_distributed
 from tests.parity import build_model
 
@@ -26,7 +28,7 @@ from tests.parity import build_model
 )
 def test_tp_size_must_divide_the_model(model, tp, message):
     with pytest.raises(ConfigError, match=message):
-        check_tp_divisibility(build_model(model), tp, transformer_tp_plan())
+        check_tp_divisibility(build_model(model), tp, transformer_tp_plan(), fields=FAMILY.split_fields)
 
 
 def test_plan_checks_user_layers_without_a_config():
@@ -89,9 +91,9 @@ def user_plan() -> dict:
 
 def _train_user_model(parallel: dict | None, steps: int = 3) -> dict:
     import ndparallel as ndp
-    from ndparallel.clip import clip_grad_norm_
-    from ndparallel.metrics import average_over
-    from ndparallel.parallelize import parallelize
+    from ndparallel.distributed.reduce import average_over
+    from ndparallel.parallel.clip import clip_grad_norm_
+    from ndparallel.parallel.parallelize import parallelize
     from tests.parity import full_grads
 
     model = TinyMLPModel().double()
@@ -101,7 +103,7 @@ def _train_user_model(parallel: dict | None, steps: int = 3) -> dict:
         parallelize(
             model,
             mesh=mesh,
-            plan=user_plan(),
+            tp_plan=user_plan(),
             blocks=lambda name, module: isinstance(module, MLPBlock),
             fsdp_groups=[["embed"], ["final_norm", "head"]],
         )
@@ -131,7 +133,7 @@ def _tp_checks() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     import ndparallel as ndp
-    from ndparallel.plans.tensor_parallel import apply_tensor_parallel
+    from ndparallel.parallel.tensor_parallel import apply_tensor_parallel
 
     out = {}
     mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=2, tp_size=2))
@@ -139,7 +141,7 @@ def _tp_checks() -> dict:
 
     # Reference Transformer under TP: every parameter (norms and embedding too) and gradient is a DTensor,
     # and after backward each gradient has its parameter's placements (sharded memory).
-    model = apply_tensor_parallel(build_model(), tp_mesh)
+    model = apply_tensor_parallel(build_model(), tp_mesh, transformer_tp_plan())
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     cross_entropy_loss(model(tokens), tokens).backward()
     out["param_kinds"] = sorted({type(p).__name__ for p in model.parameters()})

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.launch import children_of
+from ndparallel.launch.torchrun import children_of
 from ndparallel.testing import run_distributed
-from ndparallel.train.config import TrainConfig
+from ndparallel.train.job_config import TrainConfig
 from tests.command import run_ndparallel, start_ndparallel
 
 

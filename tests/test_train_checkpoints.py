@@ -3,7 +3,7 @@ checkpoints, --resume says when there is nothing to resume, one job per folder (
 folder or resume path is one line before any rank starts.
 
 The trainer runs on 2 real gloo ranks (several jobs in one spawned group); the CLI checks run
-``ndparallel.cli.main`` in this process where they must end before any rank is spawned.
+``ndparallel.launch.cli.main`` in this process where they must end before any rank is spawned.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _config(ckpt_dir: str | None, **sections: dict) -> dict:
 def _run(config: dict) -> dict[str, Any]:
     """Train ``config`` on this rank; what it printed, its error (type and message) and its losses."""
     from ndparallel.train import train
-    from ndparallel.train.config import TrainConfig
+    from ndparallel.train.job_config import TrainConfig
 
     out, error, losses = io.StringIO(), None, []
     with contextlib.redirect_stdout(out):

@@ -46,7 +46,7 @@ RESUMED_MESHES = {
 
 def _jobs(root: str) -> dict[str, dict]:
     from ndparallel.train import train
-    from ndparallel.train.config import TrainConfig
+    from ndparallel.train.job_config import TrainConfig
 
     def run(config: dict) -> dict:
         result = train(TrainConfig.from_dict(config))
@@ -107,9 +107,9 @@ def test_an_explicit_false_defer_grad_sync_is_refused_under_pp():
     """torch's pipeline stage reduce-scatters FSDP gradients once per step, so ``defer_grad_sync: false`` (sync
     every micro-batch) cannot be honoured under pp with FSDP: refused by name; unset and true are accepted (and
     false without FSDP, where the field does nothing, as without pp)."""
-    from ndparallel.config import ParallelismConfig
+    from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.errors import ConfigError
-    from ndparallel.train.config import TrainConfig
+    from ndparallel.train.job_config import TrainConfig
 
     sizes = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_schedule="1f1b")
     for defer in (None, True):

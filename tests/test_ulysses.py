@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ndparallel.comm.ulysses import chunk_positions, kv_heads_sent
+from ndparallel.distributed.ulysses import chunk_positions, kv_heads_sent
 from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
@@ -81,8 +81,8 @@ def _inputs(seq: int, kv_heads: int, dtype: torch.dtype, batch: int = 2, heads: 
 def _op_errors(group, shard_balanced: bool, op_balanced: bool, causal: bool, kv_heads: int, dtype, seq: int):
     """Max abs difference of this rank's out, dq, dk, dv from full attention; rows sharded with
     ``shard_balanced``, the op told ``op_balanced`` (they differ only in the negative control)."""
-    from ndparallel.comm.ring import ring_attention
-    from ndparallel.plans.context_parallel import shard_sequence
+    from ndparallel.distributed.ring import ring_attention
+    from ndparallel.parallel.context_parallel import shard_sequence
 
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, dout = _inputs(seq, kv_heads, dtype)
@@ -124,7 +124,7 @@ def gradcheck_alltoall() -> list[str]:
     element in lockstep (as tests/test_ring_attention.py does); 2 query heads, 1 kv head: repeated for cp 2.
     The full Jacobian for the load-balanced causal case; fast mode (random projections, the same seed on every
     rank so every rank perturbs alike) for the others."""
-    from ndparallel.comm.ring import ring_attention
+    from ndparallel.distributed.ring import ring_attention
 
     checked = []
     for balanced, causal, fast in [(True, True, False), (False, True, True), (True, False, True)]:
@@ -177,7 +177,7 @@ def train64(parallel: dict | None, model: dict | str | None) -> dict:
     """5 AdamW steps in float64. ``parallel=None``: plain PyTorch in this process (the reference: no process
     group, no ndparallel code). Else ``parallelize`` on the mesh, tokens/labels/positions sharded over cp by
     ``context_parallel``; the loss mean over this rank's tokens, averaged over dp x cp in float64."""
-    from ndparallel.comm.counter import CommCounter
+    from ndparallel.distributed.counter import CommCounter
 
     net = _build(model)
     mesh, dp, dp_rank = None, 1, 0
@@ -198,7 +198,7 @@ def train64(parallel: dict | None, model: dict | str | None) -> dict:
             loss.backward()
             result["losses"].append(loss.item())
         else:
-            from ndparallel.plans.context_parallel import context_parallel
+            from ndparallel.parallel.context_parallel import context_parallel
 
             buffers = [tokens.clone(), labels.clone(), torch.arange(SEQ)]
             counter = CommCounter() if step == 0 else None
@@ -256,8 +256,8 @@ def assert_parity64(got: dict, ref: dict, label: str, tol: float = 1e-10) -> Non
 def count_cp_bytes(sizes: dict, method: str, checkpointing: str, model: dict) -> dict[str, int]:
     """fp32 payload bytes by kind on the cp group's ranks over one training step (after a warm-up step)."""
     import ndparallel as ndp
-    from ndparallel.comm.counter import CommCounter
-    from ndparallel.plans.context_parallel import context_parallel
+    from ndparallel.distributed.counter import CommCounter
+    from ndparallel.parallel.context_parallel import context_parallel
 
     mesh = ndp.init_distributed(
         ndp.ParallelismConfig(**sizes, cp_rotate_method=method, activation_checkpointing=checkpointing)
@@ -303,7 +303,7 @@ def predicted_cp_bytes(sizes: dict, method: str, checkpointing: str, model: dict
 def saved_activations() -> dict[int, int]:
     """Bytes one block saves for backward under alltoall on cp 2 (this rank's half of the sequence), by kv heads."""
     import ndparallel as ndp
-    from ndparallel.plans.context_parallel import apply_context_parallel
+    from ndparallel.parallel.context_parallel import apply_context_parallel
     from tests.test_estimate import SEQ as EST_SEQ
     from tests.test_estimate import VALIDATION_MODEL, measure_activations
 
@@ -331,7 +331,7 @@ def _raised(call) -> str:
 def refusals() -> dict:
     """ConfigErrors that need ranks: heads not divisible at parallelize time (model untouched) and in the op."""
     import ndparallel as ndp
-    from ndparallel.comm.ring import ring_attention
+    from ndparallel.distributed.ring import ring_attention
 
     world = dist.get_world_size()
     mesh = ndp.init_distributed(ndp.ParallelismConfig(cp_size=2, tp_size=world // 2, **ALLTOALL))
@@ -479,7 +479,7 @@ def test_heads_that_do_not_divide_are_refused_before_the_model_is_touched(world)
 
 
 def test_chunk_positions_follow_the_sequence_layout():
-    from ndparallel.plans.context_parallel import sequence_indices
+    from ndparallel.parallel.context_parallel import sequence_indices
 
     for cp, balanced in itertools.product(range(1, 7), (True, False)):
         chunks = 2 * cp if balanced else cp
@@ -498,8 +498,8 @@ def test_kv_heads_sent_keeps_each_query_head_on_its_kv_head():
 
 
 def test_config_values_names_and_refusals(tmp_path):
-    from ndparallel.config import ParallelismConfig
-    from ndparallel.train.config import TrainConfig
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.train.job_config import TrainConfig
 
     assert ParallelismConfig(cp_rotate_method="alltoall").cp_rotate_method == "alltoall"
     path = tmp_path / "accelerate.yaml"
@@ -522,14 +522,15 @@ def test_config_values_names_and_refusals(tmp_path):
 
 def test_planner_knows_the_method_and_its_rule(capsys):
     from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, model_spec, shape_problems
-    from ndparallel.plan_cli import main as plan_main
+    from ndparallel.estimate.cli import main as plan_main
 
     model = model_spec("8b")  # 32 heads, 8 kv heads
     cluster = ClusterSpec.from_gpu("h100", num_gpus=16)
     train = {"global_batch": 64, "seq_len": 32768}
     ulysses = TrainingSpec(**train, cp_rotate_method="alltoall")
     assert any(
-        "cp=8 does not divide n_heads / tp = 4" in p for p in shape_problems(model, ulysses, MeshShape(cp=8, tp=8))
+        "model.n_heads=32 / tp_size=8 = 4 query heads per tp rank do not divide by cp_size=8" in p
+        for p in shape_problems(model, ulysses, MeshShape(cp=8, tp=8))
     )
     assert not shape_problems(model, TrainingSpec(**train), MeshShape(cp=8, tp=8))  # ring: no rule on heads
     by_method = {}

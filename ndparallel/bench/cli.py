@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ndparallel.config import load_yaml_mapping, parse_overrides
+from ndparallel.config.parallelism import load_yaml_mapping, parse_overrides
 from ndparallel.errors import ConfigError
 
 __all__ = ["add_bench_parser", "apply_defaults_overrides"]
@@ -39,7 +39,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from ndparallel.bench.harness import inside_launcher, run_cases
     from ndparallel.bench.report import format_comm_table, format_table, plot, write_json
     from ndparallel.bench.sweep import cases_from_config
-    from ndparallel.peak import Peak, device_peak
+    from ndparallel.distributed.peak import Peak, device_peak
 
     if args.from_json:
         return _replot(args)

@@ -42,7 +42,9 @@ import torch.distributed as dist
 
 from ndparallel.bench.case import BenchCase
 from ndparallel.bench.result import CaseResult, combine
-from ndparallel.mesh import MESH_DIMS, VIEWS, Mesh, init_distributed
+from ndparallel.config.dims import MESH_DIMS
+from ndparallel.distributed.mesh import VIEWS, Mesh
+from ndparallel.distributed.process import init_distributed
 from ndparallel.models import Transformer
 
 __all__ = ["BenchCase", "CaseResult", "group_labels", "inside_launcher", "measure_cases_on_rank", "run_cases"]
@@ -60,8 +62,8 @@ class _Job:
     """Model, optimizer, the trainer's step and this rank's fixed batch for one case on one mesh."""
 
     def __init__(self, case: BenchCase, mesh: Mesh, twin: bool = False):
-        from ndparallel.parallelize import parallelize
-        from ndparallel.precision import parallelize_config
+        from ndparallel.config.precision import parallelize_config
+        from ndparallel.parallel.parallelize import parallelize
         from ndparallel.train.step import TrainStep
 
         self.case, self.mesh, self.device = case, mesh, mesh.device
@@ -112,7 +114,7 @@ class _Job:
 def _pipeline_parts(case: BenchCase, mesh: Mesh, twin: bool) -> tuple[torch.nn.Module, list, Any]:
     """A pp case: the contract's ``build_pipeline`` on a meta-device model, one AdamW per stage module, and the
     trainer's ``TrainStep`` driving the pipeline (docs/pipeline-parallel.md)."""
-    from ndparallel.pipeline import build_pipeline
+    from ndparallel.parallel.pipeline import build_pipeline
     from ndparallel.train.step import TrainStep
 
     with torch.device("meta"):
@@ -138,7 +140,7 @@ def _timed_steps(job: _Job) -> tuple[list[float], list[float]]:
         times.append(time.perf_counter() - start)
         losses.append(loss)
     # Each rank's loss is the mean over its own tokens: average over dp x cp (after the timed steps).
-    from ndparallel.metrics import average_over
+    from ndparallel.distributed.reduce import average_over
 
     return times, [average_over(job.mesh["dp_cp"], v) for v in losses]
 
@@ -159,7 +161,7 @@ def group_labels(mesh: Mesh) -> dict[str, str]:
 def _instrumented_step(job: _Job) -> tuple[list[dict[str, Any]], int]:
     """Comm per (dims, kind) on one step; peak live tensor bytes on CPU (else -1)."""
     from ndparallel.bench.memory import LiveMemory
-    from ndparallel.comm.counter import CommCounter
+    from ndparallel.distributed.counter import CommCounter
 
     memory = LiveMemory(job.state_tensors()) if job.device.type == "cpu" else None
     if job.case.pp_size > 1:  # CommDebugMode's module tracker fails across a schedule's several passes

@@ -9,7 +9,8 @@ but the last, measured on 2.13), the
 local parameter bytes, the payload bytes of every collective and point-to-point send (by mesh dim and
 kind), and step times.
 
-The ranks run the project's pipeline runtime, :func:`ndparallel.pipeline.build_pipeline` (docs/pipeline-parallel.md),
+The ranks run the project's pipeline runtime, :func:`ndparallel.parallel.pipeline.build_pipeline`
+(docs/pipeline-parallel.md),
 on a model built on the meta device, with a ``ParallelismConfig`` carrying the run's mesh sizes, pp fields and
 mixed precision;
 :func:`build_pipeline` below is the one place that builds it.
@@ -31,11 +32,12 @@ from torch import nn
 # The documented extension point for intercepting aten ops lives in a private module on torch 2.11-2.14.
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ndparallel.config import ParallelismConfig
-from ndparallel.mesh import Mesh, init_distributed
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.distributed.process import init_distributed
 from ndparallel.models import Transformer, TransformerConfig
-from ndparallel.pipeline import Pipeline
-from ndparallel.pipeline import build_pipeline as build_runtime
+from ndparallel.parallel.pipeline import Pipeline
+from ndparallel.parallel.pipeline import build_pipeline as build_runtime
 
 __all__ = ["PipelineRun", "SavedActivations", "StepCounter", "build_pipeline", "measure_pipeline"]
 
@@ -76,7 +78,7 @@ class PipelineRun:
 
 
 def build_pipeline(run: PipelineRun) -> Pipeline:
-    """This rank's share of ``run``: ``ndparallel.pipeline.build_pipeline`` on a meta-device model."""
+    """This rank's share of ``run``: ``ndparallel.parallel.pipeline.build_pipeline`` on a meta-device model."""
     cfg = run.parallelism()
     mesh = _mesh(tuple(cfg.sizes.items()))
     with torch.device("meta"):
@@ -158,7 +160,7 @@ class StepCounter(TorchDispatchMode):
         self.calls: list[Any] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        from ndparallel.comm.counter import CommCounter
+        from ndparallel.distributed.counter import CommCounter
 
         CommCounter._record(self, func, args)  # the one mapping of ops to kinds and payloads
         return func(*args, **(kwargs or {}))
@@ -167,7 +169,7 @@ class StepCounter(TorchDispatchMode):
 def _compute_only_s(pipe: Pipeline, run: PipelineRun, tokens: torch.Tensor, labels: torch.Tensor) -> float:
     """Seconds this rank's stages take for forward + backward of all micro-batches with no waiting and no
     communication (the no-bubble reference; pure pp only: random stage inputs and output gradients)."""
-    from ndparallel.metrics import cross_entropy_loss
+    from ndparallel.parallel.loss import cross_entropy_loss
 
     m, n_stages = run.microbatches, len(pipe.stages) * run.sizes["pp"]
     mb_tokens, mb_labels = tokens.tensor_split(m), labels.tensor_split(m)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ndparallel.bench.result import CaseResult
-from ndparallel.peak import Peak
+from ndparallel.distributed.peak import Peak
 
 __all__ = [
     "SCHEMA",

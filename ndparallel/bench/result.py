@@ -48,7 +48,7 @@ class CaseResult:
     """Fastest real step - fastest compute-only twin step (the least disturbed steps of each)."""
     losses: list[float] = field(default_factory=list)
     error: str = ""
-    """Why the case was not measured (e.g. a pp case on a build without ``ndparallel.pipeline``); its numbers
+    """Why the case was not measured (e.g. a pp case on a build without ``ndparallel.parallel.pipeline``); its numbers
     are then NaN / -1, never a measurement."""
     pipeline: dict[str, Any] = field(default_factory=dict)
     """pp cases: ``schedule``, ``microbatches``, ``stages_per_rank`` and the cost model's ``bubble`` fraction."""

@@ -32,19 +32,19 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ndparallel.bench.case import PP_KEYS, BenchCase
-from ndparallel.config import ParallelismConfig, load_yaml_mapping
+from ndparallel.bench.case import BenchCase
+from ndparallel.config.dims import SIZE_FIELDS
+from ndparallel.config.parallelism import ParallelismConfig, load_yaml_mapping
 from ndparallel.errors import ConfigError
 
 __all__ = ["cases_from_config", "load_cases"]
 
 _CASE_KEYS = ("seq_len", "warmup", "steps", "device", "compute_twin", "micro_batch", "defer_grad_sync")
 _SWEEP_KEYS = {"name", "global_batch", "batch_per_dp_rank", "models", "shapes", "model", "parallelism", *_CASE_KEYS}
-_SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 
 
 def _label(shape: Mapping[str, Any]) -> str:
-    parts = [f"{k.removesuffix('_size')}{v}" for k in _SIZE_KEYS if (v := shape.get(k, 1)) != 1]
+    parts = [f"{k.removesuffix('_size')}{v}" for k in SIZE_FIELDS[1:] if (v := shape.get(k, 1)) != 1]
     if shape.get("pp_size", 1) != 1:
         parts.insert(0, f"pp{shape['pp_size']}_{shape.get('pp_schedule', '1f1b')}")
         if shape.get("pp_microbatches"):
@@ -90,8 +90,7 @@ def _cases_of_sweep(sweep: Mapping[str, Any], defaults: Mapping[str, Any], index
             settings = {k: shape.pop(k, sweep.get(k, defaults.get(k))) for k in _CASE_KEYS}
             case_model = _model(shape.pop("model"), f"sweep {name!r}") if "model" in shape else model
             parallel = {**base_parallel, **shape}
-            # the pp fields are left out here: dp does not depend on them, and older builds do not know them
-            sizes = ParallelismConfig.from_dict({k: v for k, v in parallel.items() if k not in PP_KEYS}).sizes
+            sizes = ParallelismConfig.from_dict(parallel).sizes
             dp = sizes["dp_replicate"] * sizes["dp_shard"]
             if has_global:
                 global_batch = sweep["global_batch"]

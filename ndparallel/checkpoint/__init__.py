@@ -27,7 +27,7 @@ One module per concept, each readable alone (docs/checkpointing.md, "Package lay
 - ``dcp_metadata``: DCP's pickled ``.metadata`` read with an allow-list: no code runs
 - ``rng``: per-rank RNG states as tensors
 - ``saving`` / ``loading``: :func:`save`, :func:`save_async` and :func:`load`, agreed across ranks
-  with :func:`ndparallel.comm.agree.agree` (one error on every rank)
+  with :func:`ndparallel.distributed.agree.agree` (one error on every rank)
 - ``safetensors_io``: full weights to and from one safetensors file
 """
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ndparallel.checkpoint.dcp_metadata import SafeFileSystemReader
-from ndparallel.comm.agree import distributed
+from ndparallel.distributed.agree import distributed
 
 __all__ = ["read", "write", "write_async"]
 

@@ -6,7 +6,7 @@ distinct skeleton is sent once: the data-parallel replicas of a stage cost a dig
 :func:`fit_error` checks, for one section (model or optimizer), that every key this rank holds is
 stored with the same global shape, and collectively that every stored key is held by some rank:
 a checkpoint loads on any pp size exactly when the union of the live keys is the stored set.
-Both go through tensors (:mod:`ndparallel.comm.distinct`): nothing is pickled.
+Both go through tensors (:mod:`ndparallel.distributed.distinct`): nothing is pickled.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ndparallel.comm.distinct import any_rank, distinct_texts
+from ndparallel.distributed.distinct import any_rank, distinct_texts
 from ndparallel.errors import CheckpointError
 
 __all__ = ["SECTIONS", "fit_error", "union_over_ranks"]

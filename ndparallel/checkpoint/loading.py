@@ -2,7 +2,7 @@
 
 Every rank validates the checkpoint (:func:`~ndparallel.checkpoint.storage.validate`), reads
 DCP's ``.metadata`` without running code (:mod:`~ndparallel.checkpoint.dcp_metadata`) and verifies
-its share of the SHA-256; the ranks agree (:func:`ndparallel.comm.agree.agree`). Then the model,
+its share of the SHA-256; the ranks agree (:func:`ndparallel.distributed.agree.agree`). Then the model,
 and after it the optimizer, is checked against the checkpoint (:func:`~ndparallel.checkpoint.keys.fit_error`:
 this rank's keys are stored with the same global shapes, and the ranks together hold every stored
 key), agreed again, and only then does DCP read into the modules. A failure anywhere leaves the
@@ -43,7 +43,7 @@ from ndparallel.checkpoint.rank_state import (
 )
 from ndparallel.checkpoint.rng import rng_prefix, set_rng_states
 from ndparallel.checkpoint.storage import validate
-from ndparallel.comm.agree import agree, broadcast_text, rank, world_size
+from ndparallel.distributed.agree import agree, broadcast_text, rank, world_size
 from ndparallel.errors import CheckpointError
 
 __all__ = ["load", "read_checkpoint"]

@@ -22,8 +22,8 @@ from ndparallel.checkpoint import dcp_io
 from ndparallel.checkpoint.checksums import verify_share
 from ndparallel.checkpoint.format import placeholder_key, placeholders
 from ndparallel.checkpoint.loading import read_checkpoint
-from ndparallel.comm.agree import agree, rank, world_size
-from ndparallel.comm.distinct import distinct_texts
+from ndparallel.distributed.agree import agree, rank, world_size
+from ndparallel.distributed.distinct import distinct_texts
 from ndparallel.errors import CheckpointError
 
 __all__ = ["export_safetensors", "import_safetensors"]

@@ -1,7 +1,7 @@
 """Saving: :func:`save` and :func:`save_async`, every rank's part, agreed at each step.
 
 A save runs in four steps, each ending in an agreement so that a failure seen by one rank raises
-the same error on every rank before the next collective (:func:`ndparallel.comm.agree.agree`):
+the same error on every rank before the next collective (:func:`ndparallel.distributed.agree.agree`):
 
 1. prepare (every rank): the same path on every rank, the state of this rank's modules (one, or
    its pipeline stages; :mod:`~ndparallel.checkpoint.rank_state`) split into JSON and tensors
@@ -36,7 +36,7 @@ from ndparallel.checkpoint.format import split_state
 from ndparallel.checkpoint.keys import union_over_ranks
 from ndparallel.checkpoint.rank_state import ModelArg, OptimizerArg, RankState, as_modules, as_optimizers
 from ndparallel.checkpoint.rng import rng_states
-from ndparallel.comm.agree import agree, broadcast_text, gather_text, rank, world_size
+from ndparallel.distributed.agree import agree, broadcast_text, gather_text, rank, world_size
 from ndparallel.errors import CheckpointError
 
 __all__ = ["AsyncSave", "save", "save_async"]

@@ -26,7 +26,7 @@ from typing import Any
 from ndparallel.checkpoint import leftovers
 from ndparallel.checkpoint.checksums import check_files, sha256_file, verify_share
 from ndparallel.checkpoint.format import MARKER, STATE_FILE, build_marker, commit_key, parse_marker
-from ndparallel.comm.agree import agree, broadcast_text, rank
+from ndparallel.distributed.agree import agree, broadcast_text, rank
 from ndparallel.errors import CheckpointError
 
 __all__ = [

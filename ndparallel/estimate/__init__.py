@@ -17,7 +17,7 @@ Modules: ``spec`` (model, cluster, training and mesh descriptions), ``memory``, 
 Formulas and validation: docs/planning.md.
 """
 
-from ndparallel.comm.counter import CommCounter
+from ndparallel.distributed.counter import CommCounter
 from ndparallel.estimate.comm import Collective, collectives, group_link
 from ndparallel.estimate.memory import (
     MemoryEstimate,
@@ -30,7 +30,6 @@ from ndparallel.estimate.pipeline import RankShare, bubble_fraction, in_flight, 
 from ndparallel.estimate.search import Estimate, Plan, estimate, mesh_shapes, plan, shape_problems
 from ndparallel.estimate.spec import (
     GPU_PRESETS,
-    PP_SCHEDULES,
     PRECISIONS,
     ClusterSpec,
     MeshShape,
@@ -45,7 +44,6 @@ from ndparallel.estimate.timing import StepTime, estimate_step_time
 
 __all__ = [
     "GPU_PRESETS",
-    "PP_SCHEDULES",
     "PRECISIONS",
     "ClusterSpec",
     "Collective",

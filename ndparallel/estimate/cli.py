@@ -5,7 +5,7 @@
     ndparallel plan --dim 4096 --layers 32 --heads 32 --kv-heads 8 --ffn-dim 14336 --vocab 128256 --gpus 8
     ndparallel plan --model 70b --gpus 64 --pp-schedule gpipe,1f1b,interleaved_1f1b --pp-microbatches 16
 
-``ndparallel.cli`` registers it (``add_plan_parser(subparsers)``, then ``args.func(args)`` = ``run_plan``),
+``ndparallel.launch.cli`` registers it (``add_plan_parser(subparsers)``, then ``args.func(args)`` = ``run_plan``),
 as it registers ``ndparallel.bench.cli``.
 """
 
@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Any
 
-from ndparallel.config import CHOICES
+from ndparallel.config.parallelism import CHOICES
+from ndparallel.config.pipeline import PP_SCHEDULES
 from ndparallel.errors import ConfigError
 from ndparallel.estimate import (
     GPU_PRESETS,
@@ -33,7 +34,7 @@ from ndparallel.estimate import (
     parse_count,
     plan,
 )
-from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, PP_SCHEDULES, GiB
+from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, GiB
 
 PP_COMPARED = ("gpipe", "1f1b", "interleaved_1f1b")
 """``--pp-schedule all``: the schedules whose memory rule is measured (docs/planning.md)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ndparallel.comm.ulysses import kv_heads_sent
+from ndparallel.distributed.ulysses import kv_heads_sent
 from ndparallel.estimate.memory import (
     DDP_BUCKET_BYTES,
     checkpointed_blocks,
@@ -138,7 +138,8 @@ def collectives(
             n_units, replicated)  # fmt: skip
     elif mesh.pp > 1:
         # Pipeline.step runs the schedule under no_sync, then all-reduces every gradient of the rank's stages
-        # as one flat tensor (ndparallel/pipeline/runtime.py, _average_replicas): once per step, after the schedule.
+        # as one flat tensor (ndparallel/parallel/pipeline/runtime.py, _average_replicas): once per step, after the
+        # schedule.
         add("replicate all-reduce (grads, after the schedule)", "all_reduce", ("dp_replicate",), "after_schedule",
             1, replicated)  # fmt: skip
     else:
@@ -161,7 +162,7 @@ def collectives(
             calls * micro_steps, calls * activation * micro_steps)  # fmt: skip
     norms = 2 * layers + share.head
     # Under pp the norm weights' partial gradients are all-reduced once per step, not per micro-batch (measured
-    # through ndparallel.pipeline: tests/test_estimate_pp.py).
+    # through ndparallel.parallel.pipeline: tests/test_estimate_pp.py).
     norm_syncs = 1 if mesh.pp > 1 else micro_steps
     add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",
         norms * norm_syncs, norms * model.dim * precision.reduce * norm_syncs)  # fmt: skip

@@ -13,12 +13,12 @@ import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
-from ndparallel.comm.ulysses import kv_heads_sent
-from ndparallel.config import ParallelismConfig
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.precision import forward_autocast_dtype
+from ndparallel.distributed.ulysses import kv_heads_sent
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
-from ndparallel.precision import forward_autocast_dtype
 
 __all__ = [
     "MemoryEstimate",
@@ -148,7 +148,7 @@ def activation_bytes(
 
 def autocasts(train: TrainingSpec, mesh: MeshShape) -> bool:
     """Whether the forward runs under ``torch.autocast`` (mixed precision without FSDP): the trainer's rule,
-    :func:`ndparallel.precision.forward_autocast_dtype` (fp16 there is refused: see :func:`precision_problem`).
+    :func:`ndparallel.config.precision.forward_autocast_dtype` (fp16 there is refused: see :func:`precision_problem`).
     Then the fp32 weights are cast per matmul and the residual stream stays in the parameter dtype."""
     return train.precision != "fp32" and mesh.fsdp == 1 and not precision_problem(train, mesh)
 
@@ -275,7 +275,7 @@ def estimate_memory(
             weight_copy = 0.0  # saved per micro-batch in flight: counted in the activations (autocast_weight_bytes)
         if mesh.pp > 1 and mesh.dp_replicate > 1:
             # After the schedule (activations freed) the runtime all-reduces one flat copy of every gradient
-            # (ndparallel/pipeline/runtime.py, _average_replicas); the bucketed path is not used under pp.
+            # (ndparallel/parallel/pipeline/runtime.py, _average_replicas); the bucketed path is not used under pp.
             transient = max(weight_copy, params * precision.grad)
         else:
             transient = weight_copy + (2 * DDP_BUCKET_BYTES if mesh.dp_replicate > 1 else 0.0)

@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass
 
 from ndparallel.estimate.spec import MeshShape, ModelSpec, TrainingSpec
-from ndparallel.pipeline.placement import stage_ids
-from ndparallel.pipeline.split import balanced_split
+from ndparallel.parallel.pipeline.placement import stage_ids
+from ndparallel.parallel.pipeline.split import balanced_split
 
 __all__ = [
     "RankShare",

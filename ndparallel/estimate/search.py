@@ -5,15 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ndparallel import pp_rules
-from ndparallel.config import ParallelismConfig
+from ndparallel.config.preflight import JobShape, job_problems
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.comm import Collective, collectives
-from ndparallel.estimate.memory import MemoryEstimate, estimate_memory, precision_problem
+from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
 from ndparallel.estimate.pipeline import microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
-from ndparallel.sequence import sequence_problem
 
 __all__ = ["Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
 
@@ -99,64 +97,16 @@ class Estimate:
 
 
 def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> list[str]:
-    """Divisibility rules a mesh shape must satisfy for this model and batch (empty list = valid)."""
-    problems = []
-    for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):  # what the TP plan splits
-        if getattr(model, name) % mesh.tp:
-            problems.append(f"tp={mesh.tp} does not divide {name}={getattr(model, name)}")
-            break
-    if mesh.cp > 1 and train.cp_rotate_method == "alltoall" and (model.n_heads // mesh.tp) % mesh.cp:
-        problems.append(
-            f"cp={mesh.cp} does not divide n_heads / tp = {model.n_heads // mesh.tp} (alltoall splits heads)"
-        )
-    precision = precision_problem(train, mesh)  # the trainer's mixed-precision rule (fp16 needs FSDP)
-    if precision:
-        problems.append(precision)
-    sequence = sequence_problem(train.seq_len, mesh.cp, mesh.tp, train.cp_load_balance, what="seq_len")
-    if sequence:
-        problems.append(sequence)
-    per_step = mesh.dp * train.micro_batch
-    if mesh.pp > 1:
-        problems += pipeline_problems(model, train, mesh)
-    elif train.global_batch % per_step:
-        problems.append(
-            f"global_batch={train.global_batch} not divisible by dp_replicate x dp_shard x micro_batch={per_step}"
-        )
-    return problems
-
-
-def pipeline_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> list[str]:
-    """Why a pp shape cannot run: the config's own validation (``ParallelismConfig`` with the pp fields and the
-    training's precision and checkpointing: what ``ndparallel train`` refuses under pp, ``pp_rules``) and the
-    schedule's micro-batch rule (``ndparallel.pp_rules.check_microbatches``); plus a block per stage at least
-    and a batch that splits into m micro-batches (what the estimate needs). Every inner shape the
-    config accepts is modelled (pp x dp_shard / cp / tp / pure dp_replicate: docs/planning.md)."""
-    problems = []
-    n_stages, local = mesh.pp * mesh.stages_per_rank, train.global_batch // mesh.dp
-    m = microbatches(train, mesh)
-    sizes = {f"{dim}_size": value for dim, value in mesh.as_dict().items()}
-    knobs = {"pp_size": mesh.pp, "pp_schedule": mesh.pp_schedule, "pp_microbatches": mesh.pp_microbatches or None,
-             "pp_stages_per_rank": mesh.pp_stages_per_rank or None,
-             "mixed_precision": "no" if train.precision == "fp32" else train.precision,
-             "activation_checkpointing": train.activation_checkpointing,
-             "cp_rotate_method": train.cp_rotate_method, "cp_load_balance": train.cp_load_balance}  # fmt: skip
+    """Why ``ndparallel train`` would refuse this shape for this model and batch (empty list = valid): the config's
+    own validation, then the job pre-flight the trainer and the bench run (:mod:`ndparallel.config.preflight`),
+    with one message for one refusal wherever it is asked."""
     try:
-        ParallelismConfig(**sizes, **knobs).resolve(mesh.world_size)
+        cfg = mesh.to_config(train).resolve(mesh.world_size)
     except ConfigError as err:
-        problems.append(str(err))
-    if n_stages > model.n_layers:
-        problems.append(f"pp={mesh.pp} x {mesh.stages_per_rank} stage(s) per rank > {model.n_layers} blocks")
-    if train.global_batch % mesh.dp or not m or local % m:
-        problems.append(
-            f"global_batch={train.global_batch} does not split over dp={mesh.dp} into pp_microbatches="
-            f"{m or mesh.pp_microbatches or '(accumulation steps)'} micro-batches"
-        )
-    else:
-        try:
-            pp_rules.check_microbatches(mesh.pp_schedule, m, mesh.pp, mesh.stages_per_rank, "pp_microbatches")
-        except ConfigError as err:
-            problems.append(str(err))
-    return problems
+        return [str(err)]
+    micro_batch = None if mesh.pp > 1 and mesh.pp_microbatches else train.micro_batch
+    job = JobShape(train.global_batch, train.seq_len, micro_batch, train.defer_grad_sync or None)
+    return job_problems(cfg, job, model.preflight_shape())
 
 
 def estimate(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec | None = None) -> Estimate:

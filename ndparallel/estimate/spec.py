@@ -15,15 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ndparallel.config import CHOICES
+from ndparallel.config.parallelism import CHOICES, ParallelismConfig
+from ndparallel.config.pipeline import PP_SCHEDULES
+from ndparallel.config.preflight import ModelShape
+from ndparallel.distributed.peak import GPU_PEAK_BF16
 from ndparallel.errors import ConfigError
-from ndparallel.models.config import PRESETS, TransformerConfig
-from ndparallel.peak import GPU_PEAK_BF16
+from ndparallel.models.transformer.presets import PRESETS, TransformerConfig
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
     "GPU_PRESETS",
-    "PP_SCHEDULES",
     "PRECISIONS",
     "ClusterSpec",
     "MeshShape",
@@ -118,6 +119,11 @@ class ModelSpec:
             raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
 
     # -- parameter counts ------------------------------------------------------------------------
+    def preflight_shape(self) -> ModelShape:
+        """What the job pre-flight checks, named as ``ndparallel train``'s ``model:`` section names them."""
+        split = {f"model.{name}": getattr(self, name) for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")}
+        return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads))
+
     @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
@@ -229,7 +235,7 @@ def model_spec(model: str | os.PathLike | Mapping[str, Any] | TransformerConfig 
 
 # ---------------------------------------------------------------------------------------------- cluster
 # Memory, NVLink per direction (effective), inter-node per GPU (one 400 Gb/s NIC); the dense bf16 peak
-# comes from the one peak table, ndparallel.peak.GPU_PEAK_BF16.
+# comes from the one peak table, ndparallel.distributed.peak.GPU_PEAK_BF16.
 GPU_PRESETS: dict[str, dict[str, float]] = {
     "h100": dict(gpu_memory=80 * GiB, peak_flops=GPU_PEAK_BF16["H100"], intra_node_bw=450e9, inter_node_bw=50e9),
     "h200": dict(gpu_memory=140 * GiB, peak_flops=GPU_PEAK_BF16["H200"], intra_node_bw=450e9, inter_node_bw=50e9),
@@ -338,7 +344,7 @@ class TrainingSpec:
     cp_load_balance: bool = True
     """Context parallel cuts the sequence into 2 x cp chunks (``ParallelismConfig.cp_load_balance``)."""
     defer_grad_sync: bool = False
-    """``train.defer_grad_sync`` (the trainer's field, ``ndparallel.grad_sync.micro_batch_sync``): under FSDP,
+    """``train.defer_grad_sync`` (the trainer's field, ``ndparallel.parallel.grad_sync.micro_batch_sync``): under FSDP,
     sync gradients on the last micro-batch only, keeping unsharded gradients in between. False (the
     default): reduce-scatter every micro-batch. HSDP's all-reduce and pure replicate's run once per step."""
 
@@ -378,12 +384,6 @@ class TrainingSpec:
 
 
 # ---------------------------------------------------------------------------------------------- mesh
-# The config's schedule names once it has them (pp-core, issue 13); the contract's list until then.
-PP_SCHEDULES: tuple[str, ...] = tuple(
-    CHOICES.get(
-        "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
-    )
-)
 
 
 @dataclass(frozen=True, order=True)
@@ -391,7 +391,8 @@ class MeshShape:
     """Sizes of the mesh dims, outer -> inner: (pp,) dp_replicate, dp_shard, cp, tp; and the pipeline's knobs.
 
     ``pp`` is listed last as a field (so ``MeshShape(rep, shard, cp, tp)`` keeps working) but is the outermost
-    mesh dim. The pp knobs mirror ``ParallelismConfig``'s (PP_CONTRACT.md): ``pp_schedule``;
+    mesh dim. The pp knobs mirror ``ParallelismConfig``'s (:meth:`from_config` / :meth:`to_config` convert;
+    the sizes' names and rules are the config's): ``pp_schedule``;
     ``pp_microbatches`` (0: the training accumulation steps, the config's None); ``pp_stages_per_rank``
     (0: 1 for gpipe / 1f1b, 2 otherwise, the config's None)."""
 
@@ -415,6 +416,30 @@ class MeshShape:
                 raise ConfigError(f"{key}={value!r} must be a positive integer (0 or omitted: the default)")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"pp_schedule={self.pp_schedule!r} is not one of {list(PP_SCHEDULES)}")
+
+    @classmethod
+    def from_config(cls, cfg: ParallelismConfig) -> MeshShape:
+        """The shape of a resolved :class:`ParallelismConfig` (``dp_shard_size`` -> ``dp_shard``, ...)."""
+        return cls(
+            cfg.dp_replicate_size, cfg.dp_shard_size, cfg.cp_size, cfg.tp_size, cfg.pp_size, cfg.pp_schedule,
+            cfg.pp_microbatches or 0, cfg.pp_stages_per_rank or 0,
+        )  # fmt: skip
+
+    def to_config(self, train: TrainingSpec | None = None) -> ParallelismConfig:
+        """The :class:`ParallelismConfig` of this shape, with the training's precision and cp knobs: what
+        ``ndparallel train`` would be given. Raises the config's own :class:`ConfigError` for a shape it refuses."""
+        knobs = {}
+        if train is not None:
+            knobs = {
+                "mixed_precision": "no" if train.precision == "fp32" else train.precision,
+                "activation_checkpointing": train.activation_checkpointing,
+                "cp_rotate_method": train.cp_rotate_method, "cp_load_balance": train.cp_load_balance,
+            }  # fmt: skip
+        sizes = {f"{dim}_size": value for dim, value in self.as_dict().items()}
+        return ParallelismConfig(
+            **sizes, pp_size=self.pp, pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches or None,
+            pp_stages_per_rank=self.pp_stages_per_rank or None, **knobs,
+        )  # fmt: skip
 
     @property
     def world_size(self) -> int:

@@ -1,9 +1,9 @@
 """Hugging Face ``transformers`` models on ndparallel meshes (optional extra: ``pip install 'ndparallel[hf]'``).
 
-Everything Hugging Face lives in this folder, as one model family (docs/huggingface.md)::
+The public names of the Hugging Face family, whose code lives in ``ndparallel/models/hf/`` (docs/huggingface.md)::
 
-    family.py      what ndparallel.parallelize asks of an HF model (ndparallel.family.ModelFamily)
-    plan.py        the TP + SP table and FSDP units, derived from the model's own names
+    family.py      what ndparallel.parallelize asks of an HF model (a ndparallel.parallel.family.ModelFamily)
+    tp_plan.py     the TP + SP table and FSDP units, derived from the model's own names
     styles.py      GatherSequence, TiedColwiseParallel: the TP styles the table needs beyond torch's
     attention.py   the attention seam under tp/cp (registry functions) and its pre-flight refusals
     inputs.py      forward inputs under tp/cp: collective refusals, global position_ids
@@ -20,11 +20,11 @@ Everything Hugging Face lives in this folder, as one model family (docs/huggingf
     save_pretrained(model, "path/to/out")                 # full tensors gathered on rank 0
 """
 
-from ndparallel.hf.attention import apply_hf_attention
-from ndparallel.hf.init import seeded_init
-from ndparallel.hf.plan import SUPPORTED_MODEL_TYPES, hf_fsdp_groups, hf_tp_plan, is_hf_model
-from ndparallel.hf.pretrained import load_pretrained, load_pretrained_pipeline, local_region, save_pretrained
-from ndparallel.hf.styles import GatherSequence, TiedColwiseParallel
+from ndparallel.models.hf.attention import apply_hf_attention
+from ndparallel.models.hf.init import seeded_init
+from ndparallel.models.hf.pretrained import load_pretrained, load_pretrained_pipeline, local_region, save_pretrained
+from ndparallel.models.hf.styles import GatherSequence, TiedColwiseParallel
+from ndparallel.models.hf.tp_plan import SUPPORTED_MODEL_TYPES, hf_fsdp_groups, hf_tp_plan, is_hf_model
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

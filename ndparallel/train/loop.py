@@ -22,18 +22,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ndparallel import checkpoint
-from ndparallel.comm.agree import agree, failed_ranks
+from ndparallel.config.precision import parallelize_config
+from ndparallel.distributed.agree import agree, failed_ranks
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.distributed.peak import device_peak
+from ndparallel.distributed.process import init_distributed
+from ndparallel.distributed.reduce import average_over
 from ndparallel.errors import ConfigError
-from ndparallel.mesh import Mesh, init_distributed
-from ndparallel.metrics import average_over
 from ndparallel.models import Transformer
-from ndparallel.parallelize import parallelize
-from ndparallel.peak import device_peak
-from ndparallel.pipeline import Pipeline, build_pipeline
-from ndparallel.precision import parallelize_config
-from ndparallel.train.checkpointing import hold_checkpoint_dir
-from ndparallel.train.config import TrainConfig, job_device
+from ndparallel.parallel.parallelize import parallelize
+from ndparallel.parallel.pipeline import Pipeline, build_pipeline
+from ndparallel.train.checkpoint_folder import hold_checkpoint_dir
 from ndparallel.train.data import BatchLoader, ByteCorpus
+from ndparallel.train.job_config import TrainConfig, job_device
 from ndparallel.train.progress import Progress, format_duration, format_rate
 from ndparallel.train.step import TrainStep
 from ndparallel.train.watchdog import Watchdog, process_group_timeout
@@ -66,7 +67,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_model(cfg: TrainConfig, mesh: Mesh, microbatches: int = 1) -> nn.Module | Pipeline:
     """The reference Transformer on this rank's device, parallelised over ``mesh`` (mixed precision as
-    :func:`ndparallel.precision.parallelize_config` says: FSDP's policy, or the step's autocast). With
+    :func:`ndparallel.config.precision.parallelize_config` says: FSDP's policy, or the step's autocast). With
     ``pp_size > 1``: this rank's pipeline stages, built from the model on the meta device, running
     ``microbatches`` micro-batches per step."""
     if mesh.config.pp_size > 1:

@@ -1,7 +1,7 @@
 """Stop a diverging job: a NaN/inf loss or gradient norm, agreed by every rank, never reaches the weights.
 
 Each step every rank checks its own loss and the global gradient norm; one ``all_reduce`` of a
-per-rank flag (:func:`ndparallel.comm.agree.failed_ranks`) makes every rank take the same decision.
+per-rank flag (:func:`ndparallel.distributed.agree.failed_ranks`) makes every rank take the same decision.
 A bad step applies no optimizer update (so the weights stay those of the last good step, and
 nothing non-finite can be saved); after
 ``train.max_nonfinite_steps`` bad steps in a row (default 1: the first) every rank raises
@@ -15,7 +15,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from ndparallel.comm.agree import distributed, failed_ranks, world_size
+from ndparallel.distributed.agree import distributed, failed_ranks, world_size
 from ndparallel.errors import DivergenceError
 
 __all__ = ["NonFiniteGuard"]

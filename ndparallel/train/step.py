@@ -3,11 +3,11 @@
 :class:`TrainStep` runs one optimizer step on this rank's slice of the global batch: split it into
 micro-batches; for each, shard the sequence over ``cp``, forward (under autocast where FSDP does not
 cast), cross-entropy in fp32 or wider, divided by the micro-batch count, backward with the gradient
-communication :func:`ndparallel.grad_sync.micro_batch_sync` decides; then clip the global gradient norm,
+communication :func:`ndparallel.parallel.grad_sync.micro_batch_sync` decides; then clip the global gradient norm,
 let every rank agree the loss and norm are finite (:class:`~ndparallel.train.nonfinite.NonFiniteGuard`),
 and step the optimizer only if they are.
 
-Mixed precision follows :mod:`ndparallel.precision` (re-exported here): with FSDP its policy casts; without
+Mixed precision follows :mod:`ndparallel.config.precision` (re-exported here): with FSDP its policy casts; without
 FSDP the forward runs under ``torch.autocast(bf16)``. The loss is computed in fp32, or float64 for a float64
 model, either way.
 """
@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ndparallel.clip import clip_grad_norm_
+from ndparallel.config.precision import forward_autocast_dtype
+from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
-from ndparallel.grad_sync import micro_batch_sync
-from ndparallel.mesh import Mesh
-from ndparallel.metrics import cross_entropy_loss
-from ndparallel.pipeline import Pipeline
-from ndparallel.plans.context_parallel import context_parallel
-from ndparallel.precision import forward_autocast_dtype
+from ndparallel.parallel.clip import clip_grad_norm_
+from ndparallel.parallel.context_parallel import context_parallel
+from ndparallel.parallel.grad_sync import micro_batch_sync
+from ndparallel.parallel.loss import cross_entropy_loss
+from ndparallel.parallel.pipeline import Pipeline
 from ndparallel.train.nonfinite import NonFiniteGuard
 
 __all__ = ["StepResult", "TrainStep"]
@@ -48,16 +48,16 @@ class StepResult:
 class TrainStep:
     """Forward, loss, backward over micro-batches, clipping, the non-finite guard and the optimizer step.
 
-    ``model`` is parallelised over ``mesh`` (with :func:`ndparallel.precision.parallelize_config`).
+    ``model`` is parallelised over ``mesh`` (with :func:`ndparallel.config.precision.parallelize_config`).
     ``max_grad_norm`` 0 disables clipping (the norm is still measured). ``defer_grad_sync``: see
-    :func:`ndparallel.grad_sync.micro_batch_sync`.
+    :func:`ndparallel.parallel.grad_sync.micro_batch_sync`.
     ``check_finite=False`` drops the non-finite agreement, only for runs whose numbers mean nothing (the
     bench's compute-only twin). ``phase(text)`` is told what runs next, e.g. ``"step 3: forward/backward"``
     (the watchdog's heartbeat). ``around()`` is entered around each micro-batch's forward/backward and around
     the clipping and optimizer step: the bench counts collectives with it (torch's ``CommDebugMode`` cannot
     span two forward/backward passes: its module tracker fails with an IndexError, torch 2.13).
 
-    Pipeline parallel (``model`` a :class:`~ndparallel.pipeline.Pipeline`, ``optimizer`` one per stage module):
+    Pipeline parallel (``model`` a :class:`~ndparallel.parallel.pipeline.Pipeline`, ``optimizer`` one per stage module):
     the pipeline's micro-batches are the accumulation (fixed when it was built), clipping spans every stage.
     """
 

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
+from ndparallel.distributed.process import job_store
 from ndparallel.errors import EXIT_HUNG, JobError
-from ndparallel.mesh import job_store
 
 __all__ = ["Beat", "Watchdog", "heartbeat_interval", "judge", "process_group_timeout"]
 

@@ -1,1 +1,0 @@
-"""Collective helpers: gradient buckets, ring exchange, communication accounting."""

@@ -1,0 +1,200 @@
+"""The one job pre-flight: what a job's sizes, batch and model shape must satisfy before any rank starts.
+
+``ndparallel train``, ``ndparallel bench`` and ``ndparallel plan`` all ask :func:`job_problems` with a
+resolved :class:`~ndparallel.config.parallelism.ParallelismConfig`, a :class:`JobShape` and a
+:class:`ModelShape`, so one shape is refused with one message wherever it is typed in (the bench puts its
+case name in front). Field names are the training YAML's (``train.global_batch``, ``data.seq_len``);
+model fields are named as the model's config names them. ``parallelize`` applies the tp rule again on the
+real model (:func:`check_tp_fields`), and the sequence rule lives in :mod:`ndparallel.config.sequence`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.pipeline import check_defer_grad_sync, check_microbatches, check_pp_split, stages_per_rank
+from ndparallel.config.precision import forward_autocast_dtype
+from ndparallel.config.sequence import sequence_problem
+from ndparallel.errors import ConfigError
+
+__all__ = [
+    "JobShape",
+    "ModelShape",
+    "alltoall_heads_problem",
+    "check_alltoall_heads",
+    "check_job",
+    "check_seq_fits",
+    "check_tp_fields",
+    "job_problems",
+    "split_batch",
+    "tp_fields_problem",
+]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the pre-flight needs of a model, in its config's own field names."""
+
+    n_blocks: int
+    tp_fields: Mapping[str, int] = field(default_factory=dict)  # fields tp must divide: heads, FFN width, vocab
+    heads: tuple[str, int] | None = None  # the query heads' field and count (Ulysses splits them over cp)
+    max_seq_len: int | None = None
+    blocks_field: str = "model.n_layers"  # how a refusal names the block count
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """The batch and sequence of one optimizer step, as ``ndparallel train``'s ``train:`` / ``data:`` give them."""
+
+    global_batch: int
+    seq_len: int
+    micro_batch: int | None = None  # sequences per rank per forward; None: the whole per-rank batch
+    defer_grad_sync: bool | None = None
+
+
+def tp_fields_problem(sizes: Mapping[str, int], tp_size: int) -> str | None:
+    """Why ``tp_size`` cannot split the model fields ``sizes`` (head counts, FFN width, vocabulary), or None."""
+    for name, value in sizes.items():
+        if tp_size > 1 and value % tp_size:
+            return f"tp_size={tp_size} does not divide {name}={value}; choose a tp_size that divides it"
+    return None
+
+
+def check_tp_fields(sizes: Mapping[str, int], tp_size: int) -> None:
+    """:func:`tp_fields_problem` as a :class:`ConfigError`."""
+    problem = tp_fields_problem(sizes, tp_size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def alltoall_heads_problem(heads: int, tp: int, cp: int, what: str = "n_heads") -> str | None:
+    """Why Ulysses cannot split ``heads / tp`` query heads per tp rank over ``cp`` ranks, or None."""
+    if cp <= 1 or (heads // tp) % cp == 0:
+        return None
+    per_rank = f"{what}={heads} / tp_size={tp} = {heads // tp}" if tp > 1 else f"{what}={heads}"
+    return (
+        f"cp_rotate_method='alltoall' (Ulysses) splits the attention heads over cp, but {per_rank} query heads "
+        f"per tp rank do not divide by cp_size={cp}: choose a cp_size that divides {heads // tp}, or "
+        "cp_rotate_method='ring' or 'allgather' (no rule on heads; Accelerate's cp_comm_strategy: alltoall also "
+        "selects Ulysses here)"
+    )
+
+
+def check_alltoall_heads(heads: int, tp: int, cp: int, what: str = "n_heads") -> None:
+    """:func:`alltoall_heads_problem` as a :class:`ConfigError`."""
+    problem = alltoall_heads_problem(heads, tp, cp, what)
+    if problem:
+        raise ConfigError(problem)
+
+
+def split_batch(global_batch: int, micro_batch: int | None, dp_size: int, prefix: str = "train.") -> int:
+    """Micro-batches per optimizer step on each data-parallel rank: the one batch rule.
+
+    ``global_batch`` sequences split over ``dp_size`` ranks, then into micro-batches of ``micro_batch``
+    (None: the whole per-rank batch). A split that does not divide raises ConfigError naming
+    ``{prefix}global_batch`` / ``{prefix}micro_batch``.
+    """
+    if global_batch % dp_size:
+        raise ConfigError(
+            f"{prefix}global_batch={global_batch} is not divisible by the data-parallel size {dp_size} "
+            f"(dp_replicate x dp_shard); use a multiple of {dp_size}"
+        )
+    per_rank = global_batch // dp_size
+    micro = micro_batch or per_rank
+    if per_rank % micro:
+        raise ConfigError(
+            f"{prefix}micro_batch={micro} does not divide the per-rank batch {per_rank} "
+            f"(global_batch {global_batch} / dp {dp_size}); pick a divisor of {per_rank}"
+        )
+    return per_rank // micro
+
+
+def _pipeline_microbatches(p: ParallelismConfig, job: JobShape, model: ModelShape, accumulation: int) -> int:
+    """Under pp the accumulation IS the pipeline's micro-batching: ``pp_microbatches`` if set (it must agree
+    with ``train.micro_batch`` when both are set), else the accumulation steps; checked against the
+    schedule and the model's blocks."""
+    per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    n_stages = p.pp_size * per_rank
+    if n_stages > model.n_blocks:
+        raise ConfigError(
+            f"pp_size={p.pp_size} x pp_stages_per_rank={per_rank} = {n_stages} pipeline stages but "
+            f"{model.blocks_field}={model.n_blocks}: every stage needs a block; use fewer stages or more layers"
+        )
+    check_pp_split(p.pp_split, n_stages=n_stages, n_blocks=model.n_blocks)
+    check_defer_grad_sync(job.defer_grad_sync, p)
+    field_name = "pp_microbatches"
+    if p.pp_microbatches is None:
+        field_name = "the pipeline's micro-batches (pp_microbatches unset: train.global_batch / dp / train.micro_batch)"
+    elif job.micro_batch is not None and p.pp_microbatches != accumulation:
+        raise ConfigError(
+            f"pp_microbatches={p.pp_microbatches} and train.micro_batch={job.micro_batch} ({accumulation} "
+            "micro-batches per rank) disagree: under pp the accumulation is the pipeline's micro-batching; set one"
+        )
+    else:
+        per_rank_batch = job.global_batch // (p.dp_replicate_size * p.dp_shard_size)
+        if per_rank_batch % p.pp_microbatches:
+            raise ConfigError(
+                f"pp_microbatches={p.pp_microbatches} does not divide the per-rank batch {per_rank_batch} "
+                "(train.global_batch / dp): torch's pipeline needs equal micro-batches"
+            )
+        accumulation = p.pp_microbatches
+    try:
+        check_microbatches(p.pp_schedule, accumulation, p.pp_size, per_rank, field_name)
+    except ConfigError as err:
+        if p.pp_microbatches is not None:
+            raise
+        raise ConfigError(f"{err} (set pp_microbatches, or a smaller train.micro_batch)") from None
+    return accumulation
+
+
+def check_seq_fits(seq_len: int, max_seq_len: int | None) -> None:
+    """Refuse a sequence longer than the model's position table."""
+    if max_seq_len is not None and seq_len > max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={seq_len} exceeds model.max_seq_len={max_seq_len}; "
+            "raise model.max_seq_len or shorten data.seq_len"
+        )
+
+
+def _rules(p: ParallelismConfig, job: JobShape, model: ModelShape) -> list[Callable[[], object]]:
+    """The rules, each a call that raises :class:`ConfigError`; the last returns the micro-batches per rank."""
+
+    def raise_problem(problem: str | None) -> None:
+        if problem:
+            raise ConfigError(problem)
+
+    def batch() -> int:
+        accumulation = split_batch(job.global_batch, job.micro_batch, p.dp_replicate_size * p.dp_shard_size)
+        return _pipeline_microbatches(p, job, model, accumulation) if p.pp_size > 1 else accumulation
+
+    heads = model.heads if p.cp_rotate_method == "alltoall" else None
+    return [
+        lambda: check_seq_fits(job.seq_len, model.max_seq_len),
+        lambda: raise_problem(sequence_problem(job.seq_len, p.cp_size, p.tp_size, p.cp_load_balance, "data.seq_len")),
+        lambda: raise_problem(tp_fields_problem(model.tp_fields, p.tp_size)),
+        lambda: raise_problem(heads and alltoall_heads_problem(heads[1], p.tp_size, p.cp_size, what=heads[0])),
+        lambda: forward_autocast_dtype(p),  # refuses fp16 without FSDP
+        batch,
+    ]
+
+
+def check_job(p: ParallelismConfig, job: JobShape, model: ModelShape) -> int:
+    """Raise the job's first problem as a :class:`ConfigError`; else return the micro-batches each rank runs
+    per optimizer step (under pp: the pipeline's micro-batches). ``p`` must be resolved (no ``-1``)."""
+    *checks, batch = _rules(p, job, model)
+    for check in checks:
+        check()
+    return batch()
+
+
+def job_problems(p: ParallelismConfig, job: JobShape, model: ModelShape) -> list[str]:
+    """Why the job cannot run: every broken rule's message, as :func:`check_job` raises them (empty: it can)."""
+    problems = []
+    for check in _rules(p, job, model):
+        try:
+            check()
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems

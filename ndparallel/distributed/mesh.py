@@ -1,0 +1,197 @@
+"""The named device mesh: dims ``pp, dp_replicate, dp_shard, cp, tp`` (outer -> inner) and flattened views.
+
+Views, each a 1-D mesh over the product of some dims, built inside one pp slice (on the mesh without
+pp: a view never spans pipeline stages, so every planner sees the mesh it saw before pp existed):
+
+=============  ==============================  ==========================================
+view           dims                            used for
+=============  ==============================  ==========================================
+``dp``         dp_replicate x dp_shard         data loading: ranks with equal dp index get equal batches
+``dp_shard_cp``  dp_shard x cp                 FSDP sharding (cp ranks also shard parameters)
+``dp_cp``      dp_replicate x dp_shard x cp    loss and gradient-norm averaging
+=============  ==============================  ==========================================
+
+``mesh["pp"]`` is the 1-D pipeline mesh; ``mesh.without_pp()`` the same Mesh minus the pp dim (what each
+stage is parallelised over). ``rank_groups(cfg)`` computes every group's global ranks without starting processes (what
+``ndparallel mesh CONFIG`` prints); ``ndparallel.distributed.process.init_distributed(cfg)`` builds the real mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ndparallel.config.dims import MESH_DIMS
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.errors import ConfigError
+
+__all__ = ["INNER_DIMS", "VIEWS", "Mesh", "format_rank_table", "flatten", "rank_groups"]
+
+INNER_DIMS: tuple[str, ...] = MESH_DIMS[1:]  # the dims of one pp slice, where every view lives
+
+# Flattened views: name -> the mesh dims it joins, outer to inner.
+VIEWS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+def rank_groups(cfg: ParallelismConfig) -> dict[str, list[list[int]]]:
+    """For each dim and view, the lists of global ranks that form its process groups.
+
+    ``cfg`` must be resolved (no -1). Ranks are laid out row-major over
+    ``(pp, dp_replicate, dp_shard, cp, tp)``, exactly as the DeviceMesh is built.
+    """
+    sizes = cfg.sizes
+    if -1 in sizes.values():
+        raise ConfigError("rank_groups needs a resolved config: call cfg.resolve(world_size) first")
+    grid = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
+    groups = {}
+    for name, dims in [(d, (d,)) for d in MESH_DIMS] + list(VIEWS.items()):
+        axes = [MESH_DIMS.index(d) for d in dims]
+        rest = [a for a in range(grid.ndim) if a not in axes]
+        group_size = math.prod(sizes[d] for d in dims)
+        groups[name] = np.transpose(grid, rest + axes).reshape(-1, group_size).tolist()
+    return groups
+
+
+def format_rank_table(cfg: ParallelismConfig) -> str:
+    """A readable table of every rank's coordinate and every group's ranks."""
+    sizes = cfg.sizes
+    world = cfg.world_size
+    lines = [f"mesh {cfg.describe()}  (world size {world}; dims outer -> inner: {', '.join(MESH_DIMS)})", ""]
+    header = ["rank"] + list(MESH_DIMS)
+    lines.append("  ".join(f"{h:>12}" for h in header))
+    coords = np.stack(np.unravel_index(np.arange(world), tuple(sizes.values())), axis=1)
+    for rank, coord in enumerate(coords):
+        lines.append("  ".join(f"{v:>12}" for v in [rank, *coord.tolist()]))
+    lines.append("")
+    for name, groups in rank_groups(cfg).items():
+        dims = VIEWS.get(name, (name,))
+        label = name if len(dims) == 1 else f"{name} ({' x '.join(dims)})"
+        size = len(groups[0])
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+        lines.append(f"{label:<40} size {size:<4} groups: {shown}")
+    return "\n".join(lines)
+
+
+def flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    # Private torch API, isolated here: DeviceMesh has no public way to merge dims into one
+    # named 1-D mesh whose process group spans them (torch 2.11-2.14 all keep `_flatten`).
+    return mesh._flatten(name)
+
+
+def _slice_with_flattened(root: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    # Deprecated torch behaviour, isolated here: slicing a flattened dim's name (``dp_shard_cp``) out
+    # of the root mesh, next to a real dim, is the only way to get a 2-D mesh whose second dim is a
+    # flattened view without new process groups. torch 2.11-2.13 allow it with a deprecation warning
+    # (silenced for this call only); later versions may raise, and the caller then unflattens.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return root[names]
+
+
+def _unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    # Private torch API, isolated here: DeviceMesh._unflatten splits a 1-D mesh into named dims;
+    # no public call does. It creates new process groups, so every rank must call it together.
+    return mesh._unflatten(0, sizes, names)
+
+
+def _hsdp_mesh(root: DeviceMesh, views: dict[str, DeviceMesh], sizes: dict[str, int]) -> DeviceMesh:
+    """The 2-D ``(dp_replicate, dp_shard_cp)`` mesh HSDP shards over when cp > 1."""
+    names = ("dp_replicate", "dp_shard_cp")
+    try:
+        return _slice_with_flattened(root, names)
+    except (KeyError, RuntimeError, ValueError):
+        return _unflatten(views["dp_cp"], (sizes["dp_replicate"], sizes["dp_shard"] * sizes["cp"]), names)
+
+
+class Mesh:
+    """A named 5-D DeviceMesh plus its flattened views. ``mesh["tp"]``, ``mesh["pp"]``, ``mesh["dp_shard_cp"]``,
+    ``mesh["dp_shard", "tp"]`` return torch DeviceMeshes; ``mesh.size("cp")`` and
+    ``mesh.coordinate`` give sizes and this rank's position. ``without_pp()``: the mesh of this rank's pp
+    slice (4-D, config with ``pp_size=1``), which the planners receive."""
+
+    def __init__(
+        self,
+        device_mesh: DeviceMesh,
+        config: ParallelismConfig,
+        views: dict[str, DeviceMesh],
+        inner: Mesh | None = None,
+    ):
+        self.device_mesh = device_mesh
+        self.config = config
+        self._views = views
+        self._inner = inner
+        self.fsdp = self._build_fsdp_mesh()
+        """The data-parallel mesh FSDP shards over: ``self["dp_shard_cp"]`` (1-D) when only sharding; a 2-D
+        ``(dp_replicate, dp_shard_cp)`` mesh for HSDP; None when ``dp_shard x cp == 1`` (no FSDP: pure
+        replicate, or no data parallelism). Built here, with the views, on every rank at once: HSDP with
+        cp > 1 may need new process groups."""
+
+    def _build_fsdp_mesh(self) -> DeviceMesh | None:
+        if self.size("dp_shard_cp") == 1:
+            return None
+        if self.size("dp_replicate") == 1:
+            return self["dp_shard_cp"]
+        if self.size("cp") == 1:
+            return self["dp_replicate", "dp_shard"]  # public slicing: no flattened dim involved
+        return _hsdp_mesh(self.device_mesh, self._views, self.config.sizes)
+
+    def without_pp(self) -> Mesh:
+        """This rank's pp slice as a Mesh of its own (the same object when ``pp_size`` is 1)."""
+        return self if self._inner is None else self._inner
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: its current CUDA device on a cuda mesh, else the CPU (the one place that says so)."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        if isinstance(names, str):
+            if names in self._views:
+                return self._views[names]
+            names = (names,)
+        names = tuple(names)
+        if "pp" in names and "pp" not in (self.device_mesh.mesh_dim_names or ()):
+            raise KeyError("this mesh has no pp dim: it is one pp slice (Mesh.without_pp()); ask the whole mesh")
+        unknown = [n for n in names if n not in MESH_DIMS]
+        if unknown:
+            raise KeyError(f"unknown mesh dim(s) {unknown}; dims are {list(MESH_DIMS)}, views {list(VIEWS)}")
+        return self.device_mesh[names]
+
+    def size(self, name: str | None = None) -> int:
+        """Size of one dim or view; the world size when ``name`` is None."""
+        if name is None:
+            return self.device_mesh.size()
+        dims = VIEWS.get(name, (name,))
+        return math.prod(self.config.sizes[d] for d in dims)
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index inside its group of dim or view ``name`` (0 along a dim of size 1)."""
+        if self.size(name) == 1:
+            return 0
+        return self[name].get_local_rank()
+
+    @property
+    def coordinate(self) -> dict[str, int]:
+        """This rank's index along every dim and view."""
+        return {name: self.local_rank(name) for name in (*MESH_DIMS, *VIEWS)}
+
+    def rank_table(self) -> str:
+        return format_rank_table(self.config)
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.config.describe()}, device_type={self.device_type!r})"

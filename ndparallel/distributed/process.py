@@ -1,0 +1,134 @@
+"""Process start and stop: the process group from torchrun's env (or one process), the job store, device rules.
+
+``init_distributed(cfg)`` starts (or reuses) the default process group and builds the named
+:class:`~ndparallel.distributed.mesh.Mesh` on it; ``destroy_distributed()`` tears it down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from ndparallel.config.dims import MESH_DIMS
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.mesh import INNER_DIMS, VIEWS, Mesh, flatten
+from ndparallel.errors import ConfigError
+
+__all__ = ["DEVICE_TYPES", "check_device_type", "destroy_distributed", "init_distributed", "job_store"]
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _launcher_store(timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store torchrun's env describes, keyed by restart attempt.
+
+    After ``--max-restarts`` restarts a job, the store still holds the dead attempt's gloo
+    addresses under the same keys, and the new ranks can connect to them ("connectFullMesh
+    failed ... connection refused"; measured on torch 2.13). A prefix per attempt keeps them apart.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ.get("MASTER_PORT", "29500")),
+        world,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(_attempt_prefix(), store)
+
+
+def _attempt_prefix() -> str:
+    return f"ndparallel/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def job_store(timeout_s: float) -> dist.Store | None:
+    """A connection of its own to the job's rendezvous store (None for one process), for a thread
+    that must not queue behind the process group's store calls: the watchdog's heartbeats.
+
+    torchrun's store (``MASTER_ADDR:MASTER_PORT``, keyed by restart attempt as the process group's
+    is), or the file store of ``ndparallel.testing.run_distributed`` (``NDP_STORE_PATH``).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "NDP_STORE_PATH" in os.environ:
+        # num_workers=-1: this handle never counts towards deleting the file.
+        return dist.PrefixStore("ndparallel/watchdog", dist.FileStore(os.environ["NDP_STORE_PATH"], -1))
+    if "MASTER_PORT" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        return dist.PrefixStore(_attempt_prefix() + "/watchdog", store)
+    return None
+
+
+def check_device_type(device_type: str, source: str = "device_type") -> str:
+    """``device_type`` if it is one ndparallel runs on and this machine has; else a ConfigError naming ``source``."""
+    if device_type not in DEVICE_TYPES:
+        raise ConfigError(f"{source}={device_type!r} must be cpu or cuda")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{source}=cuda but CUDA is not available here (torch {torch.__version__}, "
+            f"{'no GPU visible' if torch.version.cuda else 'a CPU-only build'}); use cpu"
+        )
+    return device_type
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(
+    cfg: ParallelismConfig | None = None,
+    device_type: str | None = None,
+    timeout_s: float = 600.0,
+) -> Mesh:
+    """Initialise the process group (torchrun's env, or one process when there is none) and build the mesh.
+
+    Backend: nccl for CUDA (plus gloo for CPU tensors), gloo for CPU. An already initialised
+    process group (e.g. inside ``ndparallel.testing.run_distributed``) is reused. ``timeout_s``:
+    how long a collective (and the rendezvous store) waits for a peer before failing.
+    """
+    cfg = cfg or ParallelismConfig()
+    device_type = check_device_type(device_type or _default_device_type())
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if device_type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(
+                backend=backend, timeout=timeout, store=_launcher_store(timeout), rank=rank, world_size=world
+            )
+        else:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    resolved = cfg.resolve(dist.get_world_size())
+    device_mesh = init_device_mesh(device_type, tuple(resolved.sizes.values()), mesh_dim_names=MESH_DIMS)
+    inner_mesh = device_mesh[INNER_DIMS]  # this rank's pp slice: every view is built on it
+    views = {name: flatten(inner_mesh[dims], name) for name, dims in VIEWS.items()}
+    inner = None
+    if resolved.pp_size > 1:
+        inner = Mesh(inner_mesh, dataclasses.replace(resolved, pp_size=1), views)
+    return Mesh(device_mesh, resolved, views, inner)
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group (safe to call twice).
+
+    A barrier first: a rank that destroys its gloo group while a peer is still finishing the last
+    collective can make that peer abort at exit ("terminate called without an active exception").
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

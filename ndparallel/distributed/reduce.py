@@ -1,0 +1,48 @@
+"""Reduce per-rank metrics into the numbers a single process would print.
+
+Each data-parallel (and context-parallel) rank sees a slice of the global batch, so its loss
+is a local mean. ``average_over(mesh["dp_cp"], loss)`` turns it into the global mean on
+every rank (equal-sized slices, as ndparallel's data loading gives); tensor-parallel ranks
+already agree and need no reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ndparallel.parallel.loss import cross_entropy_loss  # re-exported: its home is ndparallel/parallel/loss.py
+
+__all__ = ["average_over", "cross_entropy_loss"]
+
+
+def _group(mesh_or_group: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise ValueError(f"average_over needs a 1-D mesh (e.g. mesh['dp_cp']), got {mesh_or_group.ndim}-D")
+        return mesh_or_group.get_group()
+    return mesh_or_group
+
+
+def average_over(mesh_or_group: DeviceMesh | dist.ProcessGroup | None, value: float | torch.Tensor) -> float:
+    """Mean of ``value`` over the ranks of a 1-D mesh or process group (``None``: the world); a Python float.
+
+    Without an initialised process group (a single process) the value is returned as is.
+    """
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor):  # averaged in fp32 or wider: a float64 loss keeps its digits
+        tensor = value.detach().reshape(()).to(torch.promote_types(value.dtype, torch.float32)).clone()
+    else:
+        tensor = torch.tensor(float(value), dtype=torch.float64)
+    if not dist.is_initialized():
+        return tensor.item()
+    group = _group(mesh_or_group)
+    if dist.get_world_size(group) == 1:
+        return tensor.item()
+    if dist.get_backend(group) == "nccl" and tensor.device.type != "cuda":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, group=group)
+    return tensor.item() / dist.get_world_size(group)

@@ -1,0 +1,418 @@
+"""Ring attention: exact causal attention over a sequence split across the ranks of a process group.
+
+Each rank keeps its block of queries. Key/value blocks travel around the ring by point-to-point
+send/recv (``rotate="ring"``; the next transfer runs while the current block computes) or are
+all-gathered once (``rotate="allgather"``); ``rotate="alltoall"`` hands the call to
+``ndparallel.distributed.ulysses`` (heads, not K/V blocks, are exchanged). Every block yields a partial output and its
+log-sum-exp (LSE); partial outputs merge exactly::
+
+    lse = logaddexp(lse_a, lse_b)
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+The backward pass recirculates the K/V blocks, computes dQ locally from the final output and LSE
+(flash-attention style), and sends the dK/dV partial sums around the ring back to their owners
+(or reduce-scatters them, for ``allgather``).
+
+With ``load_balanced=True`` (head-tail / zig-zag), the sequence is cut into ``2 * cp`` chunks and
+rank ``r`` holds chunks ``r`` and ``2*cp-1-r`` concatenated; then every (query block, kv block)
+pair is fully visible, fully masked or diagonal-causal, and every rank does the same work.
+
+Kernels: SDPA ops that return the LSE (CPU flash, CUDA flash, CUDA memory-efficient), each behind
+one small function because their aten signatures differ across torch versions, plus a pure-torch
+"math" kernel used for float64 (gradcheck) and wherever no kernel fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ndparallel.distributed.ulysses import check_local_sequence, ulysses_attention
+from ndparallel.errors import ConfigError
+
+__all__ = ["ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
+
+ROTATE_METHODS = ("ring", "allgather", "alltoall")  # alltoall: comm/ulysses.py
+_TAG_KV, _TAG_DKV = 11, 12  # distinct P2P tags: K/V and dK/dV transfers between one pair never mix up
+# torch 2.13 renamed the flat collectives (the old names warn); torch 2.11/2.12 only have the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# --------------------------------------------------------------------------------------------- comm
+
+
+class _Pending:
+    """An in-flight ring transfer: ``wait()`` returns the received tensor."""
+
+    def __init__(self, works: list, send: torch.Tensor, recv: torch.Tensor):
+        self._works, self._send, self.recv = works, send, recv
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._send = None  # the send buffer may be freed now
+        return self.recv
+
+
+class RingExchange:
+    """Point-to-point ring over a process group: send to rank+1, receive from rank-1 (group ranks)."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        # P2POp takes global ranks in every torch version we support (group_peer is newer).
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+    def shift(self, tensor: torch.Tensor, tag: int) -> _Pending:
+        """Start sending ``tensor`` to the next rank and receiving the previous rank's; non-blocking.
+
+        ``batch_isend_irecv`` groups the pair (NCCL needs that to avoid a send/send deadlock at cp=2).
+        """
+        tensor = tensor.contiguous()
+        recv = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return _Pending(dist.batch_isend_irecv(ops), tensor, recv)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[size, *tensor.shape]``: every rank's tensor, in group-rank order."""
+        flat = tensor.contiguous().view(-1)
+        out = flat.new_empty(self.size * flat.numel())
+        _ALL_GATHER(out, flat, group=self.group)
+        return out.view(self.size, *tensor.shape)
+
+    def reduce_scatter(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Sum ``[size, *shape]`` over ranks and return this rank's ``[*shape]`` slice."""
+        out = stacked.new_empty(stacked.shape[1:])
+        _REDUCE_SCATTER(out.view(-1), stacked.contiguous().view(-1), op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ kernels
+# Every kernel works on [batch, heads, seq, head_dim] (heads already repeated for GQA) and returns
+# (out, lse[batch, heads, seq_q], aux); its backward takes the *global* out and lse of the query rows.
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc))
+    return out.to(q.dtype), lse, None
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.exp(scores - lse.to(acc)[..., None])
+    dv = torch.matmul(probs.transpose(-2, -1), dout)
+    dprobs = torch.matmul(dout, v.transpose(-2, -1))
+    delta = (dout * out).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-2, -1), q), dv
+
+
+# aten op, torch 2.11-2.14: (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out, lse[B,H,S] fp32).
+def _cpu_flash_forward(q, k, v, causal: bool, scale: float):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, None
+
+
+# aten op: (grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv).
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+# aten op (CUDA): (q, k, v, dropout_p, is_causal, return_debug_mask, *, scale) ->
+# (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask). Untested here (no GPU).
+def _cuda_flash_forward(q, k, v, causal: bool, scale: float):
+    out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, rng_state, unused)
+
+
+# aten op (CUDA): (grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+# philox_seed, philox_offset, *, scale) -> (dq, dk, dv). The aux tensors are the forward's (unused at p=0).
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+    cum_q, cum_k, rng_state, unused = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k.contiguous(), v.contiguous(), out, lse.contiguous(), cum_q, cum_k,
+        q.shape[-2], k.shape[-2], 0.0, causal, rng_state, unused, scale=scale,
+    )  # fmt: skip
+
+
+# aten op (CUDA): (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale) ->
+# (out, lse, philox_seed, philox_offset); lse may be padded along seq to a multiple of 32. Untested here.
+def _cuda_efficient_forward(q, k, v, causal: bool, scale: float):
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k.contiguous(), v.contiguous(), None, True, 0.0, causal, scale=scale
+    )
+    no_padding = lse.shape[-1] == q.shape[-2] and q.shape[-2] % 32 != 0  # this torch does not pad
+    return out, lse[..., : q.shape[-2]], (seed, offset, no_padding)
+
+
+# aten op (CUDA): (grad_out, q, k, v, attn_bias, out, lse, philox_seed, philox_offset, dropout_p,
+# grad_input_mask[4], is_causal, *, scale) -> (dq, dk, dv, dbias). lse padded back as the forward pads it.
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+    seed, offset, no_padding = aux
+    if not no_padding:
+        lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
+    lse = lse.contiguous()
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k.contiguous(), v.contiguous(), None, out, lse, seed, offset, 0.0, [True, True, True, False],
+        causal, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+MATH = Kernel("math", _math_forward, _math_backward)
+CPU_FLASH = Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
+CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
+CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
+KERNELS = {k.name: k for k in (MATH, CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT)}
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | None = None) -> Kernel:
+    """The kernel for this device/dtype (``name`` forces one: ``math``, ``cpu_flash``, ...)."""
+    if name is not None:
+        if name not in KERNELS:
+            raise ConfigError(f"attention kernel {name!r} is not one of {sorted(KERNELS)}")
+        return KERNELS[name]
+    low_or_single = dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if device.type == "cpu" and low_or_single and _has_op("_scaled_dot_product_flash_attention_for_cpu"):
+        return CPU_FLASH
+    if device.type == "cuda" and low_or_single:
+        fits = head_dim % 8 == 0 and head_dim <= 256
+        if dtype != torch.float32 and fits and torch.backends.cuda.flash_sdp_enabled():
+            return CUDA_FLASH
+        if fits and torch.backends.cuda.mem_efficient_sdp_enabled():
+            return CUDA_EFFICIENT
+    return MATH  # float64 (gradcheck), other devices, unusual head sizes
+
+
+# ---------------------------------------------------------------------------------- visible blocks
+
+
+def visible_blocks(rank: int, src: int, causal: bool, load_balanced: bool, seq: int) -> list[tuple[slice, slice, bool]]:
+    """Which (query rows, kv rows, causal) of rank ``rank``'s queries see rank ``src``'s K/V block.
+
+    ``seq`` is the local length. Head-tail layout: local = [chunk r | chunk 2cp-1-r], so the own block
+    is plain causal, an earlier rank's first chunk is fully visible to all local queries (its second
+    chunk to none), and a later rank's whole block is visible to the local second chunk only.
+    """
+    whole = slice(0, seq)
+    if not causal:
+        return [(whole, whole, False)]
+    if src == rank:
+        return [(whole, whole, True)]
+    if not load_balanced:
+        return [(whole, whole, False)] if src < rank else []
+    half = seq // 2
+    if src < rank:
+        return [(whole, slice(0, half), False)]
+    return [(slice(half, seq), whole, False)]
+
+
+block_plan = visible_blocks  # the earlier name ("plan" now means a TP table or a planner only)
+
+
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Merge one block's (out, lse) into running accumulators ``out``/``lse`` in place (exact softmax merge)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse)[..., None])
+    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
+    lse.copy_(new_lse)
+
+
+# ---------------------------------------------------------------------------------------- the loops
+
+
+@dataclass
+class _Setup:
+    kernel: Kernel
+    causal: bool
+    load_balanced: bool
+    scale: float
+    repeats: int  # query heads per kv head (GQA)
+    acc: torch.dtype  # accumulation dtype: fp32, or fp64 for fp64 inputs
+
+
+def _expand(kv_part: torch.Tensor, repeats: int) -> torch.Tensor:
+    return kv_part.repeat_interleave(repeats, dim=1) if repeats > 1 else kv_part
+
+
+def _fold(grad: torch.Tensor, repeats: int) -> torch.Tensor:
+    """Sum the gradient of repeated heads back onto their kv head."""
+    return grad.unflatten(1, (-1, repeats)).sum(2) if repeats > 1 else grad
+
+
+def _forward_block(s: _Setup, q, kv, rank, src, out, lse, aux: list) -> None:
+    for rows, cols, causal in visible_blocks(rank, src, s.causal, s.load_balanced, q.shape[2]):
+        k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
+        block_out, block_lse, block_aux = s.kernel.forward(q[:, :, rows], k, v, causal, s.scale)
+        merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse.to(s.acc))
+        aux.append(block_aux)
+
+
+def _backward_block(s: _Setup, dout, q, kv, out, lse, rank, src, dq, dkv, aux) -> None:
+    for rows, cols, causal in visible_blocks(rank, src, s.causal, s.load_balanced, q.shape[2]):
+        k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
+        dq_b, dk_b, dv_b = s.kernel.backward(
+            dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], causal, s.scale, aux
+        )
+        dq[:, :, rows] += dq_b
+        dkv[0][:, :, cols] += _fold(dk_b.to(s.acc), s.repeats)
+        dkv[1][:, :, cols] += _fold(dv_b.to(s.acc), s.repeats)
+
+
+def _new_accumulators(q: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, n, d = q.shape
+    # Output stored [batch, seq, heads, dim] so the result needs no copy to go back to that layout.
+    out = torch.zeros(b, n, h, d, dtype=acc, device=q.device).transpose(1, 2)
+    lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def _ring_forward(s: _Setup, q, kv, ring: RingExchange):
+    out, lse = _new_accumulators(q, s.acc)
+    aux: list = []
+    for step in range(ring.size):
+        pending = ring.shift(kv, _TAG_KV) if step < ring.size - 1 else None  # overlaps the compute below
+        _forward_block(s, q, kv, ring.rank, (ring.rank - step) % ring.size, out, lse, aux)
+        if pending is not None:
+            kv = pending.wait()
+    return out, lse, aux[0]
+
+
+def _ring_backward(s: _Setup, dout, q, kv, out, lse, ring: RingExchange, aux):
+    dq = torch.zeros(q.shape, dtype=s.acc, device=q.device)
+    incoming = None  # partial dK/dV of the block we hold, from the ranks that held it before us
+    for step in range(ring.size):
+        next_kv = ring.shift(kv, _TAG_KV) if step < ring.size - 1 else None
+        dkv = torch.zeros(kv.shape, dtype=s.acc, device=kv.device)
+        _backward_block(s, dout, q, kv, out, lse, ring.rank, (ring.rank - step) % ring.size, dq, dkv, aux)
+        if incoming is not None:
+            dkv += incoming.wait()
+        if ring.size == 1:
+            return dq, dkv
+        incoming = ring.shift(dkv, _TAG_DKV)  # after the last step this carries our own block's total
+        if next_kv is not None:
+            kv = next_kv.wait()
+    return dq, incoming.wait()
+
+
+def _allgather_forward(s: _Setup, q, kv, ring: RingExchange):
+    out, lse = _new_accumulators(q, s.acc)
+    aux: list = []
+    gathered = ring.all_gather(kv)
+    for src in range(ring.size):
+        _forward_block(s, q, gathered[src], ring.rank, src, out, lse, aux)
+    return out, lse, aux[0]
+
+
+def _allgather_backward(s: _Setup, dout, q, kv, out, lse, ring: RingExchange, aux):
+    gathered = ring.all_gather(kv)  # gathered again rather than kept: activation memory stays 1/cp
+    dq = torch.zeros(q.shape, dtype=s.acc, device=q.device)
+    dkv = torch.zeros(gathered.shape, dtype=s.acc, device=q.device)
+    for src in range(ring.size):
+        _backward_block(s, dout, q, gathered[src], out, lse, ring.rank, src, dq, dkv[src], aux)
+    return dq, ring.reduce_scatter(dkv)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, rotate, load_balanced, scale, kernel):
+        ring = RingExchange(group)
+        setup = _Setup(kernel, causal, load_balanced, scale, q.shape[2] // k.shape[2],
+                       torch.promote_types(q.dtype, torch.float32))  # fmt: skip
+        qh = q.transpose(1, 2)
+        kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))  # [2, B, Hkv, S, D]: only kv heads travel
+        run = _ring_forward if rotate == "ring" else _allgather_forward
+        out, lse, aux = run(setup, qh, kv, ring)
+        out = out.to(q.dtype)
+        ctx.setup, ctx.ring, ctx.rotate, ctx.aux = setup, ring, rotate, aux
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
+        run = _ring_backward if ctx.rotate == "ring" else _allgather_backward
+        grad_out = grad_out.contiguous().transpose(1, 2)  # autograd may hand an expanded (stride-0) gradient
+        dq, dkv = run(ctx.setup, grad_out, q.transpose(1, 2), kv, out, lse, ctx.ring, ctx.aux)
+        dq = dq.transpose(1, 2).to(q.dtype)
+        dk, dv = (g.transpose(1, 2).to(k.dtype) for g in dkv)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    causal: bool = True,
+    rotate: str = "ring",
+    load_balanced: bool = True,
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """Exact attention of this rank's queries against the whole sequence held across ``group``.
+
+    ``q`` is ``[batch, seq_local, heads, head_dim]``; ``k``/``v`` the same with ``heads`` or fewer
+    (grouped-query) heads. The local rows must be this rank's shard in the layout given by
+    ``load_balanced`` (head-tail chunks ``r`` and ``2*cp-1-r``, else contiguous block ``r``);
+    ``ndparallel.parallel.context_parallel.shard_sequence`` produces it. Returns the local output rows.
+    ``kernel`` forces one attention kernel (``math``, ``cpu_flash``, ``cuda_flash``, ``cuda_efficient``).
+    ``rotate="alltoall"`` runs :func:`ndparallel.distributed.ulysses.ulysses_attention` (query heads must divide by cp).
+    """
+    if rotate not in ROTATE_METHODS:
+        raise ConfigError(f"cp_rotate_method={rotate!r} is not one of {list(ROTATE_METHODS)}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ConfigError(
+            f"ring_attention expects q [batch, seq, heads, head_dim] and k, v of equal shape with the same "
+            f"batch, seq and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ConfigError(f"kv heads={k.shape[2]} must divide query heads={q.shape[2]} (grouped-query attention)")
+    cp = dist.get_world_size(group if group is not None else dist.group.WORLD)
+    load_balanced = load_balanced and causal and cp > 1
+    check_local_sequence(q.shape[1], cp, load_balanced)
+    if rotate == "alltoall":
+        if kernel is not None:
+            raise ConfigError(
+                f"kernel={kernel!r} picks a ring block kernel; cp_rotate_method='alltoall' runs torch's SDPA"
+            )
+        return ulysses_attention(q, k, v, group, causal, load_balanced, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    chosen = attention_kernel(q.device, q.dtype, q.shape[-1], kernel)
+    return _RingAttention.apply(q, k, v, group, causal, rotate, load_balanced, scale, chosen)

@@ -1,0 +1,172 @@
+"""The attention seam of a Hugging Face model under tp/cp: registry functions, input hook, refusals.
+
+HF attention modules call a function from ``transformers``' attention registry. Under TP or CP,
+:func:`apply_hf_attention` selects ``"ndparallel_sdpa"`` (causal SDPA on the rank's heads) or
+``"ndparallel_ring"`` (:func:`ndparallel.distributed.ring.ring_attention` over ``mesh["cp"]``, by
+``cp_rotate_method``), installs the input hook (:mod:`ndparallel.models.hf.inputs`: positions, KV cache off,
+collective refusals) and the sharding-aware ``outputs.loss`` (:mod:`ndparallel.models.hf.loss`).
+:func:`check_attention` holds the refusals that must come before the model is touched: an attention the
+seam cannot route, ``cp_backend="torch"``, and rotary tables recomputed per rank (dynamic rope under cp).
+``transformers`` is imported only when an HF model is parallelised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.distributed.ring import ring_attention
+from ndparallel.errors import ConfigError
+from ndparallel.models.hf.inputs import InputLayout, input_hook
+from ndparallel.models.hf.loss import install_causal_lm_loss
+
+__all__ = ["ATTENTION_RING", "ATTENTION_SDPA", "apply_hf_attention", "check_attention", "route_hf_attention"]
+
+ATTENTION_SDPA, ATTENTION_RING = "ndparallel_sdpa", "ndparallel_ring"
+
+
+@dataclass
+class _AttentionSpec:
+    """What ndparallel's attention functions need, stored on each HF attention module."""
+
+    cp_group: dist.ProcessGroup | None
+    cp_size: int
+    rotate: str
+    load_balance: bool
+
+
+def _is_hf_attention(module: nn.Module) -> bool:
+    """HF attention modules (they call the registry) carry ``is_causal``, ``layer_idx`` and ``config``."""
+    return all(getattr(module, name, None) is not None for name in ("is_causal", "layer_idx", "config"))
+
+
+def _spec(module: nn.Module) -> _AttentionSpec:
+    spec = getattr(module, "_ndparallel_attention", None)
+    if spec is None:
+        raise ConfigError(
+            f"{type(module).__name__} uses attn_implementation={module.config._attn_implementation!r} but was not "
+            "prepared by ndparallel.parallelize (apply_hf_attention)"
+        )
+    return spec
+
+
+def _check_call(module: nn.Module, q_len: int, spec: _AttentionSpec, dropout: float, kwargs: dict) -> None:
+    if not getattr(module, "is_causal", True):
+        raise ConfigError(
+            f"{type(module).__name__} is not causal: ndparallel's HF attention supports causal masks only"
+        )
+    if dropout:
+        raise ConfigError(f"attention dropout={dropout} is not supported under tp/cp; set config.attention_dropout=0")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < q_len * spec.cp_size:
+        raise ConfigError(
+            f"sliding_window={window} is shorter than the sequence ({q_len * spec.cp_size}): ndparallel's "
+            "attention is full causal; use sequences <= sliding_window or config.sliding_window=None"
+        )
+
+
+def _sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal SDPA on ``[batch, heads, seq, head_dim]`` (the rank's heads); returns ``[batch, seq, heads, dim]``."""
+    _check_call(module, query.shape[2], _spec(module), dropout, kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Ring attention over the cp group; HF passes ``[batch, heads, seq, head_dim]``, the ring wants seq first."""
+    spec = _spec(module)
+    _check_call(module, query.shape[2], spec, dropout, kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = ring_attention(q, k, v, spec.cp_group, True, spec.rotate, spec.load_balance, scale=scaling)
+    return out, None
+
+
+def _register_attention(model: nn.Module, name: str) -> None:
+    from transformers import AttentionInterface  # present: the model is a transformers model
+
+    AttentionInterface.register(ATTENTION_SDPA, _sdpa_attention)
+    AttentionInterface.register(ATTENTION_RING, _ring_attention)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:  # older versions: the config attribute is the switch
+        model.config._attn_implementation = name
+
+
+def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | None = None) -> nn.Module:
+    """Route an HF model's attention through ndparallel when ``tp > 1`` or ``cp > 1`` (no-op otherwise).
+
+    Sets ``attn_implementation`` to ``"ndparallel_ring"`` (cp > 1) or ``"ndparallel_sdpa"``, and hooks the
+    model's inputs: ``position_ids`` default to this rank's global positions (the layout of
+    :func:`ndparallel.context_parallel`), the KV cache is off; padding masks, a sequence the mesh cannot split,
+    unsharded ``position_ids`` and misshapen labels are refused on every rank alike. ``labels=`` /
+    ``shift_labels=`` give the one-process ``outputs.loss`` (:mod:`ndparallel.models.hf.loss`).
+    """
+    cfg = cfg or mesh.config
+    if not route_hf_attention(model, mesh, cfg):
+        return model
+    cp, cp_mesh = mesh.size("cp"), mesh["cp"]
+    cp_group = cp_mesh.get_group() if cp > 1 else None
+    cp_rank = cp_mesh.get_local_rank() if cp > 1 else 0
+    layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance)
+    model.register_forward_pre_hook(input_hook(layout), with_kwargs=True)
+    install_causal_lm_loss(model, cp_group, cp, cp_rank, cfg.cp_load_balance)
+    return model
+
+
+def route_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> bool:
+    """Only the attention routing of :func:`apply_hf_attention` (no input hook, no loss): what a pipeline stage
+    needs, whose runtime shards tokens, labels and ``position_ids`` itself. Returns whether it routed."""
+    if not check_attention(model, cfg, mesh):
+        return False
+    cp = mesh.size("cp")
+    cp_group = mesh["cp"].get_group() if cp > 1 else None
+    spec = _AttentionSpec(cp_group, cp, cfg.cp_rotate_method, cfg.cp_load_balance)
+    for module in model.modules():
+        if _is_hf_attention(module):
+            module._ndparallel_attention = spec
+    _register_attention(model, ATTENTION_RING if cp > 1 else ATTENTION_SDPA)
+    return True
+
+
+def check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> bool:
+    """Whether the attention must be routed (tp or cp > 1); ConfigError when it cannot be."""
+    if mesh.size("tp") == 1 and mesh.size("cp") == 1:
+        return False
+    if mesh.size("cp") > 1 and cfg.cp_backend != "ndparallel":
+        raise ConfigError(f"cp_backend={cfg.cp_backend!r} is not supported for Hugging Face models; use 'ndparallel'")
+    if mesh.size("cp") > 1:
+        _check_rope(model, mesh.size("cp"))
+    if not any(_is_hf_attention(m) for m in model.modules()):
+        raise ConfigError(
+            f"{type(model).__name__} has no HF attention module (with is_causal, layer_idx, config) calling the "
+            "attention registry: tensor/context parallel cannot route its attention; use tp_size=cp_size=1"
+        )
+    return True
+
+
+def _is_dynamic_rope(kind: object) -> bool:
+    """The rope types HF's ``dynamic_rope_update`` recomputes from max(position_ids) (its own test)."""
+    return isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")
+
+
+def _check_rope(model: nn.Module, cp: int) -> None:
+    """Under CP each rank sees a shard of the positions: a rotary table recomputed from max(position_ids) + 1
+    would differ between ranks (silently wrong attention), so such rope types are refused."""
+    for module in model.modules():
+        rope = getattr(module, "rope_type", None)
+        for kind in rope.values() if isinstance(rope, Mapping) else [rope]:
+            if _is_dynamic_rope(kind):
+                raise ConfigError(
+                    f"rope_type={kind!r} (config.rope_parameters, rope_scaling in older transformers) recomputes "
+                    f"the rotary table from each rank's max(position_ids) under cp_size={cp}, so ranks would "
+                    "rotate differently; use cp_size=1 or the default rope"
+                )

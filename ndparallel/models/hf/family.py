@@ -1,0 +1,77 @@
+"""Hugging Face causal LMs (Llama, Qwen2, Mistral) as a model family: what ``parallelize`` asks of them.
+
+The answers live beside this file: the TP + SP table and FSDP units in :mod:`ndparallel.models.hf.tp_plan`, the
+attention seam, position handling and input checks in :mod:`ndparallel.models.hf.attention` /
+:mod:`ndparallel.models.hf.inputs`, ``outputs.loss`` in :mod:`ndparallel.models.hf.loss`. Models are recognised by
+``config.model_type`` without importing ``transformers``. Decoder layers are the first ``nn.ModuleList``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.models.hf.attention import apply_hf_attention, check_attention, route_hf_attention
+from ndparallel.models.hf.stage import HFCausalLMStage
+from ndparallel.models.hf.tp_plan import hf_fsdp_groups, hf_tp_plan, is_hf_model
+from ndparallel.parallel.family import ModelFamily
+
+__all__ = ["FAMILY", "HuggingFaceFamily", "hf_parallelize_kwargs"]
+
+
+class HuggingFaceFamily(ModelFamily):
+    """A ``transformers`` PreTrainedModel: built-in plans for
+    :data:`ndparallel.models.hf.tp_plan.SUPPORTED_MODEL_TYPES`."""
+
+    name = "huggingface"
+    split_fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    heads_field = "num_attention_heads"
+    pipeline_cp = True  # stages route their attention through ring attention (tests/test_pipeline_hf.py)
+    # tested under pp: ring cp, tp, FSDP (tests/test_pipeline_hf.py); not Ulysses / all-gather cp, AC, compile
+    pipeline_untested = ("cp_rotate_method", "activation_checkpointing", "compile")
+    label = "Hugging Face model"
+
+    def matches(self, model: nn.Module) -> bool:
+        return is_hf_model(model) or isinstance(model, HFCausalLMStage)
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        return hf_tp_plan(model)  # refuses, naming the module, what it cannot place
+
+    def check(self, model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> None:
+        check_attention(model, cfg, mesh)  # an attention the seam cannot route, cp_backend, dynamic rope
+
+    def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
+        return hf_fsdp_groups(model)
+
+    def apply_attention(self, model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> nn.Module:
+        if isinstance(model, HFCausalLMStage):  # the pipeline runtime shards tokens, labels, position_ids
+            route_hf_attention(model, mesh, cfg)
+            return model
+        return apply_hf_attention(model, mesh, cfg)  # tp or cp > 1: registry function, input hook, loss
+
+    def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
+        return HFCausalLMStage(model, block_ids, first, last)
+
+
+FAMILY = HuggingFaceFamily()
+
+
+def hf_parallelize_kwargs(
+    model: nn.Module,
+    cfg: ParallelismConfig,
+    mesh: Mesh,
+    *,
+    tp_plan: dict[str, ParallelStyle] | None = None,
+    fsdp_groups: list[list[str]] | None = None,
+) -> dict[str, Any]:
+    """``plan`` and ``fsdp_groups`` as :func:`ndparallel.parallelize` picks them for an HF model: the caller's
+    where given, else the family's (the plan only when tp > 1), after the family's pre-flight refusals."""
+    if tp_plan is None and mesh.size("tp") > 1:
+        tp_plan = FAMILY.tp_plan(model)
+    FAMILY.check(model, cfg, mesh)
+    return {"plan": tp_plan, "fsdp_groups": FAMILY.fsdp_groups(model) if fsdp_groups is None else fsdp_groups}

@@ -1,0 +1,284 @@
+"""Load a Hugging Face checkpoint straight into a sharded model, and save one back.
+
+``load_pretrained`` builds the model on the meta device (no memory for weights), parallelises it,
+allocates only each rank's shards, and reads from the safetensors files only the slice each rank
+owns (``safe_open(...).get_slice(name)[region]``). ``load_pretrained_pipeline`` does the same under
+``pp_size > 1``: each rank materialises and reads only the tensors of its own pipeline stages.
+``save_pretrained`` gathers one full tensor at a time onto rank 0, which writes ``model.safetensors`` and
+``config.json``: the folder loads with ``transformers``' ``from_pretrained`` and with ``load_pretrained`` on
+any mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.agree import agree
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.distributed.process import init_distributed
+from ndparallel.errors import ConfigError
+from ndparallel.models.hf.init import init_buffers
+from ndparallel.parallel.fully_shard import fsdp_mesh
+from ndparallel.parallel.parallelize import parallelize
+
+if TYPE_CHECKING:  # floor 4; imported where called (docs/architecture.md: the loader's exception)
+    from ndparallel.parallel.pipeline.runtime import Pipeline
+
+__all__ = ["load_pretrained", "load_pretrained_pipeline", "local_region", "save_pretrained"]
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def _require_transformers() -> Any:
+    try:
+        import safetensors  # noqa: F401
+        import transformers
+    except ImportError as err:
+        raise ConfigError(
+            f"Hugging Face support needs transformers and safetensors ({err}): pip install 'ndparallel[hf]'"
+        ) from None
+    return transformers
+
+
+# ------------------------------------------------------------------------------------ shard regions
+
+
+def local_region(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The slice of the full tensor this rank holds: every dim for a plain tensor, the local shard's
+    region for a DTensor (FSDP over TP gives strided shards: torch's own offset rule handles them)."""
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    shape, offset = _local_shape_and_offset(tensor)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _local_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # Private torch API, isolated here: the DTensor's local shape and global offset (what DCP uses;
+    # it knows FSDP's _StridedShard over TP). Present in torch 2.11-2.14; plain Shard/Replicate
+    # placements fall back to torch.chunk arithmetic if it moves.
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return _chunk_shape_and_offset(tensor)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
+
+
+def _chunk_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape, offset = list(tensor.shape), [0] * tensor.ndim
+    coordinate = tensor.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:
+            raise ConfigError(f"cannot locate the local shard of a DTensor placed {placement}")
+        dim, parts = placement.dim % tensor.ndim, tensor.device_mesh.size(mesh_dim)
+        chunk = -(-shape[dim] // parts)
+        start = min(chunk * coordinate[mesh_dim], shape[dim])
+        offset[dim] += start
+        shape[dim] = min(chunk, shape[dim] - start)
+    return tuple(shape), tuple(offset)
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from ``model.safetensors`` or a sharded index."""
+    from safetensors import safe_open
+
+    index = path / SAFE_INDEX
+    if index.is_file():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = path / SAFE_WEIGHTS
+    if not single.is_file():
+        raise ConfigError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}: save it with save_pretrained")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+@torch.no_grad()
+def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
+    from safetensors import safe_open
+
+    wanted = dict(model.named_parameters())
+    wanted.update((n, b) for n, b in model.named_buffers() if n in files)
+    missing = sorted(set(wanted) - set(files))
+    if missing:
+        raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; is it the same model?")
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                target = wanted[name]
+                stored = f.get_slice(name)
+                if tuple(stored.get_shape()) != tuple(target.shape):
+                    raise ConfigError(
+                        f"{name}: checkpoint shape {tuple(stored.get_shape())} != model shape {tuple(target.shape)}"
+                    )
+                local = target.to_local() if isinstance(target, DTensor) else target
+                if local.numel():
+                    local.copy_(stored[local_region(target)])
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    cfg: ParallelismConfig | None = None,
+    mesh: Mesh | None = None,
+    *,
+    model_class: type | None = None,
+    dtype: torch.dtype = torch.float32,
+    **parallelize_kwargs: Any,
+) -> nn.Module:
+    """Build the HF model of the local folder ``path`` on the meta device, parallelise it on ``mesh`` and
+    load its safetensors weights, each rank reading only the shards it holds. Every rank calls it.
+
+    ``model_class`` defaults to ``AutoModelForCausalLM``; ``dtype`` is the parameters' dtype (stored
+    tensors are cast); buffers keep the dtype the model builds them in (fp32 rotary ``inv_freq``, as
+    ``from_pretrained`` keeps them); ``parallelize_kwargs`` go to :func:`ndparallel.parallelize` (``tp_plan``, ...).
+    Nothing is downloaded: ``path`` must be a folder written by ``save_pretrained``.
+    """
+    if mesh is None:
+        mesh = init_distributed(cfg or ParallelismConfig())
+    if mesh.size("pp") > 1:
+        raise ConfigError(
+            f"load_pretrained builds one model, but pp_size={mesh.size('pp')}: use "
+            "ndparallel.hf.load_pretrained_pipeline, which returns this rank's pipeline stages"
+        )
+    _check_meta_init(mesh)  # pp stages are materialised before parallelize: no such limit there
+    model, files = _meta_model(path, model_class, dtype)
+    model = parallelize(model, cfg, mesh, **parallelize_kwargs)
+    model.to_empty(device=mesh.device)
+    init_buffers(model)
+    _fill_from_files(model, files)
+    return model
+
+
+def load_pretrained_pipeline(
+    path: str | os.PathLike,
+    cfg: ParallelismConfig | None = None,
+    mesh: Mesh | None = None,
+    *,
+    microbatches: int | None = None,
+    model_class: type | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Pipeline:
+    """:func:`load_pretrained` under ``pp_size > 1``: the model is built on the meta device, each rank
+    materialises only its stages (:func:`ndparallel.parallel.pipeline.build_pipeline`), and reads from the
+    safetensors files only its stages' tensors (their local shards under tp / FSDP inside the stage).
+
+    Returns the :class:`ndparallel.parallel.pipeline.Pipeline`; the weights equal a full load's
+    (docs/pipeline-parallel.md#hugging-face-models). Every rank calls it.
+    """
+    from ndparallel.models.hf.stage import LOAD_MARKER
+    from ndparallel.parallel.pipeline import build_pipeline
+
+    mesh = mesh or init_distributed(cfg or ParallelismConfig())
+    model, files = _meta_model(path, model_class, dtype)
+    setattr(model, LOAD_MARKER, True)  # stages compute only their rotary tables; parameters come from files
+    pipe = build_pipeline(model, cfg, mesh, microbatches=microbatches)
+    failure = None
+    try:
+        for stage in pipe.stages:
+            _fill_from_files(stage, files)
+    except Exception as err:  # any failure (a bad file, a failed copy): every rank must learn of it, or they hang
+        failure = err
+    agree(failure, "load_pretrained_pipeline", error_type=ConfigError)
+    return pipe
+
+
+def _meta_model(path: str | os.PathLike, model_class: type | None, dtype: torch.dtype) -> tuple:
+    """The model of folder ``path`` on the meta device, parameters in ``dtype``; its tensor name -> file map."""
+    transformers = _require_transformers()
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{str(path)!r} has no config.json: pass a local folder written by save_pretrained")
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    model_class = model_class or transformers.AutoModelForCausalLM
+    files = _weight_files(path)
+    with torch.device("meta"):
+        build = getattr(model_class, "from_config", None) or model_class
+        model = build(config)
+    _cast_parameters(model, dtype)
+    return model, files
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters to ``dtype``; buffers untouched (a bf16 rotary table changes the logits).
+    Tied parameters stay one parameter."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+                setattr(module, name, cast[id(param)])
+
+
+def _check_meta_init(mesh: Mesh) -> None:
+    if fsdp_mesh(mesh) is None and mesh.size("dp_replicate") > 1:
+        # The replicate reducer fixes its bucket device when applied (meta here), so gradients would not be
+        # averaged after to_empty: refuse rather than train replicas apart.
+        raise ConfigError(
+            f"load_pretrained on dp_replicate_size={mesh.size('dp_replicate')} without FSDP is not supported "
+            "(meta-device init): use dp_shard_size instead (HSDP with dp_replicate_size works), or "
+            "from_pretrained + ndparallel.parallelize"
+        )
+
+
+# ------------------------------------------------------------------------------------------- saving
+
+
+def _full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` per parameter and persistent buffer; a collective per DTensor."""
+    persistent = {n for n, _ in model.named_buffers()} - _non_persistent(model)
+    for name, tensor in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]:
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    names = set()
+    for prefix, module in model.named_modules():
+        names.update(f"{prefix}.{b}" if prefix else b for b in getattr(module, "_non_persistent_buffers_set", ()))
+    return names
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike) -> str | None:
+    """Write ``model`` (sharded or not) as a ``save_pretrained`` folder: ``model.safetensors`` + ``config.json``.
+
+    Every rank calls it; full tensors are gathered one at a time and only rank 0 writes. Tied weights
+    are stored once (as ``transformers`` does). Returns the folder on rank 0, ``None`` elsewhere.
+    """
+    _require_transformers()
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tensors = {}
+    for name, full in _full_tensors(model):
+        if rank == 0:
+            tensors[name] = full.detach().to("cpu", copy=True).contiguous()
+    path = Path(path)
+    failure = None
+    if rank == 0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path / SAFE_WEIGHTS), metadata={"format": "pt"})
+            model.config.save_pretrained(str(path))
+        except Exception as err:  # every rank must learn of it, or the others wait forever
+            failure = f"could not write {str(path)!r} ({type(err).__name__}: {err}); pass a writable path"
+    # Collective, and the barrier: every rank returns once rank 0 has finished writing, or raises with it.
+    agree(failure, "save_pretrained", error_type=ConfigError)
+    return str(path) if rank == 0 else None

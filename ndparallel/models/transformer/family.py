@@ -1,0 +1,110 @@
+"""The reference Transformer as a model family: everything ``parallelize`` needs to know about it.
+
+This module is the worked example of docs/parallelize.md#model-families: a family is one
+:class:`~ndparallel.parallel.family.ModelFamily` in the model's own folder. It sits on the planners' floor (it uses
+torch's ParallelStyle classes and ndparallel's planners), so ``ndparallel.models`` does not import it and
+:mod:`ndparallel.models.transformer.model` never imports a planner. It is also the default family: a model that
+no registered family claims gets these answers (they fit Llama-shaped models named like ours).
+
+The TP + SP table (``*`` matches inside one path atom: :mod:`ndparallel.parallel.fqn`)::
+
+    tok_embeddings              RowwiseParallel, output Shard(1)       (vocab split; output sequence-sharded)
+    layers.*.attention_norm     SequenceParallel                        (norm runs on seq/tp tokens)
+    layers.*.attention          PrepareModuleInput Shard(1) -> Replicate (all-gather the sequence)
+    layers.*.attention.wq/wk/wv ColwiseParallel                         (heads split)
+    layers.*.attention.wo       RowwiseParallel, output Shard(1)        (reduce-scatter back to seq shards)
+    layers.*.ffn_norm           SequenceParallel
+    layers.*.feed_forward       PrepareModuleInput Shard(1) -> Replicate
+    layers.*.feed_forward.w1/w3 ColwiseParallel
+    layers.*.feed_forward.w2    RowwiseParallel, output Shard(1)
+    norm                        SequenceParallel
+    output                      ColwiseParallel, input Shard(1), output Shard(-1) as a DTensor (loss parallel)
+
+Blocks are ``layers`` (the first ``nn.ModuleList``); FSDP units besides them are ``[tok_embeddings]`` and
+``[norm, output]``; under cp, ``CoreAttention`` (the one attention seam) becomes ring attention and the
+``positions`` argument of ``forward`` gets each rank's global positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from ndparallel.errors import ConfigError
+from ndparallel.models.transformer.model import CoreAttention, Transformer
+from ndparallel.models.transformer.stage import TransformerStage
+from ndparallel.parallel.family import ModelFamily
+from ndparallel.parallel.fully_shard import default_shard_groups
+
+__all__ = ["FAMILY", "TransformerFamily", "transformer_tp_plan"]
+
+
+def transformer_tp_plan() -> dict[str, ParallelStyle]:
+    """The TP + SP plan for :class:`ndparallel.models.Transformer` (and Llama-shaped models named alike)."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        ),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+        ),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+# Model config fields that tensor parallelism splits, in our names and in Hugging Face's.
+
+
+class TransformerFamily(ModelFamily):
+    """:class:`ndparallel.models.Transformer`, and the default for models no other family claims."""
+
+    name = "transformer"
+    split_fields = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    heads_field = "n_heads"
+    cp_attention = (CoreAttention,)
+    positions_arg = "positions"
+
+    def matches(self, model: nn.Module) -> bool:
+        return isinstance(model, Transformer)
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        return transformer_tp_plan()
+
+    def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
+        """``[[tok_embeddings], [norm, output]]``, each where the model has it (FSDP's default units)."""
+        return default_shard_groups(model)
+
+    def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
+        """A :class:`~ndparallel.models.transformer.stage.TransformerStage` (only of a :class:`Transformer`)."""
+        if not isinstance(model, Transformer):
+            raise ConfigError(
+                f"pp_size > 1 cannot find the blocks of {type(model).__name__}: pipeline stages are built for "
+                "ndparallel.models.Transformer and the Hugging Face families; register a ModelFamily with "
+                "pipeline_stage for another model, or use pp_size=1"
+            )
+        return TransformerStage(model, block_ids, first, last)
+
+
+FAMILY = TransformerFamily()

@@ -1,0 +1,186 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Module names are part of the public contract: tensor-parallel plans, FSDP wrapping and
+context parallel address modules by these names (``*`` = layer index)::
+
+    tok_embeddings                      nn.Embedding(vocab, dim)
+    layers.*.attention_norm             nn.RMSNorm(dim)
+    layers.*.attention.wq / wk / wv     nn.Linear(dim, heads * head_dim), kv heads for wk/wv
+    layers.*.attention.core_attention   CoreAttention: softmax(q k^T) v, no parameters
+    layers.*.attention.wo               nn.Linear(heads * head_dim, dim)
+    layers.*.ffn_norm                   nn.RMSNorm(dim)
+    layers.*.feed_forward.w1 / w3 / w2  SwiGLU: w2(silu(w1 x) * w3 x)
+    norm                                nn.RMSNorm(dim)
+    output                              nn.Linear(dim, vocab)
+
+The model imports nothing from ndparallel's planners: it is parallelised from outside, the
+same way a user's own model is. ``core_attention`` is the one seam for attention variants
+(context parallel swaps it for ring attention): any module with the same ``forward(q, k, v)``
+contract (``[batch, seq, heads, head_dim]`` in and out, k/v possibly with fewer heads) fits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndparallel.models.seed import name_seed
+from ndparallel.models.transformer.presets import TransformerConfig
+
+__all__ = ["CoreAttention", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
+
+
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, device=None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape ``[max_seq_len, head_dim // 2]``, computed in ``dtype`` (fp32 or float64)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=dtype), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by position; cos/sin are ``[(batch,) seq, head_dim/2]``.
+
+    Computed in fp32 or wider (bf16 inputs are upcast, float64 stays float64), returned in ``x``'s dtype.
+    """
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # type promotion lifts the products: no saved copies
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.type_as(x)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None = None) -> None:
+    """Initialise ``module``'s parameters (plain tensors) as the reference Transformer does, each from a generator
+    seeded by ``(seed, its FQN)``: a module holding part of the model under the unsplit names (a pipeline
+    stage) gets exactly the values the whole model gets. Norm weights 1; others normal(0, 0.02), the residual
+    projections (``wo``, ``w2``) normal(0, 0.02 / sqrt(2 n_layers))."""
+    seed = cfg.seed if seed is None else seed
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(name_seed(seed, name))
+        std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        param.normal_(0.0, std, generator=generator)
+
+
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention on ``[batch, seq, heads, head_dim]`` tensors.
+
+    k and v may carry fewer heads than q (grouped-query attention); they are repeated here.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        repeats = q.shape[1] // k.shape[1]
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        dtype = cfg.torch_dtype
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.core_attention = CoreAttention()
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads / tp of them.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v)
+        return self.wo(out.reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False, dtype=cfg.torch_dtype)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False, dtype=cfg.torch_dtype)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False, dtype=cfg.torch_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: ``forward(tokens[, positions]) -> logits``.
+
+    ``positions`` (``[seq]`` or ``[batch, seq]``, default ``0..seq-1``) index the rotary tables.
+    Under context parallel each rank holds a shard of the sequence and needs its tokens' global
+    positions: pass them sharded like the tokens, or omit them inside ``ndparallel.context_parallel``
+    (ndparallel's planner hooks this forward from outside and fills them; outside the block the call
+    is refused). Parameters are created in ``cfg.dtype``. Weights are initialised from
+    ``cfg.seed`` with a private generator per parameter (seeded by the seed and the parameter's name,
+    :func:`init_parameters`), so two models built from one config are equal whatever the global RNG
+    state, and a pipeline stage holding some blocks gets their values too. Built under
+    ``torch.device("meta")`` nothing is allocated: call ``model.to_empty(device=...)`` then ``model.init_weights()``.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        dtype = cfg.torch_dtype
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, dtype=dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if self.tok_embeddings.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic init from ``seed`` (default ``config.seed``); also rebuilds the rotary tables."""
+        cfg = self.config
+        device = self.tok_embeddings.weight.device
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device, dtype=cfg.torch_dtype)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        init_parameters(self, cfg, seed)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            seq = tokens.shape[1]
+            if seq > self.config.max_seq_len:
+                raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}")
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))

@@ -1,0 +1,8 @@
+"""The planners and their order: each knows a :class:`~ndparallel.distributed.mesh.Mesh` and a
+:class:`~ndparallel.parallel.family.ModelFamily`, never a model class (docs/architecture.md).
+
+``family`` (the protocol a model family implements, and the lookup), ``parallelize`` (the one order:
+TP/SP -> CP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate), one module per planner
+(``tensor_parallel``, ``context_parallel``, ``activation_checkpoint``, ``compile``, ``fully_shard``,
+``replicate``), ``fqn`` (module-path patterns), ``grad_sync``, ``clip``, ``loss``, and ``pipeline/``.
+"""

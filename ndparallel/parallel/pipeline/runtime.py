@@ -1,0 +1,156 @@
+"""``Pipeline``: this rank's stages and torch's schedule; one ``step`` = every micro-batch forward and backward.
+
+What the step makes right across stages (docs/pipeline-parallel.md):
+
+* the loss: the mean of the last stage's micro-batch losses (equal micro-batches: the mean over the rank's
+  batch), averaged over ``dp_cp``, broadcast over pp from the rank holding the last stage;
+* context parallel: tokens, labels and ``[batch, seq]`` positions are sharded alike on every stage;
+* pure replicate: the schedule runs under ``no_sync`` and gradients are averaged over ``dp_replicate`` once
+  after it (FSDP needs nothing: torch's stage drives FSDP's gradient sync itself);
+* shapes: torch fixes them at the first step, and a later change hangs: it is refused instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.errors import ConfigError
+from ndparallel.parallel.clip import clip_grad_norm_
+from ndparallel.parallel.context_parallel import context_parallel
+from ndparallel.parallel.replicate import no_sync
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """This rank's share of a pipeline-parallel model (built by :func:`ndparallel.parallel.pipeline.build_pipeline`).
+
+    ``stages``: the stage modules (parallelised, materialised); ``stage_ids``: their indices; ``step(tokens,
+    labels)``: forward and backward of this rank's ``[batch, seq]`` slice in ``microbatches`` micro-batches,
+    returning the global mean loss (the same value on every rank); gradients are left in the stages.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        schedule,
+        mesh: Mesh,
+        microbatches: int,
+        last_stage_rank: int,
+        positions_arg: str,
+    ) -> None:
+        self.stages = list(stages)
+        self.stage_ids = list(stage_ids)
+        self.schedule = schedule
+        self.mesh = mesh
+        self.microbatches = microbatches
+        self.last_stage_rank = last_stage_rank
+        self.positions_arg = positions_arg
+        self.pp_group = mesh["pp"].get_group()
+        inner = mesh.without_pp()
+        self._inner = inner
+        self._replicate = inner.size("dp_replicate") > 1 and inner.fsdp is None
+        self._holds_last = mesh.local_rank("pp") == last_stage_rank
+        self._shape: tuple | None = None
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Every parameter of this rank's stages."""
+        for stage in self.stages:
+            yield from stage.parameters()
+
+    def check_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Refuse (ConfigError, this rank only) a batch the schedule cannot run: not ``[batch, seq]``, a batch the
+        micro-batches do not divide, or a shape other than the first step's (torch would hang)."""
+        if tokens.dim() != 2 or tokens.shape != labels.shape:
+            raise ConfigError(
+                f"pipeline step needs [batch, seq] tokens and labels of one shape, got {list(tokens.shape)} and "
+                f"{list(labels.shape)}"
+            )
+        batch, m = tokens.shape[0], self.microbatches
+        if batch % m:
+            raise ConfigError(
+                f"pp_microbatches={m} does not divide this rank's batch of {batch} sequences (global batch / dp): "
+                f"torch's pipeline needs equal micro-batches; use a batch that is a multiple of {m}"
+            )
+        shape = (tuple(tokens.shape), tokens.dtype, labels.dtype)
+        if self._shape is not None and shape != self._shape:
+            raise ConfigError(
+                f"pipeline batch shape changed from {list(self._shape[0])} to {list(tokens.shape)}: torch's schedule "
+                "fixes shapes at the first step and would hang on another; keep the batch and sequence length fixed"
+            )
+        self._shape = shape
+
+    def _sync_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        if self._replicate:
+            for stage in self.stages:
+                stack.enter_context(no_sync(stage))
+        return stack
+
+    def _average_replicas(self) -> None:
+        """Pure replicate: one all-reduce of every gradient over ``dp_replicate`` (they accumulated locally)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return
+        flat = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(flat, group=self._inner["dp_replicate"].get_group())
+        flat /= self._inner.size("dp_replicate")
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        device = self.mesh.device
+        if self._holds_last:
+            local = torch.stack([loss.detach().to(torch.float64) for loss in losses]).mean().reshape(1).to(device)
+            if self._inner.size("dp_cp") > 1:
+                dist.all_reduce(local, group=self._inner["dp_cp"].get_group())
+                local /= self._inner.size("dp_cp")
+        else:
+            local = torch.zeros(1, dtype=torch.float64, device=device)
+        dist.broadcast(local, group=self.pp_group, group_src=self.last_stage_rank)
+        return local[0]
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the global mean loss (float64, every rank)."""
+        return self._run(tokens, labels, self.schedule.step)
+
+    def eval(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only (torch's ``schedule.eval``, no gradients): the global mean loss, as :meth:`step`'s."""
+        if not hasattr(self.schedule, "eval"):
+            raise ConfigError(f"pipeline eval needs torch's schedule.eval, which torch {torch.__version__} lacks")
+        with torch.no_grad():
+            return self._run(tokens, labels, self.schedule.eval)
+
+    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> torch.Tensor:
+        self.check_batch(tokens, labels)
+        device = self.mesh.device
+        x, y = tokens.to(device).clone(), labels.to(device).clone()
+        batch, seq = x.shape
+        positions = torch.arange(seq, device=device).expand(batch, seq).contiguous()  # micro-batched like x
+        losses: list[torch.Tensor] = []
+        with context_parallel(self._inner, [x, y, positions], seq_dims=[1, 1, 1]), self._sync_context():
+            args = (x,) if 0 in self.stage_ids else ()
+            kwargs = {self.positions_arg: positions}
+            run(*args, target=y, losses=losses, return_outputs=False, **kwargs)
+        if self._replicate and torch.is_grad_enabled():
+            self._average_replicas()
+        return self._global_loss(losses)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip every stage's gradients by the global norm over all stages; returns the norm before clipping."""
+        return clip_grad_norm_(list(self.parameters()), max_norm, pp_group=self.pp_group)
+
+    def zero_grad(self) -> None:
+        for stage in self.stages:
+            stage.zero_grad(set_to_none=True)

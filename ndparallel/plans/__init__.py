@@ -1,1 +1,0 @@
-"""Planners: one module per parallelism dimension."""
