@@ -254,7 +254,7 @@ def test_prepared_loader_syncs_at_its_end_and_skips_batches(single_process):
     skipped = acc.skip_first_batches(fresh, num_batches=3)
     assert [b.tolist() for (b,) in skipped] == epochs[0][3:]  # the rest of the first epoch
     assert [b.tolist() for (b,) in fresh] == epochs[1]  # then the loader itself goes on with epoch 2
-    plain = ndp.train.accelerator.skip_first_batches(DataLoader(dataset, batch_size=4), 2)
+    plain = ndp.accelerator.skip_first_batches(DataLoader(dataset, batch_size=4), 2)
     assert [b.tolist() for (b,) in plain] == [[8, 9, 10, 11], [12, 13, 14, 15]]
 
 

@@ -129,7 +129,7 @@ def install_save_pretrained(model: nn.Module) -> None:
                 f"save_pretrained({', '.join(sorted(extra))}=...) is not supported on a model prepared by ndparallel: "
                 "call model.save_pretrained(dir) on every rank, or ndparallel.hf.save_pretrained(model, dir)"
             )
-        from ndparallel.hf import save_pretrained as gather_and_save
+        from ndparallel.models.hf.pretrained import save_pretrained as gather_and_save
 
         return gather_and_save(model, save_directory)
 

@@ -13,9 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ndparallel.parallel.loss import cross_entropy_loss  # re-exported: its home is ndparallel/parallel/loss.py
 
-__all__ = ["average_over", "cross_entropy_loss"]
+__all__ = ["average_over"]
 
 
 def _group(mesh_or_group: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:

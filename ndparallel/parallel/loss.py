@@ -4,8 +4,7 @@ Under tensor parallelism the reference plan (and the Hugging Face one) leaves th
 sharded on the vocabulary. :func:`cross_entropy_loss` then all-reduces the row max, the sum of
 exponentials and the target logit over the tp group instead of gathering the vocabulary; forward and
 backward need no context manager. Plain logits go to ``F.cross_entropy``. Both compute in fp32 or wider.
-Also importable as ``ndparallel.cross_entropy_loss``, ``ndparallel.distributed.reduce.cross_entropy_loss`` and
-``ndparallel.parallel.tensor_parallel.cross_entropy_loss``.
+Also importable as ``ndparallel.cross_entropy_loss``.
 """
 
 from __future__ import annotations
