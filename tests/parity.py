@@ -57,7 +57,7 @@ NO_CLIP = 1e9  # max_norm that never clips, so the norm is still measured
 # guarantees"); 1e-10 leaves room for the AdamW steps' amplification and still catches any fp32 step
 # (a single fp32 rounding in a reduction shows as ~1e-8).
 FLOAT64_TOL = dict(loss_tol=1e-10, norm_rtol=1e-10, grad_tol=1e-10)
-# fp32: a smoke check. Measured max over the smoke shapes (tests/test_fp32_smoke.py), ATEN_CPU_CAPABILITY
+# fp32: a smoke check. Measured max over the smoke shapes (tests/parallel/test_fp32_smoke.py), ATEN_CPU_CAPABILITY
 # default and avx2 (AMD EPYC), and the AVX-512 Xeon figures of issue 10; see docs/parallelize.md.
 FP32_TOL = dict(loss_tol=1e-4, norm_rtol=1e-4, grad_tol=1e-6)
 TOLERANCES = {"float64": FLOAT64_TOL, "float32": FP32_TOL}

@@ -1,5 +1,5 @@
 """Autograd functions the attention parity tests use to cut a full tensor into this rank's sequence rows and
-put it back (shared by tests/test_ring_attention.py and tests/test_ulysses.py)."""
+put it back (shared by tests/distributed/test_ring_attention.py and tests/distributed/test_ulysses.py)."""
 
 from __future__ import annotations
 

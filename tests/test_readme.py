@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.command import REPO, run_ndparallel
+
+pytestmark = pytest.mark.jobs  # real launchers, torchrun, CLI processes or signals: not in make test-fast
 
 
 def test_readme_usage_example_runs(tmp_path):

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ndparallel.config.parallelism import load_yaml_mapping, parse_overrides
+from ndparallel.config.sources import load_yaml_mapping, parse_overrides
 from ndparallel.errors import ConfigError
 
 __all__ = ["add_bench_parser", "apply_defaults_overrides"]

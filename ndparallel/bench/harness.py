@@ -148,8 +148,7 @@ def _timed_steps(job: _Job) -> tuple[list[float], list[float]]:
 def group_labels(mesh: Mesh) -> dict[str, str]:
     """Process-group name -> the mesh dims it spans (``"dp_shard"``, ``"dp_shard x cp"``, ``"world"``)."""
     labels: dict[str, str] = {}
-    pp = ("pp",) if "pp" in MESH_DIMS else ()  # builds with pipeline parallelism (issue 13)
-    for name in (*pp, "dp_replicate", "dp_shard", "cp", "tp", *VIEWS):
+    for name in (*MESH_DIMS, *VIEWS):
         if mesh.size(name) > 1:
             dims = [d for d in VIEWS.get(name, (name,)) if mesh.size(d) > 1]
             labels.setdefault(mesh[name].get_group().group_name, " x ".join(dims))

@@ -34,7 +34,8 @@ from typing import Any
 
 from ndparallel.bench.case import BenchCase
 from ndparallel.config.dims import SIZE_FIELDS
-from ndparallel.config.parallelism import ParallelismConfig, load_yaml_mapping
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.sources import load_yaml_mapping
 from ndparallel.errors import ConfigError
 
 __all__ = ["cases_from_config", "load_cases"]

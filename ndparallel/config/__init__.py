@@ -1,9 +1,10 @@
 """What a user declares, and every rule checkable on it alone: no ranks, no model (docs/architecture.md).
 
-``parallelism`` (:class:`ParallelismConfig`: sizes, knobs, validation), ``yaml_loader`` (the unique-key
-loader), ``accelerate`` (🤗 Accelerate's key names), ``pipeline`` (schedules, stages, micro-batches),
-``sequence`` (which sequence lengths a mesh splits), ``precision`` (who casts what) and ``preflight`` (the
-one job pre-flight that ``ndparallel train``, ``bench`` and ``plan`` share).
+``parallelism`` (:class:`ParallelismConfig`: sizes, knobs, validation), ``dims`` (the mesh dims),
+``sources`` (the unique-key YAML loader, overrides, field coercion), ``accelerate`` (🤗 Accelerate's key
+names), ``pipeline`` (schedules, stages, micro-batches), ``sequence`` (which sequence lengths a mesh
+splits), ``precision`` (who casts what) and ``preflight`` (the one job pre-flight that ``ndparallel
+train``, ``bench`` and ``plan`` share).
 """
 
 from ndparallel.config.parallelism import ParallelismConfig

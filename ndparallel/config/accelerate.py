@@ -11,7 +11,8 @@ by key. Every key is in exactly one table below, and anything outside the tables
 - ``LAUNCHER``: read by ``accelerate launch``, not by the training process; ``num_processes`` is
   checked against the sizes, the rest map to ``ndparallel launch`` flags (docs/configuration.md).
 
-This module sits on the ground floor next to ``config.py`` and imports nothing from ndparallel but errors.
+This module sits in ``config/`` next to ``parallelism.py`` and imports nothing from ndparallel but
+``config.dims`` and errors.
 """
 
 from __future__ import annotations

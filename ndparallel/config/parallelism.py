@@ -17,11 +17,8 @@ are an error (never "whichever the environment lists last").
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
-import types
-import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +29,10 @@ import yaml
 from ndparallel.config.accelerate import AccelerateNames, accelerate_settings, is_accelerate_file
 from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS
 from ndparallel.config.pipeline import check_pipeline_fields
-from ndparallel.config.yaml_loader import UniqueKeyLoader
+from ndparallel.config.sources import did_you_mean, load_yaml_mapping, parse_overrides, parse_scalar
 from ndparallel.errors import ConfigError
 
-__all__ = [
-    "ParallelismConfig",
-    "coerce_fields",
-    "environment_fields",
-    "load_yaml_mapping",
-    "parse_overrides",
-]
+__all__ = ["ParallelismConfig", "environment_fields"]
 
 
 # Allowed values of the string knobs.
@@ -201,7 +192,7 @@ class ParallelismConfig(AccelerateNames):
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
-                hint = _did_you_mean(str(value), choices)
+                hint = did_you_mean(str(value), choices)
                 raise ConfigError(f"{name}={value!r} is not one of {list(choices)}{hint}")
         if self.cp_backend == "torch" and self.cp_rotate_method == "alltoall":
             raise ConfigError(
@@ -292,7 +283,7 @@ def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, An
         prefix = next((p for p in _ENV_PREFIXES if name.startswith(p)), None)
         if prefix is None:
             continue
-        key, value = name[len(prefix) :].lower(), _parse_scalar(environ[name])
+        key, value = name[len(prefix) :].lower(), parse_scalar(environ[name])
         if _refuse_sequence_parallel(key, value, source=name):
             continue
         if key not in _field_names() and key not in _ALIASES:
@@ -300,7 +291,7 @@ def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, An
                 continue
             raise ConfigError(
                 f"environment variable {name} is not a parallelism setting ndparallel knows"
-                f"{_did_you_mean(key, sorted(_field_names() | set(_ALIASES)))}; unset it"
+                f"{did_you_mean(key, sorted(_field_names() | set(_ALIASES)))}; unset it"
             )
         field = _canonical_key(key)
         if field in found and found[field][1] != value:
@@ -317,13 +308,8 @@ def _canonical_key(key: str) -> str:
     name = key[len(_ACCELERATE_PREFIX) :] if key.startswith(_ACCELERATE_PREFIX) else key
     name = _ALIASES.get(name, name)
     if name not in _field_names():
-        raise ConfigError(f"unknown parallelism field {key!r}{_did_you_mean(name, sorted(_field_names()))}")
+        raise ConfigError(f"unknown parallelism field {key!r}{did_you_mean(name, sorted(_field_names()))}")
     return name
-
-
-def _did_you_mean(word: str, options: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _suggest(sizes: Mapping[str, int], world_size: int) -> str:
@@ -339,99 +325,3 @@ def _suggest(sizes: Mapping[str, int], world_size: int) -> str:
         f"{' x '.join(f'{d}_size' for d in kept)} = {inner} must divide the world size {world_size}; "
         f"choose sizes whose product is {world_size}."
     )
-
-
-def _parse_scalar(text: str) -> Any:
-    """``"2"`` -> 2, ``"true"`` -> True, ``"bf16"`` -> "bf16" (YAML scalar rules, safe)."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """``["a=1", "b.c=x"]`` -> ``{"a": 1, "b.c": "x"}``; values follow YAML scalar rules."""
-    result = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. tp_size=2)")
-        result[key.strip()] = _parse_scalar(value.strip())
-    return result
-
-
-def coerce_fields(cls: type, values: Mapping[str, Any], section: str) -> dict[str, Any]:
-    """Check ``values`` against the dataclass ``cls``'s field annotations, naming ``section.field`` on error.
-
-    YAML's safe loader reads ``3e-4`` (no dot) as the string ``'3e-4'``: numeric strings become
-    floats for float fields; lists become tuples for tuple fields. Unknown keys raise with a
-    did-you-mean suggestion.
-    """
-    hints = typing.get_type_hints(cls)
-    result = {}
-    for key, value in values.items():
-        if key not in hints:
-            raise ConfigError(f"unknown field {section}.{key}; known: {sorted(hints)}{_did_you_mean(key, hints)}")
-        result[key] = _coerce(value, hints[key], f"{section}.{key}")
-    return result
-
-
-def _coerce(value: Any, annotation: Any, name: str) -> Any:
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    for option in options:
-        if option is type(None) and value is None:
-            return None
-        if option is bool and isinstance(value, bool):
-            return value
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if option is float and not isinstance(value, bool):
-            if isinstance(value, (int, float)):
-                return float(value)
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-        if option is str and isinstance(value, str):
-            return value
-        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
-            inner = typing.get_args(option)
-            if len(value) == len(inner):
-                return tuple(_coerce(v, t, f"{name}[{i}]") for i, (v, t) in enumerate(zip(value, inner, strict=True)))
-    wanted = " or ".join(_type_name(o) for o in options)
-    raise ConfigError(f"{name}={value!r} must be {wanted}")
-
-
-def _type_name(annotation: Any) -> str:
-    if annotation is type(None):
-        return "null"
-    if typing.get_origin(annotation) is tuple:
-        return f"a list of {len(typing.get_args(annotation))} numbers"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        annotation, str(annotation)
-    )
-
-
-def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML file with the safe loader; it must hold a mapping."""
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a folder, not a YAML file")
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506  (a SafeLoader subclass)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: invalid YAML: {err}") from None
-    except ConfigError as err:  # a duplicate key
-        raise ConfigError(f"{path}: {err}") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path} is not a text file (byte {err.start} is not UTF-8); a config is YAML text") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: YAML nested too deeply for a config") from None
-    except OSError as err:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of key: value, got {type(data).__name__}")
-    return data

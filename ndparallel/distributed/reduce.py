@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-
 __all__ = ["average_over"]
 
 

@@ -36,7 +36,7 @@ from ndparallel.errors import ConfigError
 
 __all__ = ["ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
 
-ROTATE_METHODS = ("ring", "allgather", "alltoall")  # alltoall: comm/ulysses.py
+ROTATE_METHODS = ("ring", "allgather", "alltoall")  # alltoall: distributed/ulysses.py
 _TAG_KV, _TAG_DKV = 11, 12  # distinct P2P tags: K/V and dK/dV transfers between one pair never mix up
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.11/2.12 only have the old ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

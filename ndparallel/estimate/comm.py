@@ -162,7 +162,7 @@ def collectives(
             calls * micro_steps, calls * activation * micro_steps)  # fmt: skip
     norms = 2 * layers + share.head
     # Under pp the norm weights' partial gradients are all-reduced once per step, not per micro-batch (measured
-    # through ndparallel.parallel.pipeline: tests/test_estimate_pp.py).
+    # through ndparallel.parallel.pipeline: tests/estimate/test_estimate_pp.py).
     norm_syncs = 1 if mesh.pp > 1 else micro_steps
     add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",
         norms * norm_syncs, norms * model.dim * precision.reduce * norm_syncs)  # fmt: skip
@@ -185,7 +185,7 @@ def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tp_l
     precision, fsdp = train.bytes, ("dp_shard", "cp")
     add("FSDP all-gather (forward)", "all_gather", fsdp, "fsdp_forward",
         n_units * micro_steps, tp_local * precision.compute * micro_steps)  # fmt: skip
-    if train.reshard_after_forward:  # the last block stays gathered into backward (plans/fully_shard.py)
+    if train.reshard_after_forward:  # the last block stays gathered into backward (parallel/fully_shard.py)
         block = model.layer_matmul_params / mesh.tp + model.layer_norm_params
         add("FSDP all-gather (backward)", "all_gather", fsdp, "fsdp_backward",
             (n_units - 1) * micro_steps, (tp_local - block) * precision.compute * micro_steps)  # fmt: skip
@@ -211,10 +211,10 @@ def _context_parallel(
 ) -> list[tuple[str, str, tuple[str, ...], int, float]]:
     """(name, kind, dims, calls, payload) of the cp collectives of one micro-batch x micro-batches, per method.
 
-    ``tokens``: this rank's tokens per micro-batch. Per block: ``ring`` (comm/ring.py) sends the local K and V
+    ``tokens``: this rank's tokens per micro-batch. Per block: ``ring`` (distributed/ring.py) sends the local K and V
     (kv heads, compute dtype) cp-1 hops forward and again in backward, and the fp32 dK/dV partial sums cp hops;
     ``allgather`` gathers K/V forward and again in backward and reduce-scatters the fp32 dK/dV; ``alltoall``
-    (comm/ulysses.py) sends q/k/v in and the output back forward, the output's gradient in and dq/dk/dv back
+    (distributed/ulysses.py) sends q/k/v in and the output back forward, the output's gradient in and dq/dk/dv back
     in backward, with kv heads repeated to ``lcm(kv heads, cp)`` when cp does not divide them. A recomputed
     (checkpointed) block repeats its forward communication.
     """

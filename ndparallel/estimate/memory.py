@@ -41,7 +41,7 @@ DDP_BUCKET_BYTES = 25 * 10**6  # ndparallel's replicate default bucket (dp_bucke
 
 def checkpointed_blocks(n_layers: int, mode: str) -> int:
     """Blocks recomputed in backward: all (``full``), every other one starting with the first
-    (``selective``, ndparallel's plans/activation_checkpoint.py), or none."""
+    (``selective``, ndparallel's parallel/activation_checkpoint.py), or none."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation checkpointing mode {mode!r} not in {ACTIVATION_CHECKPOINTING}")
     return {"none": 0, "full": n_layers, "selective": (n_layers + 1) // 2}[mode]
@@ -88,7 +88,7 @@ def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: 
     """Bytes one block saves for backward per token (of this rank's sequence shard), no checkpointing.
 
     Counted tensor by tensor for the reference block with SP (``d`` = dim, ``f`` = ffn_dim, ``t`` = tp),
-    as autograd saves them (checked with saved-tensor hooks, tests/test_estimate.py): two RMSNorms
+    as autograd saves them (checked with saved-tensor hooks, tests/estimate/test_estimate.py): two RMSNorms
     (``norm_activation_bytes_per_token``); attention's q, k, v and output (``2 q_dim/t + 2 kv'/t``) with
     its fp32 log-sum-exp (``heads/t``), where ``kv' = q_dim`` when SDPA gets k/v repeated for grouped-query
     attention and ``kv_dim`` otherwise (and under context parallel: ring attention keeps the kv heads);
@@ -179,7 +179,7 @@ def autocast_weight_bytes(
 ) -> float:
     """Under autocast each forward saves its own compute-dtype copy of the matmul weights it used (the blocks
     not checkpointed and the output projection; the embedding and norms run in fp32), until its backward: one
-    copy per pipeline micro-batch in flight (measured: tests/test_estimate_pp.py, docs/planning.md)."""
+    copy per pipeline micro-batch in flight (measured: tests/estimate/test_estimate_pp.py, docs/planning.md)."""
     if not autocasts(train, mesh):
         return 0.0
     stored = blocks - checkpointed_blocks(blocks, mode or train.activation_checkpointing)

@@ -12,7 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ndparallel.config.parallelism import ParallelismConfig, load_yaml_mapping
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.sources import load_yaml_mapping
 from ndparallel.errors import EXIT_INTERRUPTED, CheckpointError, ConfigError, DivergenceError, JobError
 from ndparallel.launch.torchrun import cpu_ranks, launch, without_option
 from ndparallel.launch.torchrun import torchrun_argv as _torchrun_argv  # noqa: F401  (tests and users import it here)

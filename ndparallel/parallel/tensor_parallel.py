@@ -29,7 +29,6 @@ from ndparallel.parallel.fqn import first_match, matching_modules
 __all__ = ["TPTable", "apply_tensor_parallel", "check_tp_divisibility"]
 
 TPTable = Mapping[str, ParallelStyle]  # {fqn_pattern: ParallelStyle}: the ``tp_plan=`` of parallelize
-TPPlan = TPTable  # the earlier name, kept for imports
 
 
 def check_tp_divisibility(model: nn.Module, tp_size: int, tp_plan: TPTable, fields: Sequence[str] = ()) -> None:

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import yaml
 
-from ndparallel.config.parallelism import ParallelismConfig, coerce_fields, load_yaml_mapping, parse_overrides
+from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
+from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.distributed.process import check_device_type
 from ndparallel.errors import ConfigError
 from ndparallel.models import TransformerConfig

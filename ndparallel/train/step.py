@@ -7,7 +7,7 @@ communication :func:`ndparallel.parallel.grad_sync.micro_batch_sync` decides; th
 let every rank agree the loss and norm are finite (:class:`~ndparallel.train.nonfinite.NonFiniteGuard`),
 and step the optimizer only if they are.
 
-Mixed precision follows :mod:`ndparallel.config.precision` (re-exported here): with FSDP its policy casts; without
+Mixed precision follows :mod:`ndparallel.config.precision`: with FSDP its policy casts; without
 FSDP the forward runs under ``torch.autocast(bf16)``. The loss is computed in fp32, or float64 for a float64
 model, either way.
 """

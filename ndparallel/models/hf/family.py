@@ -31,8 +31,8 @@ class HuggingFaceFamily(ModelFamily):
     name = "huggingface"
     split_fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
     heads_field = "num_attention_heads"
-    pipeline_cp = True  # stages route their attention through ring attention (tests/test_pipeline_hf.py)
-    # tested under pp: ring cp, tp, FSDP (tests/test_pipeline_hf.py); not Ulysses / all-gather cp, AC, compile
+    pipeline_cp = True  # stages route their attention through ring attention (tests/models/test_pipeline_hf.py)
+    # tested under pp: ring cp, tp, FSDP (tests/models/test_pipeline_hf.py); not Ulysses / all-gather cp, AC, compile
     pipeline_untested = ("cp_rotate_method", "activation_checkpointing", "compile")
     label = "Hugging Face model"
 

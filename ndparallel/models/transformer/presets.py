@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ndparallel.config.parallelism import coerce_fields
 from ndparallel.config.precision import DTYPES
 from ndparallel.config.preflight import ModelShape
+from ndparallel.config.sources import coerce_fields
 from ndparallel.errors import ConfigError
 
 __all__ = ["PARAM_DTYPES", "PRESETS", "TransformerConfig"]

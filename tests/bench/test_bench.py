@@ -1,0 +1,173 @@
+"""The scaling harness: real gloo ranks give sane numbers, exact communication counts, one JSON schema.
+
+The multi-rank check runs the ``bench`` command itself (two cases: one rank, FSDP over two ranks) and
+reads everything back from its JSON, so CLI, harness, counter, memory tracker and report are covered
+by one spawned job per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ndparallel.bench.cli import apply_defaults_overrides
+from ndparallel.bench.memory import LiveMemory, state_bytes
+from ndparallel.bench.report import SCHEMA
+from ndparallel.bench.sweep import cases_from_config
+from ndparallel.errors import ConfigError
+from ndparallel.launch.cli import main
+from ndparallel.models import TransformerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BENCH_YAML = {
+    "defaults": {"model": {"preset": "tiny"}, "seq_len": 32, "warmup": 1, "steps": 3},
+    "sweeps": [{"name": "strong", "global_batch": 4, "shapes": [{"label": "single"}, {"dp_shard_size": 2}]}],
+}
+
+
+def _block_params(cfg: TransformerConfig) -> int:
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
+
+
+def test_bench_command_two_ranks(tmp_path, capsys):
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump(BENCH_YAML))
+    out = tmp_path / "out"
+    assert main(["bench", "--config", str(config), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "strong/dp_shard2" in printed and "tok/s" in printed and "reduce_scatter" in printed
+
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["schema"] == SCHEMA
+    assert doc["machine"]["torch"] == torch.__version__ and doc["machine"]["peak_flops"] > 0
+    single, fsdp = doc["results"]
+    assert [single["world_size"], fsdp["world_size"]] == [1, 2]
+    for r in (single, fsdp):
+        assert len(r["step_s"]) == 3 and all(0 < t < 60 for t in r["step_s"])
+        assert r["step_min_s"] <= r["step_median_s"] <= r["step_max_s"]
+        assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_median_s"])
+        assert r["tokens_per_s_per_rank"] == pytest.approx(r["tokens_per_s"] / r["world_size"])
+        assert 0 < r["mfu"] < 1
+        assert r["twin_step_median_s"] > 0 and r["exposed_comm_s"] is not None
+        # Peak live bytes cover at least parameters + gradients + AdamW's two moments.
+        assert r["peak_memory_bytes"] >= 2 * r["param_bytes"] + r["optimizer_bytes"]
+        assert r["optimizer_bytes"] >= 2 * r["param_bytes"]
+
+    # Same model, same global batch: FSDP over 2 ranks reproduces the single-rank losses (fp32).
+    assert fsdp["losses"] == pytest.approx(single["losses"], abs=1e-5)
+
+    # Parameters: each FSDP rank holds exactly half (every tiny dim is even, so no padding).
+    cfg = TransformerConfig.from_preset("tiny")
+    total = cfg.num_params() * 4
+    assert single["param_bytes"] == total and fsdp["param_bytes"] == total // 2
+    assert single["comm"] == [] and single["exposed_comm_s"] == 0.0
+
+    # Communication of one FSDP step, payload bytes (an all-gather's output, a reduce-scatter's input):
+    # forward gathers every unit (embedding, 2 blocks, [norm + output]) = all parameters; backward
+    # gathers them again except the last block, which ndparallel keeps unsharded after forward; one
+    # reduce-scatter per unit moves every gradient. Per rank the ring sends (n-1)/n of each payload,
+    # i.e. for n = 2 the all-gathers send 2 x shard bytes x (n-1) minus the last block's shard.
+    comm = {row["kind"]: row for row in fsdp["comm"]}
+    assert {row["dims"] for row in fsdp["comm"]} == {"dp_shard"}, fsdp["comm"]
+    units = cfg.n_layers + 2
+    last_block = _block_params(cfg) * 4
+    assert comm["all_gather"]["calls"] == 2 * units - 1
+    assert comm["all_gather"]["bytes"] == total + (total - last_block)
+    assert comm["reduce_scatter"]["calls"] == units
+    assert comm["reduce_scatter"]["bytes"] == total
+    # The global gradient norm, clipping's same-gradients check, and the step's non-finite agreement.
+    assert comm["all_reduce"]["calls"] == 3
+    assert fsdp["comm_bytes"] == sum(row["bytes"] for row in fsdp["comm"])
+
+    # A saved run re-renders without running anything.
+    assert main(["bench", "--from-json", str(out / "results.json"), "--no-plot"]) == 0
+    assert "strong/dp_shard2" in capsys.readouterr().out
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (out / "scaling.png").exists()
+    else:
+        assert (out / "scaling.png").stat().st_size > 0 and (out / "memory.png").stat().st_size > 0
+
+
+def test_live_memory_counts_storages_once_and_sees_frees_and_resizes():
+    keep = torch.zeros(256)  # 1 KiB alive before and during: a root
+    with LiveMemory([keep]) as memory:
+        a = torch.zeros(1024)  # 4 KiB
+        view = a[10:]  # same storage: counted once
+        b = view * 2  # 4 KiB - 40 bytes
+        del a, view, b
+        c = torch.zeros(512)  # 2 KiB, after 8 KiB were freed
+        c.untyped_storage().resize_(0)  # FSDP-style free: counts 0 from now on
+        d = torch.ones(16)
+        del d
+    assert memory.start_bytes == 1024
+    assert memory.peak_bytes == 1024 + 4096 + 4096 - 40
+    assert memory.live_bytes() == 1024
+    assert state_bytes([keep, keep[1:], c]) == 1024
+
+
+def test_sweep_config_strong_and_weak_batches():
+    data = {
+        "defaults": {"model": "tiny", "seq_len": 32},
+        "sweeps": [
+            {
+                "name": "strong",
+                "global_batch": 8,
+                "shapes": [{}, {"dp_shard_size": 4}, {"dp_shard_size": 2, "tp_size": 2}],
+            },
+            {"name": "weak", "batch_per_dp_rank": 2, "models": ["tiny", "small"], "shapes": [{"dp_replicate_size": 2}]},
+        ],
+    }
+    cases = cases_from_config(data)
+    names = ["strong/single", "strong/dp_shard4", "strong/dp_shard2_tp2", "weak/tiny/dp_replicate2"]
+    assert [c.name for c in cases] == [*names, "weak/small/dp_replicate2"]
+    assert [c.global_batch for c in cases] == [8, 8, 8, 4, 4]
+    assert [c.world_size for c in cases] == [1, 4, 4, 2, 2]
+    assert cases[4].model == {"preset": "small"}
+    data = apply_defaults_overrides(data, ["steps=2", "model.n_layers=1"])
+    assert {c.steps for c in cases_from_config(data)} == {2}
+    assert cases_from_config(data)[0].model == {"preset": "tiny", "n_layers": 1}
+
+
+@pytest.mark.parametrize(
+    "sweep, message",
+    [
+        ({"name": "s", "global_batch": 6, "shapes": [{"dp_shard_size": 4}]}, "global_batch=6 is not divisible"),
+        ({"name": "s", "global_batch": 4, "batch_per_dp_rank": 1, "shapes": [{}]}, "exactly one of global_batch"),
+        ({"name": "s", "global_batch": 4, "shapes": [{"tp_size": 3}]}, "tp_size=3"),
+        ({"name": "s", "global_batch": 4, "shapes": [{"dp_shard_size": -1}]}, "no -1"),
+        ({"name": "s", "global_batch": 4, "shapes": [{"cp_size": 2}], "seq_len": 30}, "not divisible by 2 x cp_size"),
+        ({"name": "s", "global_batch": 4, "shapes": [{}], "seq_len": 4096}, "max_seq_len"),
+        ({"name": "s", "global_batch": 4, "shapes": [{}], "stepz": 3}, "unknown key"),
+    ],
+)
+def test_sweep_config_errors_name_the_field(sweep, message):
+    with pytest.raises(ConfigError, match=message):
+        cases_from_config({"defaults": {"model": "tiny"}, "sweeps": [sweep]})
+
+
+def test_default_config_parses_and_gpu_script_dry_run(tmp_path, monkeypatch):
+    cases = cases_from_config(yaml.safe_load((ROOT / "benchmarks" / "scaling.yaml").read_text()))
+    assert {c.sweep for c in cases} == {"strong", "weak", "pipeline"}
+    assert max(c.world_size for c in cases) == 8 and all(c.device == "cpu" for c in cases)
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu  # benchmarks/gpu.py
+
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--dry-run", "--steps", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["variant"] for r in doc["results"]] == ["torch-eager", "torch-compiled", "ndp-compile", "ndp-fsdp1"]
+    assert all(r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"]) for r in doc["results"])
+    assert doc["correctness"]["fsdp"]["ok"] and doc["correctness"]["fsdp_tp"]["ok"]
+    sys.modules.pop("gpu", None)

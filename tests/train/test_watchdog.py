@@ -1,0 +1,88 @@
+"""The hang watchdog's verdicts, from heartbeats (pure), and its heartbeats on real ranks.
+
+The end-to-end cases (a real hang under ``ndparallel train``, a lost node) are in
+tests/train/test_job_faults.py; here each rule of :func:`judge` is pinned down on hand-made heartbeats.
+"""
+
+from __future__ import annotations
+
+from ndparallel.testing import run_distributed
+from ndparallel.train.watchdog import Beat, describe, heartbeat_interval, judge, process_group_timeout
+
+
+def _beat(rank: int, seq: int, phase: str, age: float, collective: str = "", node: int = 0, where: str = "f (a.py:1)"):
+    return Beat(rank, node, f"host{node}", seq, phase, age, 7, where, collective)
+
+
+def test_nobody_is_blamed_before_the_timeout_or_while_everyone_computes():
+    beats = {0: _beat(0, 5, "step 2: forward/backward", 30.0), 1: _beat(1, 5, "step 2: forward/backward", 30.0)}
+    assert judge(beats, {}, timeout_s=10) is None, "all busy computing: slow, not hung"
+    waiting = {0: _beat(0, 6, "step 2: clip", 9.0, "all_reduce"), 1: _beat(1, 5, "step 2: forward/backward", 9.5)}
+    assert judge(waiting, {}, timeout_s=10) is None, "rank 0 has waited less than the timeout"
+
+
+def test_a_rank_in_an_earlier_phase_is_named_with_where_it_is():
+    beats = {
+        0: _beat(0, 6, "step 2: gradient clipping", 12.0, "all_reduce"),
+        1: _beat(1, 5, "step 2: forward/backward", 13.0, where="sleep (job.py:9)"),
+        2: _beat(2, 6, "step 2: gradient clipping", 11.0, "all_reduce"),
+    }
+    verdict = judge(beats, {}, timeout_s=10)
+    assert verdict == (
+        "rank 1 did not arrive at 'step 2: gradient clipping' within 10s: rank 1 is at "
+        "'step 2: forward/backward' in sleep (job.py:9); ranks 0, 2 wait there"
+    )
+
+
+def test_within_one_phase_the_rank_outside_the_collective_is_named():
+    beats = {
+        0: _beat(0, 3, "opening train.metrics_file", 12.0, where="_open_metrics_file (train/loop.py:145)"),
+        1: _beat(1, 3, "opening train.metrics_file", 12.0, "all_reduce"),
+    }
+    verdict = judge(beats, {}, timeout_s=10)
+    assert verdict.startswith("rank 0 did not reach the collective in 'opening train.metrics_file' within 10s")
+    assert verdict.endswith("rank 1 waits in all_reduce")
+    everyone = {r: _beat(r, 3, "step 1: checkpoint save", 12.0, "broadcast" if r else "all_reduce") for r in (0, 1)}
+    assert "mismatched collectives" in judge(everyone, {}, timeout_s=10)
+
+
+def test_silent_ranks_are_named_first_and_whole_nodes_by_node():
+    beats = {r: _beat(r, 9, "step 4: forward/backward", 20.0, "all_gather", node=r // 2) for r in range(4)}
+    verdict = judge(beats, {2: 6.1, 3: 6.0}, timeout_s=10)
+    assert verdict.startswith("node 1 (ranks 2, 3, host host1) stopped responding: no heartbeat for 6s")
+    assert describe([1], beats) == "rank 1"
+    assert describe([1, 2, 3], beats) == "node 1 (ranks 2, 3, host host1) and rank 1"
+    one_node = {r: _beat(r, 1, "x", 1.0) for r in range(2)}
+    assert describe([0, 1], one_node) == "ranks 0, 1", "a single-node job has no node to name"
+
+
+def test_timeouts_leave_the_watchdog_time_to_speak_first():
+    assert heartbeat_interval(600) == 2.0 and heartbeat_interval(1) == 0.2
+    for timeout in (1, 4, 20, 600, 3600):
+        assert process_group_timeout(timeout) >= timeout + 6 * heartbeat_interval(timeout) + 10
+
+
+def _heartbeats_on_two_ranks() -> list:
+    import time
+
+    import torch.distributed as dist
+
+    from ndparallel.train.watchdog import Watchdog
+
+    watchdog = Watchdog.for_job(timeout_s=4)  # a heartbeat every 0.2 s
+    watchdog.phase("step 1: forward/backward")
+    beats = None
+    if dist.get_rank() == 0:
+        time.sleep(1.5)  # meanwhile rank 1 blocks in the barrier, and says so in its heartbeats
+        beats = watchdog._read_beats()  # noqa: SLF001
+    dist.barrier()
+    watchdog.stop()
+    return beats and [vars(beats[r]) for r in sorted(beats)]
+
+
+def test_heartbeats_travel_through_the_job_store_on_real_ranks():
+    beats = run_distributed(_heartbeats_on_two_ranks, 2, timeout=120)[0]
+    assert [b["rank"] for b in beats] == [0, 1]
+    assert all(b["phase"] == "step 1: forward/backward" and b["seq"] == 1 and b["count"] >= 3 for b in beats)
+    assert beats[0]["collective"] == "" and "_heartbeats_on_two_ranks" in beats[0]["where"]
+    assert beats[1]["collective"] == "barrier" and "_heartbeats_on_two_ranks" in beats[1]["where"]
