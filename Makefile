@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test test-fast bench lint format clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
+
+# The inner loop: everything but the jobs (torchrun launches, CLI processes, notebooks, signals: marker
+# `jobs`) and the few tests over a minute (marker `slow`).
+test-fast: $(STAMP)
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m "not jobs and not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml
