@@ -60,6 +60,12 @@ class Import:
     line: int
 
 
+def _root_name(name: str) -> str:
+    """``models`` -> ``ndparallel.models`` (a package or root module); ``ConfigError`` -> ``ndparallel``."""
+    is_unit = (PACKAGE / name / "__init__.py").exists() or (PACKAGE / f"{name}.py").exists()
+    return f"ndparallel.{name}" if is_unit else "ndparallel"
+
+
 def imports_of(path: Path, root: Path = ROOT) -> list[Import]:
     """Every ndparallel import in one file, wherever it sits (top level, function, TYPE_CHECKING)."""
     importer = module_name(path, root)
@@ -77,8 +83,8 @@ def imports_of(path: Path, root: Path = ROOT) -> list[Import]:
                 target = node.module or ""
             if target.split(".")[0] != "ndparallel":
                 continue
-            if target == "ndparallel":  # from ndparallel import models, checkpoint: each name is a unit
-                found += [Import(importer, f"ndparallel.{a.name}", node.lineno) for a in node.names]
+            if target == "ndparallel":  # from ndparallel import models: a unit; from ndparallel import X: the root
+                found += [Import(importer, _root_name(a.name), node.lineno) for a in node.names]
             else:
                 found.append(Import(importer, target, node.lineno))
     return found

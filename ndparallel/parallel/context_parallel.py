@@ -301,14 +301,14 @@ def apply_context_parallel(
     model: nn.Module,
     mesh: Mesh | DeviceMesh,
     cfg: ParallelismConfig | None = None,
-    targets: Iterable[type | str] | None = None,
+    targets: Iterable[type | str] = (),
     mask: str = "causal",
     positions_arg: str = "positions",
 ) -> nn.Module:
-    """Replace every module matching ``targets`` (classes, or FQN patterns such as ``"layers.*.attn.core"``,
-    ``*`` inside one atom: :mod:`ndparallel.parallel.fqn`; default: the ``cp_attention`` of the model's
-    family, e.g. the reference Transformer's ``CoreAttention``) with a ``RingAttention`` on ``mesh["cp"]``;
-    returns ``model``.
+    """Replace every module the model's family names in ``cp_attention`` (the reference Transformer's
+    ``CoreAttention``), and every module matching ``targets`` (classes, or FQN patterns such as
+    ``"layers.*.attn.core"``, ``*`` inside one atom: :mod:`ndparallel.parallel.fqn`), with a ``RingAttention``
+    on ``mesh["cp"]``; returns ``model``.
 
     Targets must take ``forward(q, k, v)`` on ``[batch, seq, heads, head_dim]``. The outermost module
     whose ``forward`` takes ``positions_arg`` gets it filled with the rank's global positions when called
@@ -321,12 +321,10 @@ def apply_context_parallel(
     if cfg.cp_backend == "torch":
         _check_torch_backend(cp_mesh.device_type)
         return model
-    if targets is None:
-        # Imported here: the family protocol's default apply_attention calls this planner.
-        from ndparallel.parallel.family import family_for
+    # Imported here: the family protocol's default apply_attention calls this planner.
+    from ndparallel.parallel.family import family_for
 
-        targets = family_for(model).cp_attention
-    all_targets = tuple(targets)
+    all_targets = tuple(dict.fromkeys((*family_for(model).cp_attention, *targets)))
     found: list[str] = []
     for name, mod in model.named_modules():
         inside_found = any(name.startswith(f"{outer}.") for outer in found)

@@ -166,7 +166,8 @@ def _read_only(folder: Path):
 
 
 def test_cli_refuses_a_bad_checkpoint_folder_or_resume_path_before_any_rank_starts(tmp_path, capsys, monkeypatch):
-    from ndparallel import checkpoint, cli
+    from ndparallel import checkpoint
+    from ndparallel.launch import cli
     from ndparallel.models import Transformer, TransformerConfig
 
     def no_spawn(argv):
