@@ -48,26 +48,12 @@ class CaseResult:
     """Fastest real step - fastest compute-only twin step (the least disturbed steps of each)."""
     losses: list[float] = field(default_factory=list)
     error: str = ""
-    """Why the case was not measured (e.g. a pp case on a build without ``ndparallel.parallel.pipeline``); its numbers
-    are then NaN / -1, never a measurement."""
+    """Why the case was not measured; its numbers are then NaN / -1, never a measurement (the report shows it)."""
     pipeline: dict[str, Any] = field(default_factory=dict)
     """pp cases: ``schedule``, ``microbatches``, ``stages_per_rank`` and the cost model's ``bubble`` fraction."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def unmeasured(cls, case: BenchCase, reason: str) -> CaseResult:
-        """A row that says why ``case`` has no numbers."""
-        nan = float("nan")
-        return cls(
-            case=case.to_dict(), world_size=case.world_size, params=case.model_config().num_params(), step_s=[],
-            step_median_s=nan, step_min_s=nan, step_max_s=nan, step_stdev_s=nan, tokens_per_s=nan,
-            tokens_per_s_per_rank=nan, model_flops_per_s=nan, mfu=nan, peak_flops=nan, memory_method="",
-            peak_memory_bytes=-1, peak_memory_bytes_per_rank=[], param_bytes=-1, optimizer_bytes=-1, comm=[],
-            comm_bytes=-1, twin_step_median_s=None, twin_step_min_s=None, exposed_comm_s=None, error=reason,
-            pipeline=pipeline_info(case),
-        )  # fmt: skip
 
 
 def pipeline_info(case: BenchCase) -> dict[str, Any]:
