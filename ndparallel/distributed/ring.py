@@ -13,6 +13,10 @@ The backward pass recirculates the K/V blocks, computes dQ locally from the fina
 (flash-attention style), and sends the dK/dV partial sums around the ring back to their owners
 (or reduce-scatters them, for ``allgather``).
 
+Attention sinks (gpt-oss's ``s_aux``: one extra logit per head whose value is zero) merge like one more
+block, ``block_out = 0`` and ``block_lse = sink``, after the ring; the backward then needs no change for
+q, k, v (the kernels take the final out and LSE), and ``dsink = -sum(exp(sink - lse) * rowsum(dout * out))``.
+
 With ``load_balanced=True`` (head-tail / zig-zag), the sequence is cut into ``2 * cp`` chunks and
 rank ``r`` holds chunks ``r`` and ``2*cp-1-r`` concatenated; then every (query block, kv block)
 pair is fully visible, fully masked or diagonal-causal, and every rank does the same work.
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ndparallel.distributed.ulysses import check_local_sequence, ulysses_attention
+from ndparallel.distributed.ulysses import check_local_sequence, check_sinks, ulysses_attention
 from ndparallel.errors import ConfigError
 
 __all__ = ["ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
@@ -348,9 +352,21 @@ def _allgather_backward(s: _Setup, dout, q, kv, out, lse, ring: RingExchange, au
     return dq, ring.reduce_scatter(dkv)
 
 
+def _sink_lse(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The per-head sink logits ``[heads]`` as a block LSE shaped like ``lse`` ``[batch, heads, seq]``."""
+    return sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+
+
+def _sinks_grad(sinks: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks: a sink's probability is ``exp(sink - lse)`` and its value zero, so its score gradient
+    is ``p * (0 - rowsum(dout * out))``, summed over batch and query rows (this rank's rows)."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(torch.exp(_sink_lse(sinks, lse) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, rotate, load_balanced, scale, kernel):
+    def forward(ctx, q, k, v, sinks, group, causal, rotate, load_balanced, scale, kernel):
         ring = RingExchange(group)
         setup = _Setup(kernel, causal, load_balanced, scale, q.shape[2] // k.shape[2],
                        torch.promote_types(q.dtype, torch.float32))  # fmt: skip
@@ -358,21 +374,24 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))  # [2, B, Hkv, S, D]: only kv heads travel
         run = _ring_forward if rotate == "ring" else _allgather_forward
         out, lse, aux = run(setup, qh, kv, ring)
+        if sinks is not None:  # one more block: output 0, LSE = the sink logit
+            merge_partial(out, lse, out.new_zeros(()), _sink_lse(sinks, lse))
         out = out.to(q.dtype)
         ctx.setup, ctx.ring, ctx.rotate, ctx.aux = setup, ring, rotate, aux
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
         run = _ring_backward if ctx.rotate == "ring" else _allgather_backward
         grad_out = grad_out.contiguous().transpose(1, 2)  # autograd may hand an expanded (stride-0) gradient
         dq, dkv = run(ctx.setup, grad_out, q.transpose(1, 2), kv, out, lse, ctx.ring, ctx.aux)
         dq = dq.transpose(1, 2).to(q.dtype)
         dk, dv = (g.transpose(1, 2).to(k.dtype) for g in dkv)
-        return dq, dk, dv, None, None, None, None, None, None
+        dsinks = None if sinks is None else _sinks_grad(sinks, grad_out, out, lse)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -385,6 +404,7 @@ def ring_attention(
     load_balanced: bool = True,
     scale: float | None = None,
     kernel: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries against the whole sequence held across ``group``.
 
@@ -394,6 +414,7 @@ def ring_attention(
     ``ndparallel.parallel.context_parallel.shard_sequence`` produces it. Returns the local output rows.
     ``kernel`` forces one attention kernel (``math``, ``cpu_flash``, ``cuda_flash``, ``cuda_efficient``).
     ``rotate="alltoall"`` runs :func:`ndparallel.distributed.ulysses.ulysses_attention` (query heads must divide by cp).
+    ``sinks`` (``[heads]``, gpt-oss's ``s_aux``) adds one logit per head to every softmax denominator.
     """
     if rotate not in ROTATE_METHODS:
         raise ConfigError(f"cp_rotate_method={rotate!r} is not one of {list(ROTATE_METHODS)}")
@@ -404,6 +425,7 @@ def ring_attention(
         )
     if q.shape[2] % k.shape[2]:
         raise ConfigError(f"kv heads={k.shape[2]} must divide query heads={q.shape[2]} (grouped-query attention)")
+    check_sinks(sinks, q.shape[2])
     cp = dist.get_world_size(group if group is not None else dist.group.WORLD)
     load_balanced = load_balanced and causal and cp > 1
     check_local_sequence(q.shape[1], cp, load_balanced)
@@ -412,7 +434,7 @@ def ring_attention(
             raise ConfigError(
                 f"kernel={kernel!r} picks a ring block kernel; cp_rotate_method='alltoall' runs torch's SDPA"
             )
-        return ulysses_attention(q, k, v, group, causal, load_balanced, scale)
+        return ulysses_attention(q, k, v, group, causal, load_balanced, scale, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chosen = attention_kernel(q.device, q.dtype, q.shape[-1], kernel)
-    return _RingAttention.apply(q, k, v, group, causal, rotate, load_balanced, scale, chosen)
+    return _RingAttention.apply(q, k, v, sinks, group, causal, rotate, load_balanced, scale, chosen)

@@ -16,6 +16,10 @@ Heads. The query heads a rank holds (``heads / tp`` under tensor parallel) must 
 heads (grouped-query attention) that do not are repeated to ``lcm(kv_heads, cp)`` heads first: every
 query head keeps its own kv head (exact; the repeat's backward sums the gradient back), and each rank
 receives exactly the kv heads its query heads read.
+
+Attention sinks (``sinks``, one logit per query head added to every softmax denominator: gpt-oss's ``s_aux``)
+follow their heads: each rank takes the sinks of its head group and attends in plain torch ops (SDPA has no
+sink), so autograd gives the sinks' gradient.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from ndparallel.config.preflight import check_alltoall_heads
 from ndparallel.config.sequence import sequence_problem
 from ndparallel.errors import ConfigError
 
-__all__ = ["check_local_sequence", "chunk_positions", "kv_heads_sent", "ulysses_attention"]
+__all__ = [
+    "check_local_sequence",
+    "check_sinks",
+    "chunk_positions",
+    "kv_heads_sent",
+    "local_attention",
+    "ulysses_attention",
+]
 
 
 def check_local_sequence(local: int, cp: int, load_balanced: bool) -> None:
@@ -40,6 +51,32 @@ def check_local_sequence(local: int, cp: int, load_balanced: bool) -> None:
     problem = sequence_problem(local * cp, cp, 1, load_balanced, what="global sequence length")
     if problem:
         raise ConfigError(f"local sequence length {local} on cp_size={cp}: {problem}")
+
+
+def check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
+    """ConfigError unless ``sinks`` is None or one logit per query head on this rank."""
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ConfigError(
+            f"attention sinks of shape {tuple(sinks.shape)} do not match the {heads} query heads on this rank "
+            "(sinks must be one logit per head, sharded like the heads): use tp_size=1"
+        )
+
+
+def local_attention(q, k, v, causal: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention on ``[batch, heads, seq, dim]`` (k, v may have fewer heads): SDPA, or with ``sinks`` the
+    softmax over the scores and one sink logit per head, the sink's column then dropped (its value is 0)."""
+    grouped = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=grouped)
+    if grouped:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def kv_heads_sent(kv_heads: int, cp: int) -> int:
@@ -144,22 +181,22 @@ def ulysses_attention(
     causal: bool = True,
     load_balanced: bool = True,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's tokens against the whole sequence held across ``group``.
 
     ``q`` is ``[batch, seq_local, heads, head_dim]``, ``k``/``v`` the same with ``heads`` or fewer
     (grouped-query) heads, rows in the layout of ``load_balanced`` (see the module docstring);
-    ``heads`` must divide by the group size. Returns the local output rows, ``q``'s shape.
+    ``heads`` must divide by the group size. ``sinks``: ``[heads]`` sink logits, or None. Returns the local
+    output rows, ``q``'s shape.
     """
-    cp = dist.get_world_size(group if group is not None else dist.group.WORLD)
+    group = group if group is not None else dist.group.WORLD
+    cp = dist.get_world_size(group)
     heads, kv_heads = q.shape[2], k.shape[2]
     check_alltoall_heads(heads, 1, cp, what="query heads on this rank")
+    check_sinks(sinks, heads)
     if cp == 1:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale,
-            enable_gqa=heads != kv_heads,
-        )  # fmt: skip
-        return out.transpose(1, 2)
+        return local_attention(*(t.transpose(1, 2) for t in (q, k, v)), causal, scale, sinks).transpose(1, 2)
     load_balanced = load_balanced and causal
     check_local_sequence(q.shape[1], cp, load_balanced)
     sent = kv_heads_sent(kv_heads, cp)
@@ -168,5 +205,7 @@ def ulysses_attention(
     layout = _Layout(group, load_balanced, q.device)
     full = _SeqToHeads.apply(layout, q, k, v)  # [B, S, heads/cp + 2 * sent/cp, D], global order
     qh, kh, vh = (t.transpose(1, 2) for t in full.split([heads // cp, sent // cp, sent // cp], dim=2))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=heads != sent)
+    if sinks is not None:  # this rank attends for head group ``rank`` (the all-to-all's slice order)
+        sinks = sinks.unflatten(0, (cp, -1))[dist.get_rank(group)]
+    out = local_attention(qh, kh, vh, causal, scale, sinks)
     return _HeadsToSeq.apply(layout, out.transpose(1, 2))

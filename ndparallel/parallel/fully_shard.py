@@ -5,6 +5,12 @@ just before that module's forward (and again in backward when ``reshard_after_fo
 and its gradients reduce-scattered right after its backward, so communication of block
 ``i`` overlaps compute of its neighbours. A 1-D mesh shards (FSDP); a 2-D
 ``(replicate, shard)`` mesh shards inside each replica and all-reduces across replicas (HSDP).
+
+FSDP2 flattens a unit's parameters into one buffer, so a unit must hold one parameter dtype. A model that
+keeps some parameters in another dtype (DeepSeek-V3's fp32 router in a bf16 or float64 model) gets, inside
+each unit, one extra unit per largest submodule whose parameters all have a dtype other than the unit's
+most common one (:func:`dtype_units`); those compute and reduce in their stored dtype under mixed precision
+(a model keeps them apart on purpose). Odd-dtype parameters that are not a whole submodule are refused by name.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.precision import DTYPES
+from ndparallel.errors import ConfigError
 
-__all__ = ["apply_fully_shard", "default_shard_groups", "fsdp_mesh", "mixed_precision_policy"]
+__all__ = ["apply_fully_shard", "default_shard_groups", "dtype_units", "fsdp_mesh", "mixed_precision_policy"]
 
 
 def mixed_precision_policy(mixed_precision: str, param_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
@@ -76,6 +83,62 @@ def _unview_output(module: nn.Module, args: tuple, output: object) -> object:
     return output
 
 
+def _unit_params(unit: nn.Module, inner: set[nn.Module]) -> list[tuple[str, nn.Module, nn.Parameter]]:
+    """(fqn, owner, parameter) of ``unit``'s own parameters: not inside a module of ``inner`` (its own units)."""
+    found, seen = [], set()
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                found.append((f"{prefix}{name}", module, param))
+        for name, child in module.named_children():
+            if child not in inner:
+                walk(child, f"{prefix}{name}.")
+
+    walk(unit, "")
+    return found
+
+
+def _majority_dtype(params: Sequence[nn.Parameter]) -> torch.dtype | None:
+    counts: dict[torch.dtype, int] = {}
+    for param in params:
+        counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def dtype_units(unit: nn.Module, inner: Sequence[nn.Module] = ()) -> list[nn.Module]:
+    """The submodules of ``unit`` that need their own FSDP unit because their parameters all have a dtype
+    other than the unit's most common one (largest such submodules first found; ``inner`` are units already).
+    ConfigError naming the parameter when an odd-dtype parameter shares its module with other dtypes."""
+    own = _unit_params(unit, set(inner))
+    main = _majority_dtype([p for _, _, p in own])
+    odd = {id(p) for _, _, p in own if p.dtype != main}
+    if not odd:
+        return []
+    units: list[nn.Module] = []
+
+    def pick(module: nn.Module) -> None:
+        params = [p for _, _, p in _unit_params(module, set(inner))]
+        if module is not unit and params and all(id(p) in odd for p in params):
+            units.append(module)
+            return
+        for child in module.children():
+            if child not in inner:
+                pick(child)
+
+    pick(unit)
+    covered = {id(p) for module in units for _, _, p in _unit_params(module, set(inner))}
+    for fqn, owner, param in own:
+        if id(param) in odd and id(param) not in covered:
+            raise ConfigError(
+                f"FSDP needs one parameter dtype per unit, but {fqn!r} ({type(owner).__name__}) is {param.dtype} "
+                f"beside {main} parameters of the same module: give the model one dtype (model.to(dtype)), or "
+                "move such parameters into a submodule of their own (it then becomes its own FSDP unit)"
+            )
+    return units
+
+
 def default_shard_groups(model: nn.Module) -> list[list[str]]:
     """Extra FSDP groups besides the blocks: ``[[tok_embeddings], [norm, output]]`` when the model has them."""
     names = dict(model.named_children())
@@ -106,13 +169,31 @@ def apply_fully_shard(
         # Pinned host memory speeds host<->device copies; it needs an accelerator (CPU-only ranks: no pinning).
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
     reshard = cfg.reshard_after_forward
+    grouped = [
+        [model.get_submodule(fqn) for fqn in group]
+        for group in (default_shard_groups(model) if groups is None else groups)
+    ]
+    odd = _odd_dtype_units(model, list(blocks), grouped)  # refusals first: nothing is sharded yet
+    for module in odd:  # its own dtype for compute and reduction: the model keeps it apart on purpose
+        fully_shard(module, reshard_after_forward=reshard, **{**kwargs, "mp_policy": mixed_precision_policy("no")})
     for index, block in enumerate(blocks):
         block.register_forward_hook(_unview_output)
         fully_shard(block, reshard_after_forward=reshard and index < len(blocks) - 1, **kwargs)
-    for group in default_shard_groups(model) if groups is None else groups:
-        modules = [model.get_submodule(fqn) for fqn in group]
+    for modules in grouped:
         for module in modules:
             module.register_forward_hook(_unview_output)
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=reshard, **kwargs)
     return model
+
+
+def _odd_dtype_units(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.Module]]) -> list[nn.Module]:
+    """The extra units :func:`dtype_units` finds in every block, group and the root (innermost units first)."""
+    units = [*blocks, *(m for group in groups for m in group)]
+    odd: list[nn.Module] = []
+    for unit in blocks:
+        odd += dtype_units(unit)
+    for group in groups:  # a multi-module group is one unit: its modules' parameters together
+        holder = nn.ModuleList(group) if len(group) > 1 else group[0]
+        odd += dtype_units(holder)
+    return odd + dtype_units(model, units + odd)

@@ -6,7 +6,11 @@ HF attention modules call a function from ``transformers``' attention registry. 
 ``cp_rotate_method``), installs the input hook (:mod:`ndparallel.models.hf.inputs`: positions, KV cache off,
 collective refusals) and the sharding-aware ``outputs.loss`` (:mod:`ndparallel.models.hf.loss`).
 :func:`check_attention` holds the refusals that must come before the model is touched: an attention the
-seam cannot route, ``cp_backend="torch"``, and rotary tables recomputed per rank (dynamic rope under cp).
+seam cannot route, ``cp_backend="torch"``, rotary tables recomputed per rank (dynamic rope under cp), and
+attention features in the config the seam does not implement (logit soft-capping, attention dropout, sinks
+under tp). At call time :func:`_check_call` refuses by name every attention keyword the functions would
+not honour; ``scaling``, sinks (``s_aux``) and MLA's differing v head dim are implemented exactly, and a
+sliding window is exact (refused by the input hook otherwise) while the sequence fits in it.
 ``transformers`` is imported only when an HF model is parallelised.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -22,11 +27,19 @@ from torch import nn
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.ring import ring_attention
+from ndparallel.distributed.ulysses import check_sinks, local_attention
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.inputs import InputLayout, input_hook
 from ndparallel.models.hf.loss import install_causal_lm_loss
 
-__all__ = ["ATTENTION_RING", "ATTENTION_SDPA", "apply_hf_attention", "check_attention", "route_hf_attention"]
+__all__ = [
+    "ATTENTION_RING",
+    "ATTENTION_SDPA",
+    "apply_hf_attention",
+    "attention_window",
+    "check_attention",
+    "route_hf_attention",
+]
 
 ATTENTION_SDPA, ATTENTION_RING = "ndparallel_sdpa", "ndparallel_ring"
 
@@ -56,38 +69,74 @@ def _spec(module: nn.Module) -> _AttentionSpec:
     return spec
 
 
-def _check_call(module: nn.Module, q_len: int, spec: _AttentionSpec, dropout: float, kwargs: dict) -> None:
-    if not getattr(module, "is_causal", True):
-        raise ConfigError(
-            f"{type(module).__name__} is not causal: ndparallel's HF attention supports causal masks only"
-        )
+# Keywords transformers hands the attention function that do not change its result (the rotary embedding is
+# applied before the call; the KV cache is off; attention weights are not returned). Every other keyword is
+# a feature: implemented (``scaling``, ``s_aux``), or refused unless it has its neutral value (_check_call).
+_NEUTRAL_KWARGS = frozenset(
+    {"position_ids", "cache_position", "use_cache", "past_key_values", "output_attentions", "output_router_logits"}
+)
+
+
+def _refuse(module: nn.Module, feature: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"model_type={module.config.model_type!r} ({type(module).__name__}) uses {feature} in its attention: "
+        f"{why}; use tp_size=1 and cp_size=1"
+    )
+
+
+def _check_call(module: nn.Module, seq: int, dropout: float, kwargs: dict) -> None:
+    """Refuse, by name, every attention keyword of this call that ndparallel's attention would not honour.
+    ``seq`` is the whole sequence the call attends over (the rank's rows times cp)."""
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal", True) is False:
+        raise _refuse(module, "is_causal=False", "ndparallel's tp/cp attention is causal only")
     if dropout:
-        raise ConfigError(f"attention dropout={dropout} is not supported under tp/cp; set config.attention_dropout=0")
+        raise _refuse(module, f"dropout={dropout}", "attention dropout is not implemented (set attention_dropout=0)")
     window = kwargs.get("sliding_window")
-    if window is not None and window < q_len * spec.cp_size:
+    if window is not None and window < seq:
         raise ConfigError(
-            f"sliding_window={window} is shorter than the sequence ({q_len * spec.cp_size}): ndparallel's "
+            f"sliding_window={window} is shorter than the sequence ({seq}): ndparallel's "
             "attention is full causal; use sequences <= sliding_window or config.sliding_window=None"
         )
+    if kwargs.get("softcap") is not None:
+        raise _refuse(module, f"softcap={kwargs['softcap']}", "attention logit soft-capping is not implemented")
+    for name, value in kwargs.items():
+        if name not in _NEUTRAL_KWARGS | {"is_causal", "sliding_window", "softcap", "s_aux"}:
+            if value is not None and value is not False:
+                raise _refuse(module, f"{name}={_short(value)}", "ndparallel's tp/cp attention does not know it")
+
+
+def _short(value: object) -> str:
+    return f"<tensor {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)[:40]
+
+
+def _same_head_dim(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad q/k or v (``[..., head_dim]``) to one head dim (MLA: DeepSeek's v_head_dim != qk head dim):
+    zero columns add nothing to q.k and give zero output columns, which the caller drops. Exact."""
+    pad = value.shape[-1] - query.shape[-1]
+    if pad > 0:
+        return F.pad(query, (0, pad)), F.pad(key, (0, pad)), value
+    return query, key, F.pad(value, (0, -pad)) if pad else value
 
 
 def _sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Causal SDPA on ``[batch, heads, seq, head_dim]`` (the rank's heads); returns ``[batch, seq, heads, dim]``."""
-    _check_call(module, query.shape[2], _spec(module), dropout, kwargs)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    _check_call(module, query.shape[2] * _spec(module).cp_size, dropout, kwargs)
+    sinks = kwargs.get("s_aux")
+    check_sinks(sinks, query.shape[1])
+    out = local_attention(query, key, value, True, scaling, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Ring attention over the cp group; HF passes ``[batch, heads, seq, head_dim]``, the ring wants seq first."""
     spec = _spec(module)
-    _check_call(module, query.shape[2], spec, dropout, kwargs)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = ring_attention(q, k, v, spec.cp_group, True, spec.rotate, spec.load_balance, scale=scaling)
-    return out, None
+    _check_call(module, query.shape[2] * spec.cp_size, dropout, kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # before any padding of the head dim
+    v_dim = value.shape[-1]
+    q, k, v = (t.transpose(1, 2) for t in _same_head_dim(query, key, value))
+    sinks = kwargs.get("s_aux")
+    out = ring_attention(q, k, v, spec.cp_group, True, spec.rotate, spec.load_balance, scaling, sinks=sinks)
+    return out[..., :v_dim], None
 
 
 def _register_attention(model: nn.Module, name: str) -> None:
@@ -116,7 +165,7 @@ def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | No
     cp, cp_mesh = mesh.size("cp"), mesh["cp"]
     cp_group = cp_mesh.get_group() if cp > 1 else None
     cp_rank = cp_mesh.get_local_rank() if cp > 1 else 0
-    layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance)
+    layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance, attention_window(model))
     model.register_forward_pre_hook(input_hook(layout), with_kwargs=True)
     install_causal_lm_loss(model, cp_group, cp, cp_rank, cfg.cp_load_balance)
     return model
@@ -145,12 +194,43 @@ def check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> boo
         raise ConfigError(f"cp_backend={cfg.cp_backend!r} is not supported for Hugging Face models; use 'ndparallel'")
     if mesh.size("cp") > 1:
         _check_rope(model, mesh.size("cp"))
+    _check_features(model, mesh.size("tp"))
     if not any(_is_hf_attention(m) for m in model.modules()):
         raise ConfigError(
             f"{type(model).__name__} has no HF attention module (with is_causal, layer_idx, config) calling the "
             "attention registry: tensor/context parallel cannot route its attention; use tp_size=cp_size=1"
         )
     return True
+
+
+def _check_features(model: nn.Module, tp: int) -> None:
+    """Refuse, before the model is touched, the attention features its config turns on that the seam cannot
+    honour (each would otherwise reach :func:`_check_call` on the first forward, or worse be ignored)."""
+    for module in filter(_is_hf_attention, model.modules()):
+        config = module.config
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if softcap is not None:
+            raise _refuse(module, f"attn_logit_softcapping={softcap}", "logit soft-capping is not implemented")
+        dropout = getattr(config, "attention_dropout", 0.0)
+        if isinstance(dropout, float | int) and dropout > 0:
+            raise _refuse(module, f"attention_dropout={dropout}", "attention dropout is not implemented")
+        if tp > 1 and isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise ConfigError(
+                f"model_type={config.model_type!r} ({type(module).__name__}) has attention sinks (s_aux), one per "
+                f"head, which tensor parallel does not shard with the heads; use tp_size=1 (cp_size > 1 is exact)"
+            )
+
+
+def attention_window(model: nn.Module) -> int | None:
+    """The shortest sliding window of the model's attention layers (None: all full causal). A layer's own
+    ``sliding_window`` attribute wins (None on the full layers of Gemma 2/3, Cohere 2, gpt-oss, Qwen2), else
+    its config's (Mistral). Sequences up to it attend exactly as full causal attention."""
+    windows = []
+    for module in filter(_is_hf_attention, model.modules()):
+        window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
+        if isinstance(window, int):
+            windows.append(window)
+    return min(windows, default=None)
 
 
 def _is_dynamic_rope(kind: object) -> bool:

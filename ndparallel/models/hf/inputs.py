@@ -7,7 +7,8 @@ tokens), turns the KV cache off, and fills ``position_ids`` with this rank's glo
 shard under cp; under sequence parallel the local sequence would otherwise number tokens ``0..seq/tp``).
 Refusals are collective (:func:`ndparallel.distributed.agree.agree`: one all-reduce of a flag vector per
 forward): a rank that sees padding and one that does not raise the same ConfigError, instead of one rank
-raising while the others block in FSDP's next collective.
+raising while the others block in FSDP's next collective. Two refusals keep the full causal attention exact:
+a sequence longer than the model's sliding window, and ``position_ids`` that restart (packed documents).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class InputLayout:
     cp_size: int
     cp_rank: int
     load_balance: bool
+    window: int | None = None  # the model's shortest sliding window: longer sequences are refused
 
 
 def input_problem(layout: InputLayout, args: tuple, kwargs: dict[str, Any]) -> str | None:
@@ -56,12 +58,34 @@ def input_problem(layout: InputLayout, args: tuple, kwargs: dict[str, Any]) -> s
     labels = labels_problem(kwargs, local, cp)  # outputs.loss: ndparallel/models/hf/loss.py
     if labels:
         return labels
-    positions = kwargs.get("position_ids")
-    if positions is not None and positions.shape[-1] != local:
+    if layout.window is not None and local * cp > layout.window:
+        return (
+            f"sequence length {local * cp} is longer than the model's sliding_window={layout.window}: "
+            "ndparallel's tp/cp attention is full causal, exact only up to the window; use sequences <= "
+            f"{layout.window}, or tp_size=1 and cp_size=1"
+        )
+    return _positions_problem(layout, kwargs.get("position_ids"), local)
+
+
+def _positions_problem(layout: InputLayout, positions: Any, local: int) -> str | None:
+    """``position_ids`` must be this rank's shard of one ``arange`` per row (any offset): positions that restart
+    or skip make transformers mask packed documents apart, which the full causal attention would ignore."""
+    if positions is None:
+        return None
+    cp = layout.cp_size
+    if positions.shape[-1] != local:
         return (
             f"position_ids has {positions.shape[-1]} positions but this rank holds {local} tokens "
             f"(cp_size={cp}): pass position_ids as a context_parallel buffer with the tokens "
             "(seq dim 1) so they are sharded alike, or omit them (ndparallel fills the rank's global positions)"
+        )
+    expected = sequence_indices(local * cp, cp, layout.cp_rank, layout.load_balance, positions.device)
+    offsets = positions.reshape(-1, local) - expected
+    if bool((offsets != offsets[:, :1]).any()):
+        return (
+            "position_ids restart or skip inside a row (packed sequences: transformers would mask the documents "
+            "apart), but ndparallel's tp/cp attention is full causal over the row: pass one arange per row "
+            "(or omit position_ids), one document per row, or use tp_size=1 and cp_size=1"
         )
     return None
 
