@@ -52,6 +52,18 @@ def _check_pp_accumulation(pp_size: int, steps: int) -> None:
         )
 
 
+_PREPARED = "_ndp_prepared"  # set on a model prepare() took and on what it returned: a second prepare is refused
+
+
+def _check_not_prepared(obj: Any) -> None:
+    """Refuse a model that prepare() already took or returned (its parameters are already split and wrapped)."""
+    if isinstance(obj, PipelineModel) or getattr(obj, _PREPARED, False):
+        raise ConfigError(
+            f"this {type(obj).__name__} was already prepared: call prepare once per model, with the plain model, "
+            "and keep using the object that call returned"
+        )
+
+
 class Accelerator:
     """Mesh, device, mixed precision, gradient accumulation, trackers and checkpoints for a hand-written loop.
 
@@ -85,6 +97,7 @@ class Accelerator:
         _check_pp_accumulation(cfg.pp_size, gradient_accumulation_steps)  # before any rank builds a mesh
         device_type = "cpu" if cpu else (device_type or os.environ.get("NDP_DEVICE") or None)  # launch --cpu-ranks
         self.mesh = mesh or init_distributed(cfg, device_type=device_type)
+        trackers.check_logging_dir(self._tracker_entries, project_dir)
         self._config = cfg.resolve(self.mesh.size())
         _check_pp_accumulation(self._config.pp_size, gradient_accumulation_steps)
         self._autocast = forward_autocast_dtype(self._config)
@@ -166,12 +179,21 @@ class Accelerator:
         (FSDP2 and TP replace parameters by DTensors), so an optimizer built before ``prepare`` is re-pointed
         at the new parameters by name. Optimizers and schedulers step only when gradients sync.
         """
+        for obj in objects:
+            _check_not_prepared(obj)
         models = [o for o in objects if isinstance(o, nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        for optimizer in optimizers:  # before any model changes
+            stepping.check_parameters(optimizer, [*self._models, *models])
+        if optimizers:
+            stepping.warn_unstepped([*self._models, *models], [*self._optimizers, *optimizers])
         names_before = {id(p): (i, n) for i, m in enumerate(models) for n, p in m.named_parameters()}
         prepared, prepared_models = [], []
         for obj in objects:
             if isinstance(obj, nn.Module):
-                obj = self._prepare_model(obj)
+                plain, obj = obj, self._prepare_model(obj)
+                setattr(plain, _PREPARED, True)
+                setattr(obj, _PREPARED, True)
                 prepared_models.append(obj)
             elif isinstance(obj, DataLoader):
                 obj = data.shard_loader(
@@ -182,11 +204,10 @@ class Accelerator:
                 self._schedulers.append(obj)
             prepared.append(obj)
         params_after = [dict(m.named_parameters()) for m in prepared_models]
-        for obj in prepared:
-            if isinstance(obj, torch.optim.Optimizer):
-                stepping.repoint(obj, names_before, params_after, drop_absent=self._pp)
-                stepping.step_only_when_syncing(obj, ("step", "zero_grad"), lambda: self.sync_gradients)
-                self._optimizers.append(obj)
+        for obj in optimizers:
+            stepping.repoint(obj, names_before, params_after, drop_absent=self._pp)
+            stepping.step_only_when_syncing(obj, ("step", "zero_grad"), lambda: self.sync_gradients)
+            self._optimizers.append(obj)
         self._models.extend(prepared_models)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 

@@ -1,11 +1,17 @@
 """Prepared optimizers and schedulers: re-pointed at the parallelised parameters, and stepped only when
 gradients sync, so an Accelerate loop that calls ``optimizer.step()`` on every micro-batch still takes one
-step per accumulated batch (Accelerate's prepared optimizer skips the others the same way)."""
+step per accumulated batch (Accelerate's prepared optimizer skips the others the same way).
+
+Before anything is prepared, an optimizer must hold only the prepared models' parameters
+(:func:`check_parameters`: one built from another model would step parameters no loss reaches); a
+trainable parameter that no optimizer holds draws a warning (:func:`warn_unstepped`), since freezing
+part of a model by leaving it out of the optimizer is legitimate, if better said with ``requires_grad_``."""
 
 from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +19,14 @@ import torch
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["GATE_ATTRIBUTE", "repoint", "scheduler_state", "step_only_when_syncing"]
+__all__ = [
+    "GATE_ATTRIBUTE",
+    "check_parameters",
+    "repoint",
+    "scheduler_state",
+    "step_only_when_syncing",
+    "warn_unstepped",
+]
 
 GATE_ATTRIBUTE = "_ndp_steps_when_syncing"  # on a gated optimizer / scheduler: the names of the gated methods
 
@@ -60,3 +73,43 @@ def scheduler_state(scheduler: Any) -> dict[str, Any]:
     ``__dict__``, which then holds the gated ``step``: not state, and not storable)."""
     patched = (*getattr(scheduler, GATE_ATTRIBUTE, ()), GATE_ATTRIBUTE)
     return {k: v for k, v in scheduler.state_dict().items() if k not in patched}
+
+
+def check_parameters(optimizer: torch.optim.Optimizer, models: list[Any]) -> None:
+    """Refuse an optimizer holding a parameter that none of ``models`` (those being prepared, and those prepared
+    before) holds: such a parameter is not parallelised and gets no gradient from the prepared model (so it
+    never changes), or no gradient sync (so the ranks drift apart)."""
+    own = {id(p) for model in models for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in params if id(p) not in own]
+    if not foreign:
+        return
+    if len(foreign) == len(params):
+        raise ConfigError(
+            "the optimizer holds none of the prepared model's parameters; build it from the model you pass to "
+            "prepare() (in the same call, or from the model an earlier prepare() returned)"
+        )
+    shapes = ", ".join(str(list(p.shape)) for p in foreign[:3])
+    raise ConfigError(
+        f"{len(foreign)} of the optimizer's {len(params)} parameters (shapes {shapes}...) are not the prepared "
+        "model's; build it from the model you pass to prepare(), and prepare every module it trains"
+    )
+
+
+def warn_unstepped(models: list[Any], optimizers: list[torch.optim.Optimizer]) -> None:
+    """Warn about trainable parameters of a model the optimizers train (they hold some of its parameters) that
+    no optimizer holds: they get gradients and never change. A model no optimizer touches (a frozen reference
+    model) is left alone; ``requires_grad_(False)`` on a parameter says it is frozen on purpose."""
+    stepped = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        named = list(model.named_parameters())
+        if not any(id(p) in stepped for _, p in named):
+            continue
+        missed = [name for name, p in named if p.requires_grad and id(p) not in stepped]
+        if missed:
+            warnings.warn(
+                f"{len(missed)} trainable parameters of the prepared {type(model).__name__} are in no prepared "
+                f"optimizer ({', '.join(missed[:3])}{', ...' if len(missed) > 3 else ''}): they get gradients but "
+                "never change; add them to the optimizer, or freeze them with requires_grad_(False)",
+                stacklevel=3,
+            )

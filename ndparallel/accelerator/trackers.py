@@ -16,9 +16,19 @@ from typing import Any
 
 import torch
 
+from ndparallel.config.paths import check_writable_folder
+from ndparallel.distributed.agree import agree, rank
 from ndparallel.errors import ConfigError
 
-__all__ = ["BUILT_IN", "BlankTracker", "JSONLTracker", "TensorBoardTracker", "make_trackers", "tracker_names"]
+__all__ = [
+    "BUILT_IN",
+    "BlankTracker",
+    "JSONLTracker",
+    "TensorBoardTracker",
+    "check_logging_dir",
+    "make_trackers",
+    "tracker_names",
+]
 
 BUILT_IN = ("jsonl", "tensorboard")
 # Accelerate's other integrations: named so the error can say what to use instead.
@@ -144,6 +154,21 @@ def tracker_names(log_with: Any, logging_dir: str | os.PathLike | None) -> list[
         elif not all(callable(getattr(entry, m, None)) for m in _TRACKER_METHODS):
             raise ConfigError(f"log_with entry {entry!r} is not a tracker: it needs {', '.join(_TRACKER_METHODS)}")
     return [e.lower() if isinstance(e, str) else e for e in entries]
+
+
+def check_logging_dir(entries: list[Any], logging_dir: str | os.PathLike | None) -> None:
+    """Collective (every rank, when a built-in tracker is asked for): the main process, which writes the files,
+    checks that ``logging_dir`` is a writable folder, and every rank raises the same one-line error if not,
+    before any tracker starts (not an ``OSError`` on the main process and a lost connection on the others)."""
+    if not any(isinstance(entry, str) for entry in entries):
+        return
+    error = None
+    if rank() == 0:
+        try:
+            check_writable_folder(logging_dir, "project_dir")
+        except ConfigError as e:  # raised on every rank by agree
+            error = e
+    agree(error, "Accelerator(log_with=...) cannot write its logs", error_type=ConfigError)
 
 
 def make_trackers(

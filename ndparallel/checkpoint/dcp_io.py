@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ndparallel.checkpoint.dcp_metadata import SafeFileSystemReader
+from ndparallel.checkpoint.dcp_metadata import SafeFileSystemReader, shard_error
 from ndparallel.distributed.agree import distributed
 
 __all__ = ["read", "write", "write_async"]
@@ -69,8 +69,14 @@ def write_async(tensors: dict[str, torch.Tensor], directory: Path) -> Any:
 
 def read(targets: dict[str, torch.Tensor], directory: Path, *, this_process_only: bool = False) -> None:
     """Read the checkpoint in ``directory`` into ``targets`` (in place; their shapes and shardings decide
-    what each rank reads). Collective unless ``this_process_only`` (or there is no process group)."""
+    what each rank reads). Collective unless ``this_process_only`` (or there is no process group). A shard
+    file torch cannot read is a one-line :class:`CheckpointError` naming it, on every rank."""
+    alone = this_process_only or not distributed()
     with _quiet_single_process():
-        dcp.load(
-            targets, storage_reader=SafeFileSystemReader(directory), no_dist=this_process_only or not distributed()
-        )
+        try:
+            dcp.load(targets, storage_reader=SafeFileSystemReader(directory), no_dist=alone)
+        except dcp.CheckpointException as e:  # a BaseException, raised on every rank
+            named = shard_error(e, name_rank=not alone)
+            if named is None:
+                raise
+            raise named from None

@@ -18,6 +18,7 @@ this metadata reader; pass it to ``dcp.load`` as ``storage_reader``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 import os
@@ -26,13 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.futures import Future
 
 from ndparallel.checkpoint.format import METADATA_FILE
 from ndparallel.errors import CheckpointError
 
-__all__ = ["METADATA_FILE", "SafeFileSystemReader", "read_metadata"]
+__all__ = ["METADATA_FILE", "SafeFileSystemReader", "read_metadata", "shard_error"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # (module, name) in the pickle -> (module, name) to resolve. These are the globals of the .metadata
@@ -145,9 +148,43 @@ class SafeFileSystemReader(FileSystemReader):
         if checkpoint_id:
             self._directory = Path(checkpoint_id)
 
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        """DCP's read, one shard file at a time, so a file torch cannot read (data replaced by a forger who
+        recomputed the SHA-256, a file of another format) is named: a :class:`CheckpointError` DCP then
+        raises on every rank (see :func:`shard_error`)."""
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as e:
+                why = (str(e).strip().splitlines() or [""])[0][:200]
+                if "weights_only" in why:  # torch's advice (load with weights_only=False) would run the forger's code
+                    why = "torch.load(weights_only=True) refused its content"
+                raise CheckpointError(
+                    f"checkpoint {str(self._directory)!r}: {name!r} is not a DCP shard torch can read "
+                    f"({type(e).__name__}: {why}); the model and optimizer may be partly overwritten: load another "
+                    "checkpoint into them, or rebuild them"
+                ) from e
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(self._directory)
         if metadata.storage_meta is None:  # as torch's reader does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
+
+
+def shard_error(error: CheckpointException, name_rank: bool) -> CheckpointError | None:
+    """The :class:`CheckpointError` a rank's :meth:`SafeFileSystemReader.read_data` raised inside DCP's
+    ``CheckpointException`` (which DCP raises on every rank), as one line (naming that rank if ``name_rank``);
+    None if no rank failed that way."""
+    for failed_rank, failure in sorted(error.failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", None)
+        if isinstance(cause, CheckpointError):
+            return CheckpointError(f"rank {failed_rank}: {cause}" if name_rank else str(cause))
+    return None

@@ -15,12 +15,12 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["STAMP", "is_leftover", "leftover_name", "new_token", "reserved", "write_stamp"]
+__all__ = ["STAMP", "is_leftover", "leftover_name", "new_token", "replaced_name", "reserved", "write_stamp"]
 
 STAMP = "ndparallel_save.json"
 """Written by rank 0 into every directory a save creates, before anything else."""
 _FORMAT = "ndparallel-checkpoint"
-_LEFTOVER = re.compile(r"(?P<name>.+)\.(?:tmp|old)-[0-9a-f]{16}")
+_LEFTOVER = re.compile(r"(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{16}")
 
 
 def new_token(time_ns: int) -> str:
@@ -58,3 +58,9 @@ def is_leftover(path: Path, name: str | None = None) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(stamp, dict) and stamp.get("format") == _FORMAT and stamp.get("name") == match["name"]
+
+
+def replaced_name(path: Path) -> str | None:
+    """``<name>`` if ``path`` is our stamped ``<name>.old-<id>`` (a checkpoint a save was replacing), else None."""
+    match = _LEFTOVER.fullmatch(path.name)
+    return match["name"] if match is not None and match["kind"] == "old" and is_leftover(path) else None

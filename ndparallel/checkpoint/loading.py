@@ -6,7 +6,9 @@ its share of the SHA-256; the ranks agree (:func:`ndparallel.distributed.agree.a
 and after it the optimizer, is checked against the checkpoint (:func:`~ndparallel.checkpoint.keys.fit_error`:
 this rank's keys are stored with the same global shapes, and the ranks together hold every stored
 key), agreed again, and only then does DCP read into the modules. A failure anywhere leaves the
-model and optimizer untouched, on every rank.
+model and optimizer untouched, on every rank; except shard data that passes its SHA-256 (a forger
+recomputed it) but that torch cannot read: DCP reads in place, so that error (one line naming the
+file, on every rank) says the model may be partly overwritten.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch
 
 from ndparallel.checkpoint import dcp_io
 from ndparallel.checkpoint.checksums import verify_share
-from ndparallel.checkpoint.dcp_metadata import read_metadata
 from ndparallel.checkpoint.format import (
     STATE_FILE,
     empty_like_placeholder,
@@ -42,7 +43,7 @@ from ndparallel.checkpoint.rank_state import (
     set_rank_state,
 )
 from ndparallel.checkpoint.rng import rng_prefix, set_rng_states
-from ndparallel.checkpoint.storage import validate
+from ndparallel.checkpoint.storage import validate_and_read
 from ndparallel.distributed.agree import agree, broadcast_text, rank, world_size
 from ndparallel.errors import CheckpointError
 
@@ -52,7 +53,7 @@ __all__ = ["load", "read_checkpoint"]
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """Validate, then read the marker, the state skeleton (optimizer section flat, whatever the version)
     and DCP's key -> storage metadata."""
-    marker = validate(path)
+    marker, metadata = validate_and_read(path)  # DCP's .metadata: read with an allow-list, never run
     skeleton = json.loads((path / STATE_FILE).read_text())
     if not isinstance(skeleton, dict) or not isinstance(skeleton.get("model"), dict):
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: {STATE_FILE} has no 'model' table")
@@ -60,8 +61,6 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
         skeleton["optimizer"] = flatten_nested_optimizer(skeleton["optimizer"])
         if not isinstance(skeleton["optimizer"], dict):
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: the optimizer in {STATE_FILE} is not a table")
-    # DCP's .metadata is a pickle written by torch: read with an allow-list of DCP's classes, never run.
-    metadata = read_metadata(path)
     return marker, skeleton, metadata.state_dict_metadata
 
 

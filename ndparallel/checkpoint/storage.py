@@ -16,6 +16,7 @@ import datetime
 import glob
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -23,8 +24,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from ndparallel.checkpoint import leftovers
 from ndparallel.checkpoint.checksums import check_files, sha256_file, verify_share
+from ndparallel.checkpoint.dcp_metadata import read_metadata
 from ndparallel.checkpoint.format import MARKER, STATE_FILE, build_marker, commit_key, parse_marker
 from ndparallel.distributed.agree import agree, broadcast_text, rank
 from ndparallel.errors import CheckpointError
@@ -40,6 +44,7 @@ __all__ = [
     "resolve_latest",
     "tmp_path",
     "validate",
+    "validate_and_read",
 ]
 
 # Test hook: rank 0 SIGKILLs itself at this commit stage ("before_marker" or "before_rename").
@@ -156,13 +161,21 @@ def validate(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, A
 
     Checks: the marker exists and parses, each of its fields has the right type and range (see
     :mod:`~ndparallel.checkpoint.format`), its format version is known, every file it lists exists
-    with the recorded size, and DCP's ``.metadata`` and the state JSON match their recorded
-    SHA-256 (which must be there). With ``checksums``, every file's SHA-256 too. Reads only; no
-    process group needed.
+    with the recorded size, DCP's ``.metadata`` and the state JSON match their recorded SHA-256
+    (which must be there), and ``.metadata`` passes the allow-list
+    (:func:`~ndparallel.checkpoint.dcp_metadata.read_metadata`: nothing in it is run). With
+    ``checksums``, every file's SHA-256 too. Reads only; no process group needed.
     """
+    return validate_and_read(path, checksums=checksums)[0]
+
+
+def validate_and_read(path: str | os.PathLike, *, checksums: bool = False) -> tuple[dict[str, Any], Metadata]:
+    """:func:`validate`, returning the marker and DCP's metadata (read once, through the allow-list)."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"no checkpoint directory at {str(path)!r}")
+        stranded = [old for _, old, target in _stranded(path.parent) if target == path]
+        hint = f"; {_restore_hint(stranded[-1], path)}" if stranded else ""
+        raise CheckpointError(f"no checkpoint directory at {str(path)!r}{hint}")
     marker_path = path / MARKER
     if not marker_path.is_file():
         hint = "; it holds checkpoints: pass resolve_latest(root) instead" if _candidates(path) else ""
@@ -172,9 +185,10 @@ def validate(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, A
         )
     marker = parse_marker(marker_path)
     check_files(path, marker)
+    metadata = read_metadata(path)  # refused (forged, its hash recomputed): the checkpoint is corrupt too
     if checksums:
         verify_share(path, marker, 0, 1)
-    return marker
+    return marker, metadata
 
 
 def _candidates(root: Path) -> list[Path]:
@@ -207,16 +221,63 @@ def _complete(root: str | os.PathLike) -> list[tuple[tuple[float, int, str], Pat
     return sorted(found)
 
 
+def _is_complete(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    try:
+        validate(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _stranded(root: Path) -> list[tuple[tuple[float, int, str], Path, Path]]:
+    """Complete checkpoints left in a stamped ``<name>.old-<id>`` by a save that died between its two renames
+    (where there is no atomic exchange), while ``<name>`` holds no complete checkpoint: the only copy. As
+    (commit key, the ``.old-`` folder, ``<name>``), in commit order. Once ``<name>`` is complete again (the
+    replacement finished, or the folder was renamed back), its ``.old-`` folder is an ordinary leftover."""
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        name = leftovers.replaced_name(p)
+        if name is None or _is_complete(root / name):
+            continue
+        try:
+            marker = validate(p)
+        except CheckpointError:
+            continue
+        found.append((commit_key(marker, p), p, root / name))
+    return sorted(found)
+
+
+def _restore_hint(old: Path, target: Path) -> str:
+    return (
+        f"a save that died while replacing {str(target)!r} left the complete previous checkpoint in {str(old)!r}: "
+        f"restore it with `mv {shlex.quote(str(old))} {shlex.quote(str(target))}`"
+    )
+
+
 def latest(root: str | os.PathLike) -> str | None:
     """The most recently committed complete checkpoint directly under ``root``, or None.
 
     Commit order, not step order: after a rollback (resume from ``step-500``, save ``step-600``)
     the new branch's ``step-600`` is the latest even though an abandoned ``step-1000`` exists.
     Ties are broken by the higher step. Partial directories (no marker, e.g. ``step-200.tmp-<id>``
-    left by a crash) are ignored; corrupt ones are skipped with a warning. Reads only, in this
+    left by a crash) are ignored; corrupt ones (also a ``.metadata`` the allow-list refuses) are
+    skipped with a warning. A complete checkpoint stranded in ``<name>.old-<id>`` (a save died between
+    the two renames of a replacement) that is newer than every committed one raises a
+    :class:`CheckpointError` saying how to rename it back (an older one: a warning). Reads only, in this
     process: under a process group use :func:`resolve_latest` so every rank gets the same answer.
     """
     found = _complete(root)
+    stranded = _stranded(Path(root))
+    if stranded and (not found or stranded[-1][0] > found[-1][0]):
+        _, old, target = stranded[-1]
+        instead = f", or delete it to use {str(found[-1][1])!r}" if found else ""
+        raise CheckpointError(
+            f"the newest checkpoint under {str(root)!r} is not in place: {_restore_hint(old, target)}{instead}"
+        )
+    for _, old, target in stranded:
+        warnings.warn(f"kept: {_restore_hint(old, target)}, or delete it", stacklevel=2)
     return str(found[-1][1]) if found else None
 
 
@@ -249,7 +310,9 @@ def prune(root: str | os.PathLike, keep: int) -> list[str]:
     The order is :func:`latest`'s: commit time, so after a rollback the abandoned branch's
     checkpoints age out like any older commit. Also removes leftovers of crashed saves
     (``*.tmp-<id>`` / ``*.old-<id>`` directories that hold our stamp) older than the newest
-    checkpoint; nothing else. Returns the deleted paths.
+    checkpoint; nothing else. A complete checkpoint in ``<name>.old-<id>`` while ``<name>`` holds
+    none (a save died between the two renames of a replacement) is the only copy and is kept
+    (:func:`latest` says how to rename it back). Returns the deleted paths.
     """
     return prune_except(root, keep, protect=None)
 
@@ -260,9 +323,14 @@ def prune_except(root: str | os.PathLike, keep: int, protect: Path | None) -> li
     root = Path(root)
     found = _complete(root)
     deleted = [p for _, p in found[:-keep] if p != protect]
+    stranded = {old for _, old, _ in _stranded(root)}  # the only copy of a checkpoint: never deleted
     if found:
         newest = found[-1][0][0]
-        deleted += [p for p in root.iterdir() if leftovers.is_leftover(p) and p.stat().st_mtime < newest - 1.0]
+        deleted += [
+            p
+            for p in root.iterdir()
+            if leftovers.is_leftover(p) and p not in stranded and p.stat().st_mtime < newest - 1.0
+        ]
     for p in deleted:
         shutil.rmtree(p, ignore_errors=True)
     if deleted:

@@ -11,15 +11,13 @@ complete checkpoint. ``hold_checkpoint_dir`` then has rank 0 take the folder's l
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch.distributed as dist
 
 from ndparallel import checkpoint
 from ndparallel.checkpoint.lock import CheckpointDirLock, check_not_locked
+from ndparallel.config.paths import check_writable_folder
 from ndparallel.distributed.agree import agree
 from ndparallel.errors import CheckpointError
 from ndparallel.train.job_config import CheckpointConfig
@@ -27,28 +25,10 @@ from ndparallel.train.job_config import CheckpointConfig
 __all__ = ["check_before_start", "hold_checkpoint_dir"]
 
 
-def _check_writable_folder(directory: str) -> None:
-    """``directory`` is (or can be made) a folder in which this process can create a file."""
-    path = Path(directory)
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(
-            f"checkpoint.dir={directory!r} is a file, not a folder: pick a folder (created if missing)"
-        )
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".ndparallel-write-test-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise CheckpointError(
-            f"checkpoint.dir={directory!r} is not writable ({e.strerror or e}): pick a folder you can write to"
-        ) from e
-
-
 def check_before_start(c: CheckpointConfig, *, lock: bool = True) -> None:
     """The checks that need no process group; raises :class:`CheckpointError` (one line) on the first failure."""
     if c.dir:
-        _check_writable_folder(c.dir)
+        check_writable_folder(c.dir, "checkpoint.dir", CheckpointError)
         if lock:
             check_not_locked(c.dir)
     if isinstance(c.resume, str):
