@@ -22,7 +22,10 @@ import pytest
 from ndparallel.launch.torchrun import children_of
 from tests.command import start_ndparallel
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl (Linux)")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl (Linux)"),
+    pytest.mark.jobs,  # real launchers, torchrun, CLI processes or signals: not in make test-fast
+]
 
 
 # ----------------------------------------------------------------------------- process helpers
@@ -105,8 +108,6 @@ def _free_port() -> int:
 _COLLECTIVE_LOOP = """
 import os, sys, time, torch, torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-
-pytestmark = pytest.mark.jobs  # real launchers, torchrun, CLI processes or signals: not in make test-fast
 
 @record
 def main():
