@@ -37,7 +37,7 @@ from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.job_config import TrainConfig, job_device
 from ndparallel.train.progress import Progress, format_duration, format_rate
 from ndparallel.train.step import TrainStep
-from ndparallel.train.watchdog import Watchdog, process_group_timeout
+from ndparallel.distributed.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
 
