@@ -22,7 +22,7 @@ BEGIN, END = "<!-- floors:begin (python -m tests.floors --write) -->", "<!-- flo
 FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("errors", ("errors",), "the exceptions every floor raises"),
     ("config", ("config",), "what a user declares, and every rule checkable on it alone: no ranks, no model"),
-    ("distributed", ("distributed", "testing"), "ranks and collectives, knowing no module tree; the hang watchdog; the gloo rank harness"),
+    ("distributed", ("distributed", "testing"), "ranks and collectives, knowing no module tree; the gloo rank harness"),
     ("parallel", ("parallel",), "the family protocol, the planners and their order, pipeline runtime, clip, loss"),
     ("models", ("models",), "one folder per model family, each handing the planners what they need"),
     ("state", ("checkpoint", "estimate"), "checkpoints on disk; the cost model and mesh search"),
