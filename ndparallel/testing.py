@@ -21,6 +21,7 @@ child process is killed before the call returns, whatever happens: no orphans.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -52,14 +53,15 @@ class DistributedError(RuntimeError):
 
 
 class DistributedTimeout(DistributedError, TimeoutError):
-    """The job did not finish in time; every rank was killed."""
+    """The job did not finish in time; every rank was killed. ``behind``: the ranks' heartbeats' verdict on
+    who kept the others waiting, and where (``""`` when they were all busy, or posted none)."""
 
-    def __init__(self, timeout: float, unfinished: list[int]):
+    def __init__(self, timeout: float, unfinished: list[int], behind: str = ""):
         self.unfinished = unfinished
+        self.behind = behind
+        cause = f": {behind}" if behind else " (a hang, e.g. a collective that not every rank entered)"
         RuntimeError.__init__(
-            self,
-            f"ranks {unfinished} did not finish within {timeout:.0f}s (a hang, e.g. a collective "
-            "that not every rank entered); all ranks were killed",
+            self, f"ranks {unfinished} did not finish within {timeout:.0f}s{cause}; all ranks were killed"
         )
         self.rank = unfinished[0] if unfinished else -1
         self.remote_traceback = ""
@@ -206,9 +208,12 @@ def run_ranks(
     timeout: float = 300.0,
     threads: int = 1,
     env: Mapping[str, str] | None = None,
+    explain_timeout: Callable[[str, int], str] | None = None,
 ) -> list[Any]:
     """Start ``world_size`` ranks from ``ctx`` running ``call`` (pickled ``(fn, args, kwargs)``, or the tuple
-    itself under fork); collect their results in rank order (see :func:`run_distributed`)."""
+    itself under fork); collect their results in rank order (see :func:`run_distributed`).
+    ``explain_timeout(store_path, world_size)``, when time runs out: who kept the others waiting, read from
+    the job's file store while the ranks still run (``DistributedTimeout.behind``)."""
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ndp-store-") as tmp:
         store_path = os.path.join(tmp, "store")
@@ -223,18 +228,22 @@ def run_ranks(
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, world_size, timeout)
+            explain = functools.partial(explain_timeout, store_path, world_size) if explain_timeout else None
+            return _collect(procs, results, world_size, timeout, explain)
         finally:
             _kill_all(procs)
 
 
-def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list[Any]:
+def _collect(
+    procs: list, results: Any, world_size: int, timeout: float, explain: Callable[[], str] | None
+) -> list[Any]:
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     while len(values) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise DistributedTimeout(timeout, sorted(set(range(world_size)) - set(values)))
+            unfinished = sorted(set(range(world_size)) - set(values))
+            raise DistributedTimeout(timeout, unfinished, explain() if explain else "")
         try:
             status, rank, payload = results.get(timeout=min(remaining, 0.5))
         except queue.Empty:

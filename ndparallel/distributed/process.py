@@ -19,7 +19,14 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import INNER_DIMS, VIEWS, Mesh, flatten
 from ndparallel.errors import ConfigError
 
-__all__ = ["DEVICE_TYPES", "check_device_type", "destroy_distributed", "init_distributed", "job_store"]
+__all__ = [
+    "DEVICE_TYPES",
+    "check_device_type",
+    "destroy_distributed",
+    "file_job_store",
+    "init_distributed",
+    "job_store",
+]
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -56,8 +63,7 @@ def job_store(timeout_s: float) -> dist.Store | None:
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if "NDP_STORE_PATH" in os.environ:
-        # num_workers=-1: this handle never counts towards deleting the file.
-        return dist.PrefixStore("ndparallel/watchdog", dist.FileStore(os.environ["NDP_STORE_PATH"], -1))
+        return file_job_store(os.environ["NDP_STORE_PATH"])
     if "MASTER_PORT" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         store = dist.TCPStore(
             os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -68,6 +74,13 @@ def job_store(timeout_s: float) -> dist.Store | None:
         )
         return dist.PrefixStore(_attempt_prefix() + "/watchdog", store)
     return None
+
+
+def file_job_store(path: str) -> dist.Store:
+    """The job store of ``ndparallel.testing.run_ranks``' file ``path`` (the watchdog's keys), for its ranks
+    and for the parent that started them."""
+    # num_workers=-1: this handle never counts towards deleting the file.
+    return dist.PrefixStore("ndparallel/watchdog", dist.FileStore(path, -1))
 
 
 def check_device_type(device_type: str, source: str = "device_type") -> str:
@@ -89,27 +102,35 @@ def _default_device_type() -> str:
 def init_distributed(
     cfg: ParallelismConfig | None = None,
     device_type: str | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = None,
 ) -> Mesh:
     """Initialise the process group (torchrun's env, or one process when there is none) and build the mesh.
 
     Backend: nccl for CUDA (plus gloo for CPU tensors), gloo for CPU. An already initialised
-    process group (e.g. inside ``ndparallel.testing.run_distributed``) is reused. ``timeout_s``:
-    how long a collective (and the rendezvous store) waits for a peer before failing.
+    process group (e.g. inside ``ndparallel.testing.run_distributed``) is reused. ``timeout_s``
+    (default: ``ndparallel launch --timeout``, else 600): how long a rank waits for a peer. A
+    multi-rank group started here runs the hang watchdog (:mod:`ndparallel.distributed.watchdog`):
+    a rank that waits that long in a collective ends the job, naming the rank behind and the
+    collective the others wait in; the process group's own timeout comes a little later, as a backstop.
     """
+    from ndparallel.distributed.watchdog import Watchdog, job_timeout, process_group_timeout
+
     cfg = cfg or ParallelismConfig()
     device_type = check_device_type(device_type or _default_device_type())
+    hang_timeout = job_timeout(timeout_s)
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if device_type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            timeout = datetime.timedelta(seconds=process_group_timeout(hang_timeout))
             dist.init_process_group(
                 backend=backend, timeout=timeout, store=_launcher_store(timeout), rank=rank, world_size=world
             )
+            Watchdog.for_job(hang_timeout)
         else:
+            timeout = datetime.timedelta(seconds=hang_timeout)
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
@@ -129,6 +150,9 @@ def destroy_distributed() -> None:
     A barrier first: a rank that destroys its gloo group while a peer is still finishing the last
     collective can make that peer abort at exit ("terminate called without an active exception").
     """
+    from ndparallel.distributed.watchdog import Watchdog
+
     if dist.is_initialized():
         dist.barrier()
+        Watchdog.stop_current()
         dist.destroy_process_group()

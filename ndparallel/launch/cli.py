@@ -70,6 +70,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _train_config(args: argparse.Namespace):
     """``ndparallel train``'s TrainConfig: the YAML (or defaults), the environment, overrides, --steps, --resume."""
+    from ndparallel.distributed.watchdog import TIMEOUT_ENV
     from ndparallel.train.job_config import TrainConfig
 
     overrides = list(args.overrides)
@@ -77,6 +78,8 @@ def _train_config(args: argparse.Namespace):
         overrides.append(f"train.steps={args.steps}")
     if args.timeout is not None:
         overrides.append(f"train.timeout_s={args.timeout}")
+    elif os.environ.get(TIMEOUT_ENV):  # ndparallel launch --timeout S: over the YAML, under the overrides
+        overrides.insert(0, f"train.timeout_s={os.environ[TIMEOUT_ENV]}")
     if args.resume:
         overrides.append("checkpoint.resume=true")
     return TrainConfig.from_sources(args.config, overrides, os.environ)
@@ -137,7 +140,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "launch":
         if len(argv) == 1 or argv[1] in ("-h", "--help"):
             print(__doc__.strip())
-            print("\nusage: ndparallel launch [torchrun options] [--cpu-ranks N] -- SUBCOMMAND|SCRIPT [args]")
+            usage = "ndparallel launch [torchrun options] [--cpu-ranks N] [--timeout S] -- SUBCOMMAND|SCRIPT [args]"
+            print(f"\nusage: {usage}")
             return 0
         return launch(argv[1:])
     parser = _parser()

@@ -10,6 +10,7 @@ each: OpenMP, once used by the kernel, hangs a forked child that starts more thr
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 from collections.abc import Callable
@@ -65,7 +66,8 @@ def notebook_launcher(
 
     Works from a Jupyter kernel (fork) and for importable functions (forkserver). A rank that raises makes
     the call raise :class:`ndparallel.testing.DistributedError` with its traceback; ``timeout`` seconds
-    without finishing kill every rank. Accelerate's other keywords are accepted at their default only.
+    without finishing kill every rank, and the DistributedTimeout names the rank behind (from the ranks'
+    heartbeats). Accelerate's other keywords are accepted at their default only.
     """
     for key, value in accelerate_options.items():
         if key not in _ACCELERATE_DEFAULTS:
@@ -76,10 +78,36 @@ def notebook_launcher(
     if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
         raise ConfigError(f"notebook_launcher needs num_processes=N (CPU ranks to simulate), got {num_processes!r}")
     env = {"NDP_DEVICE": "cpu"}  # gloo ranks on this CPU, also where CUDA exists
+    watched = (function, tuple(args), timeout)
+    options = dict(timeout=timeout, env=env, explain_timeout=functools.partial(_who_is_behind, timeout=timeout))
     if defined_interactively(function):
         _check_fork()
-        call = (function, tuple(args), {})
-        return run_ranks(call, num_processes, mp.get_context("fork"), timeout=timeout, threads=1, env=env)
-    call = pickled_call(function, tuple(args), {})
+        return run_ranks((_watched, watched, {}), num_processes, mp.get_context("fork"), threads=1, **options)
+    call = pickled_call(_watched, watched, {})
     threads = max(1, (os.cpu_count() or 1) // num_processes)
-    return run_ranks(call, num_processes, forkserver_context(), timeout=timeout, threads=threads, env=env)
+    return run_ranks(call, num_processes, forkserver_context(), threads=threads, **options)
+
+
+def _watched(function: Callable[..., Any], args: tuple, timeout: float) -> Any:
+    """On a rank: ``function(*args)`` with the hang watchdog's heartbeats, so that a launcher that runs out of
+    time can name the rank behind. The launcher's deadline comes first: no rank can wait ``timeout`` before it."""
+    from ndparallel.distributed.watchdog import Watchdog
+
+    watchdog = Watchdog.for_job(timeout)
+    try:
+        return function(*args)
+    finally:
+        watchdog.stop()
+
+
+def _who_is_behind(store_path: str, world_size: int, timeout: float) -> str:
+    """In the launcher, when time ran out: the ranks' heartbeats' verdict on who kept the others waiting."""
+    from ndparallel.distributed.process import file_job_store
+    from ndparallel.distributed.watchdog import heartbeat_interval, judge_at_deadline, read_beats
+
+    try:
+        beats = read_beats(file_job_store(store_path), world_size)
+    except Exception:  # no heartbeats yet (a rank that never started): the plain timeout message
+        return ""
+    # Less than three heartbeats in one place is too short to tell a hang from a slow step.
+    return judge_at_deadline(beats, 3 * heartbeat_interval(timeout)) or ""

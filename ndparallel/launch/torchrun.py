@@ -2,6 +2,8 @@
 
 ``launch(argv)`` runs ``torch.distributed.run`` (torchrun) in this process, and adds:
 
+- **Hangs end, naming the rank behind**: ``init_distributed`` runs the hang watchdog on every rank;
+  ``--timeout S`` (default 600) is how long a rank waits for a peer (``NDP_TIMEOUT_S`` for the ranks).
 - **CPU simulation defaults** for ``--cpu-ranks N`` (``--nproc-per-node N --standalone``,
   ``NDP_DEVICE=cpu``, ``OMP_NUM_THREADS = cores / N``).
 - **No orphans**: every worker starts through :mod:`ndparallel.launch.worker_guard`, which makes the
@@ -82,7 +84,9 @@ def _guarded(options: list[str], program: list[str]) -> tuple[list[str], list[st
 
 
 def torchrun_argv(argv: Sequence[str]) -> list[str]:
-    """Translate ``[torchrun options] [--cpu-ranks N] -- SUBCOMMAND|SCRIPT args`` into torchrun's argv."""
+    """Translate ``[torchrun options] [--cpu-ranks N] [--timeout S] -- SUBCOMMAND|SCRIPT args`` into torchrun's
+    argv. ``--timeout S``: a rank of a script that calls ``init_distributed`` and waits S seconds for a peer
+    ends the job, naming the rank behind (default 600; ``ndparallel train`` reads it as ``train.timeout_s``)."""
     argv = list(argv)
     if "--" not in argv:
         raise ConfigError(
@@ -92,6 +96,12 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
     options, program = argv[:split], argv[split + 1 :]
     if not program:
         raise ConfigError("launch: nothing to run after `--` (an ndparallel subcommand or a script)")
+    timeout = _option_value(options, "--timeout")
+    if timeout is not None:  # the ranks' hang timeout (the watchdog's): init_distributed reads it
+        from ndparallel.distributed.watchdog import TIMEOUT_ENV, parse_timeout
+
+        os.environ[TIMEOUT_ENV] = str(parse_timeout(timeout, "--timeout"))
+        options = without_option(options, "--timeout")
     value = _option_value(options, "--cpu-ranks")
     if value is not None:
         ranks = cpu_ranks(value)

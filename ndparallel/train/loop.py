@@ -28,6 +28,7 @@ from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.peak import device_peak
 from ndparallel.distributed.process import init_distributed
 from ndparallel.distributed.reduce import average_over
+from ndparallel.distributed.watchdog import Watchdog
 from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer
 from ndparallel.parallel.parallelize import parallelize
@@ -37,7 +38,6 @@ from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.job_config import TrainConfig, job_device
 from ndparallel.train.progress import Progress, format_duration, format_rate
 from ndparallel.train.step import TrainStep
-from ndparallel.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
 
@@ -107,20 +107,33 @@ def job_peak_flops(cfg: TrainConfig, mesh: Mesh) -> float | None:
     return peak * max(1, mesh.size() // int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size())))
 
 
+_REPEAT_WINDOW_S = 2.0
+"""A second SIGINT/SIGTERM this soon after the first is the same request: the launcher forwards the signal
+that scancel, a preemption or ``kill`` of the process group also sent each rank directly."""
+
+
 class _StopRequest:
-    """SIGINT/SIGTERM set a flag; all ranks agree on it at the end of each step, so they stop together."""
+    """SIGINT/SIGTERM set a flag; all ranks agree on it at the end of each step, so they stop together.
+
+    A rank usually gets one stop twice (its own signal, and the launcher's forward a few ms later): a
+    repeat within ``_REPEAT_WINDOW_S`` is ignored; a later one (a deliberate second Ctrl-C) stops at once.
+    """
 
     def __init__(self) -> None:
         self.local = False
+        self._first: float | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.local:  # a second signal: stop now
+        now = time.monotonic()
+        if self._first is None:
+            self._first = now
+            self.local = True
+        elif now - self._first > _REPEAT_WINDOW_S:  # asked again, later: stop now
             raise KeyboardInterrupt
-        self.local = True
 
     def agreed(self) -> int | None:
         """Collective: the lowest rank that received a stop signal (the same answer on every rank), or None."""
@@ -173,10 +186,9 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
     """Train ``cfg.model`` on ``cfg.data`` for ``cfg.train.steps`` steps; returns losses and throughput.
 
     A rank that waits ``train.timeout_s`` for its peers ends the job naming the rank(s) behind, and a
-    collective that fails because a peer died names that peer (see ``ndparallel.train.watchdog``).
+    collective that fails because a peer died names that peer (see ``ndparallel.distributed.watchdog``).
     """
-    timeout = process_group_timeout(cfg.train.timeout_s)
-    mesh = mesh or init_distributed(cfg.parallelism, device_type=job_device(cfg), timeout_s=timeout)
+    mesh = mesh or init_distributed(cfg.parallelism, device_type=job_device(cfg), timeout_s=cfg.train.timeout_s)
     watchdog = Watchdog.for_job(cfg.train.timeout_s)
     try:
         with hold_checkpoint_dir(cfg.checkpoint):  # rank 0 locks checkpoint.dir for the whole job

@@ -7,7 +7,7 @@ tests/train/test_job_faults.py; here each rule of :func:`judge` is pinned down o
 from __future__ import annotations
 
 from ndparallel.testing import run_distributed
-from ndparallel.train.watchdog import Beat, describe, heartbeat_interval, judge, process_group_timeout
+from ndparallel.distributed.watchdog import Beat, describe, heartbeat_interval, judge, process_group_timeout
 
 
 def _beat(rank: int, seq: int, phase: str, age: float, collective: str = "", node: int = 0, where: str = "f (a.py:1)"):
@@ -67,7 +67,7 @@ def _heartbeats_on_two_ranks() -> list:
 
     import torch.distributed as dist
 
-    from ndparallel.train.watchdog import Watchdog
+    from ndparallel.distributed.watchdog import Watchdog
 
     watchdog = Watchdog.for_job(timeout_s=4)  # a heartbeat every 0.2 s
     watchdog.phase("step 1: forward/backward")
