@@ -6,8 +6,8 @@ tests/train/test_job_faults.py; here each rule of :func:`judge` is pinned down o
 
 from __future__ import annotations
 
-from ndparallel.testing import run_distributed
 from ndparallel.distributed.watchdog import Beat, describe, heartbeat_interval, judge, process_group_timeout
+from ndparallel.testing import run_distributed
 
 
 def _beat(rank: int, seq: int, phase: str, age: float, collective: str = "", node: int = 0, where: str = "f (a.py:1)"):
