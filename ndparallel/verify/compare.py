@@ -117,7 +117,13 @@ def compare(layout: Layout, got: Trace, ref: Trace, tol: Tolerance) -> Row:
     judged = {m: getattr(tol, m) for m in METRICS if getattr(tol, m) is not None}
     over = [m for m, bound in judged.items() if not errs[m] <= bound]  # NaN fails too
     verdict = "FAIL" if over else ("pass" if judged else "unjudged")
-    message = f"beyond tolerance: {', '.join(over)}" if over else ("" if judged else "no measured bound")
+    unjudged = [m for m in METRICS if m not in judged]
+    if over:
+        message = f"beyond tolerance: {', '.join(over)}"
+    elif not judged:
+        message = "no measured bound"
+    else:
+        message = f"{', '.join(unjudged)} not judged: no measured bound" if unjudged else ""
     return Row(layout.name, layout.ranks, verdict, errs, asdict(tol), message)
 
 
