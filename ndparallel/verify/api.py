@@ -10,7 +10,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.verify.compare import VerifyTable, compare, errors, float64_tolerance, tolerance_for
 from ndparallel.verify.layouts import Layout, parse_layouts
 from ndparallel.verify.localize import first_nondeterministic, localize
-from ndparallel.verify.model import ModelSpec, model_spec
+from ndparallel.verify.model import ModelSpec, check_fits_in_memory, model_spec
 from ndparallel.verify.run import Settings, reference, run_layouts
 
 __all__ = ["verify"]
@@ -39,6 +39,7 @@ def verify(
     chosen = _layouts(layouts, cpu_ranks)
     settings = Settings(steps=steps, seq=seq, batch=batch)
     _check_settings(settings)
+    check_fits_in_memory(spec, max(layout.ranks for layout in chosen))
     progress(f"verify: {spec.name} in {dtype}, {steps} steps, batch {batch} x {seq} tokens")
     _check_deterministic(spec, settings)
     progress("verify: reference (one process)")

@@ -159,7 +159,10 @@ class VerifyTable:
                 lines.append(f"    first divergence: {row.localized['summary']}")
         sources = dict.fromkeys(r.tolerance["source"] for r in self.rows if r.tolerance)
         lines += [f"tolerance: {s}" for s in sources] + self.notes
-        lines.append(f"verdict: {'PASS' if self.ok else 'FAIL'}")
+        all_refused = bool(self.rows) and all(r.verdict == "refused" for r in self.rows)
+        lines.append(
+            f"verdict: {'PASS' if self.ok else 'FAIL'}" + (" (every layout was refused)" if all_refused else "")
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch import nn
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.family import block_list
 
-__all__ = ["DTYPES", "ModelSpec", "model_spec"]
+__all__ = ["DTYPES", "ModelSpec", "check_fits_in_memory", "model_spec", "vocab_size"]
 
 # --dtype -> the parameters' dtype (bf16 trains fp32 parameters with bf16 compute: mixed_precision)
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bf16": torch.float32}
@@ -80,6 +80,29 @@ class ModelSpec:
         else:
             out = model(tokens)
         return getattr(out, "logits", out)
+
+
+def check_fits_in_memory(spec: ModelSpec, ranks: int, memory: int | None = None) -> None:
+    """Refuse a model too big for this machine before building it: the reference and every rank hold the whole
+    model with its gradients and AdamW state (4 copies). Counted on the meta device; a factory that cannot
+    build there is not checked."""
+    from ndparallel.train.job_config import _physical_memory  # the one reading of the machine's memory
+
+    memory = _physical_memory() if memory is None else memory
+    try:
+        with torch.device("meta"):
+            model = spec.build()
+    except Exception:
+        return
+    params = sum(p.numel() for p in model.parameters())
+    need = (ranks + 1) * 4 * params * DTYPES[spec.dtype].itemsize
+    if memory and need > memory:
+        gib = 2**30
+        raise ConfigError(
+            f"{spec.name}: {params / 1e6:.0f}M parameters need ~{need / gib:.0f} GiB here (the reference and {ranks} "
+            f"ranks each hold the model, its gradients and AdamW state), more than this machine's {memory / gib:.0f} "
+            "GiB: verify a shrunk config of the same architecture (fewer layers, a smaller hidden size)"
+        )
 
 
 def vocab_size(model: nn.Module) -> int:

@@ -100,13 +100,19 @@ def _last_line(text: str) -> str:
 
 
 def _train_group(spec: ModelSpec, layouts: Sequence[Layout], settings: Settings) -> list[Trace]:
-    """On every rank: each layout in turn, sharing the process group; refusals caught per layout."""
+    """On every rank: each layout in turn, sharing the process group. A refusal (ConfigError, raised by every
+    rank before any collective) moves on to the next layout; any other error may have left a collective half
+    done, so the group stops there and the layouts after it are reported as not run."""
     traces = []
-    for layout in layouts:
+    for index, layout in enumerate(layouts):
         try:
             traces.append(_train(spec, layout, settings))
         except ConfigError as err:
             traces.append(Trace(refused=str(err)))
+        except Exception as err:
+            traces.append(Trace(error=f"{type(err).__name__}: {err}".splitlines()[0]))
+            skipped = f"not run: {layout.name} failed before it in the same group of ranks"
+            return traces + [Trace(error=skipped) for _ in layouts[index + 1 :]]
     return traces
 
 

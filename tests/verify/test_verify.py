@@ -18,7 +18,7 @@ from ndparallel.verify import Layout, Row, VerifyTable, auto_layouts, fold, pars
 from ndparallel.verify.api import _float64_tolerance
 from ndparallel.verify.compare import compare, float64_tolerance, tolerance_for
 from ndparallel.verify.localize import _piece
-from ndparallel.verify.model import model_spec
+from ndparallel.verify.model import check_fits_in_memory, model_spec
 from ndparallel.verify.run import Settings, Trace, reference
 
 TOY = "tests.verify.toy"
@@ -113,6 +113,7 @@ def test_table_verdicts_and_json(tmp_path):
     refused = Row("tp=2", 2, "refused", message="tp_size=2 does not divide n_heads=3")
     table = VerifyTable("m", "float64", 3, [refused])
     assert not table.ok and "refused: tp_size=2 does not divide n_heads=3" in table.format()
+    assert "verdict: FAIL (every layout was refused)" in table.format()
     table.rows.append(Row("dp_shard=2", 2, "pass", dict.fromkeys(("loss", "grad_norm", "grad", "param"), 0.0)))
     assert table.ok
     table.rows.append(Row("cp=2", 2, "FAIL", dict.fromkeys(("loss", "grad_norm", "grad", "param"), float("inf"))))
@@ -161,3 +162,20 @@ def test_planted_faults_fail_and_localize_names_the_module():
     assert rows["dp_shard=2"].localized["mesh_dims"] == "dp_shard=2"
     assert rows["tp=2"].localized["module"] == "layers.1.down"
     assert rows["tp=2"].localized["tensor"] == "forward output" and rows["tp=2"].localized["relative_error"] > 1e-3
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built():
+    with pytest.raises(ConfigError, match=r"70b: 70554M parameters need .* GiB here .*verify a shrunk config"):
+        verify("70b", "tp=2", cpu_ranks=2)
+    with pytest.raises(ConfigError, match="more than this machine's 0 GiB"):
+        check_fits_in_memory(model_spec("tiny"), 2, memory=1000)
+
+
+def test_a_layout_that_crashes_stops_its_group_without_a_hang():
+    """A raw error (here a shape error from a broken plan) may leave a collective half done: the group stops,
+    the next layout is reported as not run, and the run fails."""
+    table = verify(f"{TOY}:build", "tp=2;dp_shard=2", tp_plan=f"{TOY}:BROKEN_PLAN", cpu_ranks=2)
+    rows = {row.layout: row for row in table.rows}
+    assert rows["tp=2"].verdict == "error" and "RuntimeError" in rows["tp=2"].message
+    assert rows["dp_shard=2"].verdict == "error" and rows["dp_shard=2"].message.startswith("not run: tp=2 failed")
+    assert not table.ok

@@ -81,3 +81,5 @@ WRONG_PLAN = {
     "layers.0.down": RowwiseParallel(),
     "layers.1.down": RowwiseParallel(output_layouts=Partial()),
 }
+# A plan that cannot run: down expects the full hidden width, up hands it a tp shard (a shape error).
+BROKEN_PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": ColwiseParallel()}
