@@ -52,11 +52,15 @@ class Layout:
 
 
 def parse_layouts(text: str, cpu_ranks: int) -> list[Layout]:
-    """``"dp_shard=2;tp=2;dp_shard=2,tp=2"`` (``auto``: :func:`auto_layouts`); each must fit ``cpu_ranks``."""
+    """``"dp_shard=2;tp=2;dp_shard=2,tp=2"`` (``auto``: :func:`auto_layouts`; ``from:job.yaml``: that job's mesh,
+    :func:`fold`-ed); each must fit ``cpu_ranks``."""
     if text.strip() == "auto":
         return auto_layouts(cpu_ranks)
     layouts = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
+        if item.startswith("from:"):
+            layouts.append(_folded(item.removeprefix("from:"), cpu_ranks))
+            continue
         sizes = {}
         for field in item.split(","):
             dim, eq, value = field.strip().partition("=")
@@ -86,6 +90,13 @@ def auto_layouts(cpu_ranks: int) -> list[Layout]:
     if cpu_ranks >= 4:
         layouts += [Layout.of({a: 2, b: 2}) for a, b in AUTO_PAIRS]
     return layouts
+
+
+def _folded(path: str, cpu_ranks: int) -> Layout:
+    """``from:FILE.yaml``: the mesh sizes of a job's config (its ``parallelism:`` section), folded."""
+    from ndparallel.config.parallelism import ParallelismConfig
+
+    return fold(ParallelismConfig.from_yaml(path).sizes, cpu_ranks)
 
 
 def fold(sizes: Mapping[str, int], cpu_ranks: int) -> Layout:

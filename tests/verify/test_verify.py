@@ -35,6 +35,7 @@ def test_auto_layouts_are_every_dimension_alone_then_pairs_that_fit():
         "dp_shard=2,tp=2",
     ]
     assert fold({"dp_shard": 64, "tp": 8, "pp": 4}, 4) == Layout.of({"dp_shard": 2, "tp": 2})
+    assert [layout.name for layout in parse_layouts("from:configs/3d.yaml;pp=2", 4)] == ["dp_shard=2,tp=2", "pp=2"]
 
 
 @pytest.mark.parametrize(
@@ -45,6 +46,7 @@ def test_auto_layouts_are_every_dimension_alone_then_pairs_that_fit():
         ("tp", "expected dim=size"),
         ("tp=1", "uses one rank"),
         (";", "names no layout"),
+        ("from:no/such.yaml", "does not exist"),
     ],
 )
 def test_bad_layouts_are_one_line(text, cause):
