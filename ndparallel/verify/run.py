@@ -183,9 +183,14 @@ def build_runner(spec: ModelSpec, model: nn.Module, layout: Layout | None, setti
 
     extra = {"mixed_precision": "bf16"} if spec.dtype == "bf16" else {}
     cfg = ParallelismConfig.from_dict(layout.parallelism(**extra))
-    mesh = init_distributed(cfg)
+    mesh = init_distributed(cfg, device_type="cpu")  # a CPU proof, also on a machine with GPUs
     dp_size, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     if layout.size("pp") > 1:
+        if spec.tp_plan_ref and layout.size("tp") > 1:
+            raise ConfigError(
+                f"{layout.name}: --tp-plan is not applied to pipeline stages (they take the family's plan); verify "
+                "pp and tp in separate layouts"
+            )
         return _pipeline_runner(model, mesh, settings, dp_size, dp_rank)
     from ndparallel.parallel.parallelize import parallelize
 
