@@ -27,7 +27,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("models", ("models",), "one folder per model family, each handing the planners what they need"),
     ("state", ("checkpoint", "estimate"), "checkpoints on disk; the cost model and mesh search"),
     ("train", ("train",), "the training job: one step, the loop, data"),
-    ("jobs", ("accelerator", "bench"), "the Accelerate-compatible API; the scaling benchmark"),
+    ("jobs", ("accelerator", "bench", "verify"), "the Accelerate-compatible API; the scaling benchmark; verify"),
     ("launch", ("launch",), "the ndparallel command, torchrun underneath, worker guard, notebook launcher"),
     ("api", ("__init__", "__main__", "hf"), "the public face: import ndparallel as ndp, python -m, ndparallel.hf"),
 )

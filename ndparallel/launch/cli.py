@@ -1,4 +1,4 @@
-"""The ``ndparallel`` command: ``mesh``, ``train``, ``launch``, ``plan``, ``bench``.
+"""The ``ndparallel`` command: ``mesh``, ``train``, ``launch``, ``plan``, ``bench``, ``verify``.
 
 ``launch`` is a thin layer over ``torch.distributed.run`` (torchrun): every torchrun option
 (``--nnodes``, ``--rdzv-endpoint``, ``--max-restarts``, ...) works unchanged, and ``--cpu-ranks N``
@@ -133,6 +133,12 @@ def _add_optional_subcommands(sub: argparse._SubParsersAction) -> None:
         pass
     else:
         add_bench_parser(sub)
+    try:
+        from ndparallel.verify.cli import add_verify_parser
+    except ImportError:
+        pass
+    else:
+        add_verify_parser(sub)
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,102 @@
+"""``ndparallel.verify.verify``: does a model train the same on every layout as in one process?"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from ndparallel.errors import ConfigError
+from ndparallel.verify.compare import VerifyTable, compare, errors, float64_tolerance, tolerance_for
+from ndparallel.verify.layouts import Layout, parse_layouts
+from ndparallel.verify.localize import first_nondeterministic, localize
+from ndparallel.verify.model import ModelSpec, check_fits_in_memory, model_spec
+from ndparallel.verify.run import Settings, reference, run_layouts
+
+__all__ = ["verify"]
+
+
+def verify(
+    model: str | Callable[[], nn.Module],
+    layouts: str | Sequence[str | Layout] = "auto",
+    *,
+    dtype: str = "float64",
+    tp_plan: str | None = None,
+    steps: int = 3,
+    seq: int = 16,
+    batch: int = 4,
+    cpu_ranks: int = 4,
+    localize_failures: bool = False,
+    progress: Callable[[str], None] = lambda line: None,
+) -> VerifyTable:
+    """Train ``model`` (a preset, an HF config.json / folder, ``module:factory`` or a module-level factory) for
+    ``steps`` AdamW steps (clipping at 1.0) in one process and on each layout (gloo ranks, at most
+    ``cpu_ranks``), from the same seed on the same global batches; the table of differences and verdicts.
+
+    Raises :class:`~ndparallel.errors.ConfigError` for bad input and for a model that is not deterministic.
+    """
+    spec = model_spec(model, dtype, tp_plan)
+    chosen = _layouts(layouts, cpu_ranks)
+    settings = Settings(steps=steps, seq=seq, batch=batch)
+    _check_settings(settings)
+    check_fits_in_memory(spec, max(layout.ranks for layout in chosen))
+    progress(f"verify: {spec.name} in {dtype}, {steps} steps, batch {batch} x {seq} tokens")
+    _check_deterministic(spec, settings)
+    progress("verify: reference (one process)")
+    ref = reference(spec, settings)
+    notes, f64 = [], None
+    if dtype == "float64":
+        f64 = _float64_tolerance(spec, settings, ref, notes, progress)
+    traces = run_layouts(spec, chosen, settings, progress)
+    rows = []
+    for layout in chosen:
+        row = compare(layout, traces[layout], ref, tolerance_for(dtype, layout, f64))
+        progress(f"verify: {layout.name}: {row.verdict}{f' ({row.message})' if row.message else ''}")
+        if row.verdict == "FAIL" and localize_failures:
+            row.localized = _localize(spec, layout, settings, row.tolerance["grad"] or 1e-6, progress)
+        rows.append(row)
+    return VerifyTable(spec.name, dtype, steps, rows, notes)
+
+
+def _layouts(layouts: str | Sequence[str | Layout], cpu_ranks: int) -> list[Layout]:
+    if isinstance(layouts, str):
+        return parse_layouts(layouts, cpu_ranks)
+    text = ";".join(layout.name if isinstance(layout, Layout) else layout for layout in layouts)
+    return parse_layouts(text, cpu_ranks)
+
+
+def _check_settings(settings: Settings) -> None:
+    for name in ("steps", "seq", "batch"):
+        value = getattr(settings, name)
+        if value < 1:
+            raise ConfigError(f"--{name} {value}: must be at least 1")
+
+
+def _check_deterministic(spec: ModelSpec, settings: Settings) -> None:
+    """The reference's forward twice under two RNG states: a module whose output changes (dropout left on)
+    makes every comparison meaningless, so it is refused, by name."""
+    module = first_nondeterministic(spec, settings)
+    if module is not None:
+        raise ConfigError(
+            f"{spec.name} is not deterministic: {module} gives a different output for the same input and weights "
+            "under another RNG state (dropout left on?): set its dropout p=0 (or drop the random op) and rerun"
+        )
+
+
+def _float64_tolerance(spec: ModelSpec, settings: Settings, ref, notes: list[str], progress):
+    """The model's own float64 floor: the reference again with the batch in two accumulated halves."""
+    if settings.batch % 2:
+        notes.append("float64 floor not measured (odd --batch): tolerance 1e-10")
+        return float64_tolerance(0.0)
+    progress("verify: float64 floor (reference on two accumulated halves)")
+    halves = reference(spec, Settings(**{**settings.__dict__, "accumulation": 2}))
+    floor = max(errors(halves, ref).values())
+    return float64_tolerance(floor)
+
+
+def _localize(spec: ModelSpec, layout: Layout, settings: Settings, tol: float, progress) -> dict:
+    progress(f"verify: localizing {layout.name} (one step, every module hooked)")
+    try:
+        return localize(spec, layout, settings, tol)
+    except ConfigError as err:
+        return {"module": None, "summary": f"not localized: {err}"}

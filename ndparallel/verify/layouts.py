@@ -1,0 +1,110 @@
+"""The meshes ``ndparallel verify`` tries: parsed from ``--layouts``, generated (``auto``), or folded down
+from a real job's sizes to the ranks a laptop has.
+
+A :class:`Layout` is the mesh sizes that are not 1, e.g. ``{"dp_shard": 2, "tp": 2}``, named
+``dp_shard=2,tp=2``. It becomes a :class:`~ndparallel.config.parallelism.ParallelismConfig` in the ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ndparallel.errors import ConfigError
+
+__all__ = ["DIMS", "Layout", "auto_layouts", "fold", "parse_layouts"]
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outer -> inner, as the mesh orders them
+AUTO_SINGLES = ("dp_shard", "dp_replicate", "tp", "cp", "pp")
+# Pairs worth a run each: the compositions users ship (FSDP x TP, HSDP, ring x TP, FSDP x ring, pp x FSDP).
+AUTO_PAIRS = (("dp_shard", "tp"), ("dp_replicate", "dp_shard"), ("tp", "cp"), ("dp_shard", "cp"), ("pp", "dp_shard"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    sizes: tuple[tuple[str, int], ...]  # (dim, size > 1), in DIMS order
+
+    @classmethod
+    def of(cls, sizes: Mapping[str, int]) -> Layout:
+        for dim, size in sizes.items():
+            if dim not in DIMS:
+                raise ConfigError(f"layout dimension {dim!r} is unknown; use {', '.join(DIMS)}")
+            if not isinstance(size, int) or size < 1:
+                raise ConfigError(f"layout {dim}={size!r}: a size is a positive integer")
+        return cls(tuple((d, sizes[d]) for d in DIMS if sizes.get(d, 1) > 1))
+
+    @property
+    def name(self) -> str:
+        return ",".join(f"{d}={s}" for d, s in self.sizes) or "single"
+
+    @property
+    def ranks(self) -> int:
+        return math.prod(s for _, s in self.sizes)
+
+    def size(self, dim: str) -> int:
+        return dict(self.sizes).get(dim, 1)
+
+    def parallelism(self, **extra) -> dict:
+        """The ParallelismConfig fields of this layout (plus ``extra``, e.g. mixed_precision)."""
+        return {**{f"{d}_size": s for d, s in self.sizes}, **extra}
+
+
+def parse_layouts(text: str, cpu_ranks: int) -> list[Layout]:
+    """``"dp_shard=2;tp=2;dp_shard=2,tp=2"`` (``auto``: :func:`auto_layouts`; ``from:job.yaml``: that job's mesh,
+    :func:`fold`-ed); each must fit ``cpu_ranks``."""
+    if text.strip() == "auto":
+        return auto_layouts(cpu_ranks)
+    layouts = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        if item.startswith("from:"):
+            layouts.append(_folded(item.removeprefix("from:"), cpu_ranks))
+            continue
+        sizes = {}
+        for field in item.split(","):
+            dim, eq, value = field.strip().partition("=")
+            dim = dim.strip().removesuffix("_size")
+            if not eq or not value.strip().isdigit():
+                raise ConfigError(f"layout {item!r}: expected dim=size[,dim=size], e.g. dp_shard=2,tp=2")
+            sizes[dim] = int(value)
+        layout = Layout.of(sizes)
+        if layout.ranks < 2:
+            raise ConfigError(f"layout {item!r} uses one rank: it is the reference itself; give a size > 1")
+        if layout.ranks > cpu_ranks:
+            raise ConfigError(
+                f"layout {layout.name} needs {layout.ranks} ranks but --cpu-ranks is {cpu_ranks}: raise --cpu-ranks "
+                f"or shrink the layout"
+            )
+        layouts.append(layout)
+    if not layouts:
+        raise ConfigError(f"--layouts {text!r} names no layout; e.g. --layouts 'dp_shard=2;tp=2' or auto")
+    return list(dict.fromkeys(layouts))
+
+
+def auto_layouts(cpu_ranks: int) -> list[Layout]:
+    """Every dimension alone at size 2, then the pairs of :data:`AUTO_PAIRS` at 2 x 2 when 4 ranks fit."""
+    if cpu_ranks < 2:
+        raise ConfigError(f"--cpu-ranks {cpu_ranks}: verify needs at least 2 ranks")
+    layouts = [Layout.of({dim: 2}) for dim in AUTO_SINGLES]
+    if cpu_ranks >= 4:
+        layouts += [Layout.of({a: 2, b: 2}) for a, b in AUTO_PAIRS]
+    return layouts
+
+
+def _folded(path: str, cpu_ranks: int) -> Layout:
+    """``from:FILE.yaml``: the mesh sizes of a job's config (its ``parallelism:`` section), folded."""
+    from ndparallel.config.parallelism import ParallelismConfig
+
+    return fold(ParallelismConfig.from_yaml(path).sizes, cpu_ranks)
+
+
+def fold(sizes: Mapping[str, int], cpu_ranks: int) -> Layout:
+    """A production mesh shrunk to a laptop: every dimension > 1 becomes 2 (the algorithm is the same at 2 as
+    at 64), then the outermost dimensions are dropped until the product fits ``cpu_ranks``."""
+    dims = [d for d in DIMS if sizes.get(d, 1) > 1 or sizes.get(d, 1) == -1]
+    for keep in range(len(dims), 0, -1):
+        for chosen in itertools.combinations(reversed(dims), keep):  # inner dimensions first
+            if 2 ** len(chosen) <= cpu_ranks:
+                return Layout.of(dict.fromkeys(chosen, 2))
+    raise ConfigError(f"--cpu-ranks {cpu_ranks}: folding {dict(sizes)} needs at least 2 ranks")

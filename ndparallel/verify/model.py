@@ -1,0 +1,218 @@
+"""What ``ndparallel verify`` trains: a preset, a Hugging Face config (random weights) or a user's factory.
+
+A :class:`ModelSpec` is a few strings, so it crosses to the rank processes by pickle; each rank builds the
+same weights from it (``torch.manual_seed(seed)`` before the build). It also knows how to call the model
+(:meth:`ModelSpec.logits`) and which TP plan to hand ``parallelize``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ndparallel.errors import ConfigError
+from ndparallel.parallel.family import block_list
+
+__all__ = ["DTYPES", "ModelSpec", "check_fits_in_memory", "model_spec", "vocab_size"]
+
+# --dtype -> the parameters' dtype (bf16 trains fp32 parameters with bf16 compute: mixed_precision)
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bf16": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``kind`` is ``preset`` (a TransformerConfig preset name), ``hf`` (a config.json file or folder) or
+    ``factory`` (``module:callable`` returning an ``nn.Module``); ``tp_plan`` an optional ``module:attr``."""
+
+    kind: str
+    source: str
+    dtype: str = "float64"
+    tp_plan_ref: str | None = None
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.source
+
+    def build(self) -> nn.Module:
+        """The model with its seeded weights, parameters in the verify dtype, in train mode."""
+        torch.manual_seed(self.seed)
+        if self.kind == "preset":
+            model = _preset(self.source, self.dtype, self.seed)
+        elif self.kind == "hf":
+            model = _hf_model(self.source)
+        else:
+            model = _call_factory(self.source)
+        model = model.to(DTYPES[self.dtype]).train()
+        if block_list(model) is None:
+            raise ConfigError(
+                f"{self.source}: {type(model).__name__} has no nn.ModuleList of blocks: verify (and parallelize) "
+                "shard and checkpoint per block; keep the blocks in an nn.ModuleList"
+            )
+        return model
+
+    def tp_plan(self, model: nn.Module) -> Mapping[str, Any] | None:
+        """The ``--tp-plan`` table (an attribute, or a callable given the model), or None: the family's."""
+        if self.tp_plan_ref is None:
+            return None
+        plan = _resolve(self.tp_plan_ref, "--tp-plan")
+        plan = plan(model) if callable(plan) else plan
+        if not isinstance(plan, Mapping):
+            raise ConfigError(f"--tp-plan {self.tp_plan_ref} gave a {type(plan).__name__}, not a {{fqn: style}} dict")
+        return plan
+
+    def logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Forward ``[batch, seq]`` tokens with their (cp-sharded) global ``positions``; the logits."""
+        if self.kind == "hf":
+            return model(input_ids=tokens, position_ids=positions[None]).logits
+        if self.kind == "preset" or "positions" in inspect.signature(model.forward).parameters:
+            out = model(tokens, positions=positions)
+        else:
+            out = model(tokens)
+        return getattr(out, "logits", out)
+
+
+def check_fits_in_memory(spec: ModelSpec, ranks: int, memory: int | None = None) -> None:
+    """Refuse a model too big for this machine before building it: the reference and every rank hold the whole
+    model with its gradients and AdamW state (4 copies). Counted on the meta device; a factory that cannot
+    build there is not checked."""
+    from ndparallel.train.job_config import _physical_memory  # the one reading of the machine's memory
+
+    memory = _physical_memory() if memory is None else memory
+    try:
+        with torch.device("meta"):
+            model = spec.build()
+    except Exception:
+        return
+    params = sum(p.numel() for p in model.parameters())
+    need = (ranks + 1) * 4 * params * DTYPES[spec.dtype].itemsize
+    if memory and need > memory:
+        gib = 2**30
+        raise ConfigError(
+            f"{spec.name}: {params / 1e6:.0f}M parameters need ~{need / gib:.0f} GiB here (the reference and {ranks} "
+            f"ranks each hold the model, its gradients and AdamW state), more than this machine's {memory / gib:.0f} "
+            "GiB: verify a shrunk config of the same architecture (fewer layers, a smaller hidden size)"
+        )
+
+
+def vocab_size(model: nn.Module) -> int:
+    """The vocabulary the random tokens are drawn from: ``config.vocab_size``, ``vocab_size`` or the first
+    embedding's rows."""
+    for owner in (getattr(model, "config", None), model):
+        size = getattr(owner, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ConfigError(
+            f"{type(model).__name__} has no vocab_size attribute and no nn.Embedding: verify feeds token ids; "
+            "give the model a vocab_size attribute"
+        )
+    return embedding.num_embeddings
+
+
+def model_spec(
+    model: str | Callable[[], nn.Module], dtype: str = "float64", tp_plan: str | None = None, seed: int = 0
+) -> ModelSpec:
+    """``--model`` as a spec: a preset name, a config.json / folder, ``module:factory``, or a module-level
+    factory function (named by its module and name: the ranks import it)."""
+    if callable(model):
+        model = f"{model.__module__}:{model.__qualname__}"
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {list(DTYPES)}")
+    from ndparallel.models import PRESETS
+
+    if model in PRESETS:
+        return ModelSpec("preset", model, dtype, tp_plan, seed)
+    path = Path(model)
+    if path.is_dir() or path.suffix == ".json":
+        _hf_config(model)  # refused here, before any rank starts
+        return ModelSpec("hf", str(path.resolve()), dtype, tp_plan, seed)
+    if ":" in model:
+        return ModelSpec("factory", model, dtype, tp_plan, seed)
+    raise ConfigError(
+        f"--model {model!r} is no preset ({', '.join(sorted(PRESETS))}), no config.json or folder, and no "
+        "module:factory"
+    )
+
+
+def _preset(name: str, dtype: str, seed: int) -> nn.Module:
+    from ndparallel.models import Transformer, TransformerConfig
+
+    param_dtype = "float64" if dtype == "float64" else "float32"
+    return Transformer(TransformerConfig.from_dict({"preset": name, "dtype": param_dtype, "seed": seed}))
+
+
+def _hf_config(source: str):
+    """The ``transformers`` config of a config.json file or a folder holding one (no weights, no remote code)."""
+    path = Path(source)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"--model {source}: no {file} (a Hugging Face config.json or a folder holding one)")
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--model {source}: {file} is not JSON ({err})") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ConfigError(f"--model {source}: {file} has no model_type; is it a Hugging Face config.json?")
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "--model with a Hugging Face config needs transformers: pip install 'ndparallel[hf]'"
+        ) from None
+    try:
+        return transformers.AutoConfig.for_model(**fields)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"--model {source}: transformers cannot read {file}: {err}") from None
+
+
+def _hf_model(source: str) -> nn.Module:
+    import transformers
+
+    config = _hf_config(source)
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"--model {source}: no causal LM for model_type {config.model_type!r}: {err}") from None
+
+
+def _resolve(ref: str, what: str) -> Any:
+    """``module:attr`` -> the object (the working directory is importable, as for ``python -m``)."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} {ref!r}: expected module:attribute, e.g. mypkg.models:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except ImportError as err:
+        raise ConfigError(f"{what} {ref!r}: cannot import {module_name!r} ({err})") from None
+    except AttributeError:
+        raise ConfigError(f"{what} {ref!r}: {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def _call_factory(ref: str) -> nn.Module:
+    factory = _resolve(ref, "--model")
+    if not callable(factory):
+        raise ConfigError(f"--model {ref!r} is a {type(factory).__name__}, not a callable returning an nn.Module")
+    try:
+        model = factory()
+    except Exception as err:
+        raise ConfigError(f"--model {ref!r}: the factory failed: {type(err).__name__}: {err}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {ref!r} returned a {type(model).__name__}, not an nn.Module")
+    return model

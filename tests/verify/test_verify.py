@@ -1,0 +1,183 @@
+"""ndparallel.verify: layouts, bad input, tolerances, the verdict table, and planted faults it must name.
+
+Two spawned groups of 2 gloo ranks (plus the --localize re-runs): a correct user model with its TP plan
+passes in float64 at 1e-10 and pp is refused by name; the same model with two planted faults (a per-rank
+mean, a TP plan entry that leaves partial sums un-reduced) fails, and --localize names each planted module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ndparallel.errors import ConfigError
+from ndparallel.verify import Layout, Row, VerifyTable, auto_layouts, fold, parse_layouts, verify
+from ndparallel.verify.api import _float64_tolerance
+from ndparallel.verify.compare import compare, float64_tolerance, tolerance_for
+from ndparallel.verify.localize import _piece
+from ndparallel.verify.model import check_fits_in_memory, model_spec
+from ndparallel.verify.run import Settings, Trace, reference
+
+TOY = "tests.verify.toy"
+
+
+def test_auto_layouts_are_every_dimension_alone_then_pairs_that_fit():
+    singles = ["dp_shard=2", "dp_replicate=2", "tp=2", "cp=2", "pp=2"]
+    assert [layout.name for layout in auto_layouts(2)] == singles
+    four = [layout.name for layout in auto_layouts(4)]
+    assert four[:5] == singles and "dp_shard=2,tp=2" in four and all(layout.ranks <= 4 for layout in auto_layouts(4))
+    assert [layout.name for layout in parse_layouts("dp_shard=2;tp_size=2; tp=2,dp_shard=2", 4)] == [
+        "dp_shard=2",
+        "tp=2",
+        "dp_shard=2,tp=2",
+    ]
+    assert fold({"dp_shard": 64, "tp": 8, "pp": 4}, 4) == Layout.of({"dp_shard": 2, "tp": 2})
+    assert [layout.name for layout in parse_layouts("from:configs/3d.yaml;pp=2", 4)] == ["dp_shard=2,tp=2", "pp=2"]
+
+
+@pytest.mark.parametrize(
+    "text, cause",
+    [
+        ("tp=8", "needs 8 ranks but --cpu-ranks is 4"),
+        ("ep=2", "dimension 'ep' is unknown"),
+        ("tp", "expected dim=size"),
+        ("tp=1", "uses one rank"),
+        (";", "names no layout"),
+        ("from:no/such.yaml", "does not exist"),
+    ],
+)
+def test_bad_layouts_are_one_line(text, cause):
+    with pytest.raises(ConfigError, match=cause) as err:
+        parse_layouts(text, 4)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "model, cause",
+    [
+        (f"{TOY}:build_failing", "the factory failed: RuntimeError: weights file missing"),
+        (f"{TOY}:build_flat", "has no nn.ModuleList of blocks"),
+        (f"{TOY}:nothing", "has no attribute 'nothing'"),
+        ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz'"),
+        (f"{TOY}:VOCAB", "not a callable"),
+        ("gigantic", "no preset"),
+    ],
+)
+def test_bad_models_are_one_line(model, cause):
+    with pytest.raises(ConfigError, match=cause) as err:
+        model_spec(model).build()
+    assert "\n" not in str(err.value)
+
+
+def test_config_json_without_model_type_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ConfigError, match="has no model_type"):
+        model_spec(str(tmp_path))
+    with pytest.raises(ConfigError, match="no .*config.json"):
+        model_spec(str(tmp_path / "missing.json"))
+
+
+def test_dropout_left_on_is_refused_naming_the_module():
+    """Checked before any rank starts: the reference's forward twice under two RNG states."""
+    with pytest.raises(ConfigError, match=r"layers\.1\.drop gives a different output.*dropout p=0"):
+        verify(f"{TOY}:build_with_dropout", "dp_shard=2", cpu_ranks=2)
+
+
+def test_float64_floor_of_a_model_that_sums_in_fp32_inside():
+    """A float64 model whose head computes in fp32 has a floor of ~1e-8: the tolerance follows it (10x); a
+    plain float64 model keeps 1e-10; a floor beyond fp32 round-off is a split-dependent model: kept at 1e-10."""
+    settings = Settings()
+    spec = model_spec(f"{TOY}:build_fp32_inside")
+    tol = _float64_tolerance(spec, settings, reference(spec, settings), [], lambda line: None)
+    assert 1e-10 < tol.loss < 1e-5 and "10x the model's own float64 floor" in tol.source
+    assert float64_tolerance(1e-15).loss == 1e-10 and "model floor 1.0e-15" in float64_tolerance(1e-15).source
+    split = float64_tolerance(5e-3)
+    assert split.loss == 1e-10 and "depends on how the batch is split" in split.source
+
+
+def test_fp32_and_bf16_use_only_measured_bounds():
+    tp, fsdp = Layout.of({"tp": 2}), Layout.of({"dp_shard": 2})
+    fp32 = tolerance_for("float32", tp)
+    assert (fp32.loss, fp32.grad_norm, fp32.grad, fp32.param) == (1e-4, 1e-4, 1e-6, None)
+    assert "test_fp32_smoke.py" in fp32.source
+    assert tolerance_for("bf16", fsdp).loss == 2e-3 and "BF16_TOL" in tolerance_for("bf16", fsdp).source
+    unmeasured = tolerance_for("bf16", tp)
+    assert unmeasured.loss is None and "no measured bound" in unmeasured.source
+    trace = Trace([1.0], [1.0], {"w": np.zeros(2)}, {"w": np.zeros(2)})
+    assert compare(tp, trace, trace, unmeasured).verdict == "unjudged"
+    assert compare(tp, trace, trace, fp32).verdict == "pass"
+
+
+def test_table_verdicts_and_json(tmp_path):
+    refused = Row("tp=2", 2, "refused", message="tp_size=2 does not divide n_heads=3")
+    table = VerifyTable("m", "float64", 3, [refused])
+    assert not table.ok and "refused: tp_size=2 does not divide n_heads=3" in table.format()
+    assert "verdict: FAIL (every layout was refused)" in table.format()
+    table.rows.append(Row("dp_shard=2", 2, "pass", dict.fromkeys(("loss", "grad_norm", "grad", "param"), 0.0)))
+    assert table.ok
+    table.rows.append(Row("cp=2", 2, "FAIL", dict.fromkeys(("loss", "grad_norm", "grad", "param"), float("inf"))))
+    assert not table.ok
+    table.write_json(tmp_path / "v.json")
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert [r["verdict"] for r in data["rows"]] == ["refused", "pass", "FAIL"] and data["ok"] is False
+
+
+def test_a_rank_piece_maps_onto_the_reference_under_dp_cp_and_tp():
+    """--localize compares each rank's output with its piece of the reference: dp rows, cp head-tail positions."""
+    from ndparallel.parallel.context_parallel import shard_sequence
+
+    settings = Settings(batch=4, seq=16)
+    layout = Layout.of({"dp_shard": 2, "cp": 2, "tp": 2})
+    ref = np.random.default_rng(0).standard_normal((4, 16, 8))
+    coord = {"dp": 1, "cp": 1, "tp": 1}
+    rows = torch.from_numpy(ref[2:4])
+    local = shard_sequence(rows, 1, 2, 1, True)[..., 4:8].numpy()  # dp rank 1, cp rank 1, tp rank 1's columns
+    np.testing.assert_array_equal(_piece(ref, local.shape, layout, coord, settings), local)
+    assert _piece(ref, (3, 16, 8), layout, coord, settings) is None  # not a shard of anything: not compared
+
+
+def test_correct_user_model_passes_and_pp_is_refused():
+    table = verify(f"{TOY}:build", "dp_replicate=2;tp=2;pp=2", tp_plan=f"{TOY}:PLAN", cpu_ranks=2)
+    verdicts = {row.layout: row for row in table.rows}
+    assert verdicts["dp_replicate=2"].verdict == "pass" and verdicts["tp=2"].verdict == "pass"
+    assert max(verdicts["tp=2"].errors.values()) < 1e-12
+    assert verdicts["pp=2"].verdict == "refused" and "pipeline" in verdicts["pp=2"].message
+    assert table.ok
+
+
+def test_planted_faults_fail_and_localize_names_the_module():
+    """Fault 1: block 1 subtracts the mean of its rank's batch (per-rank instead of global): wrong under dp,
+    right under tp. Fault 2: the TP plan leaves block 1's down projection with partial sums."""
+    table = verify(
+        f"{TOY}:build_centered",
+        "dp_shard=2;tp=2",
+        tp_plan=f"{TOY}:WRONG_PLAN",
+        cpu_ranks=2,
+        localize_failures=True,
+    )
+    rows = {row.layout: row for row in table.rows}
+    assert not table.ok and rows["dp_shard=2"].verdict == rows["tp=2"].verdict == "FAIL"
+    assert rows["dp_shard=2"].localized["module"] == "layers.1.center"
+    assert rows["dp_shard=2"].localized["mesh_dims"] == "dp_shard=2"
+    assert rows["tp=2"].localized["module"] == "layers.1.down"
+    assert rows["tp=2"].localized["tensor"] == "forward output" and rows["tp=2"].localized["relative_error"] > 1e-3
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built():
+    with pytest.raises(ConfigError, match=r"70b: 70554M parameters need .* GiB here .*verify a shrunk config"):
+        verify("70b", "tp=2", cpu_ranks=2)
+    with pytest.raises(ConfigError, match="more than this machine's 0 GiB"):
+        check_fits_in_memory(model_spec("tiny"), 2, memory=1000)
+
+
+def test_a_layout_that_crashes_stops_its_group_without_a_hang():
+    """A raw error (here a shape error from a broken plan) may leave a collective half done: the group stops,
+    the next layout is reported as not run, and the run fails."""
+    table = verify(f"{TOY}:build", "tp=2;dp_shard=2", tp_plan=f"{TOY}:BROKEN_PLAN", cpu_ranks=2)
+    rows = {row.layout: row for row in table.rows}
+    assert rows["tp=2"].verdict == "error" and "RuntimeError" in rows["tp=2"].message
+    assert rows["dp_shard=2"].verdict == "error" and rows["dp_shard=2"].message.startswith("not run: tp=2 failed")
+    assert not table.ok
