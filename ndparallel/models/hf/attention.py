@@ -70,10 +70,13 @@ def _spec(module: nn.Module) -> _AttentionSpec:
 
 
 # Keywords transformers hands the attention function that do not change its result (the rotary embedding is
-# applied before the call; the KV cache is off; attention weights are not returned). Every other keyword is
-# a feature: implemented (``scaling``, ``s_aux``), or refused unless it has its neutral value (_check_call).
+# applied before the call; the KV cache is off; attention weights are not returned; ``shift_labels`` and
+# ``num_items_in_batch`` are the loss's, passed down the layers with the other keywords of the model call).
+# Every other keyword is a feature: implemented (``scaling``, ``s_aux``), or refused unless it has its neutral
+# value (_check_call).
 _NEUTRAL_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "past_key_values", "output_attentions", "output_router_logits"}
+    | {"shift_labels", "num_items_in_batch"}
 )
 
 
