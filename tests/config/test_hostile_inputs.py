@@ -40,3 +40,34 @@ def test_transformer_follows_torch_default_dtype():
         TransformerConfig.from_dict({"dtype": "bf16"})
     with pytest.raises(ConfigError, match="model.dtype=3 must be a string or null"):
         TransformerConfig.from_dict({"dtype": 3})
+
+
+# ------------------------------------------------------------------ 2: plan refuses bad sizes, answers in seconds
+def test_plan_refuses_non_positive_sizes_and_huge_worlds(capsys):
+    from ndparallel.estimate.cli import main as plan_main
+
+    def refused(extra: list[str], fragment: str) -> None:
+        started = time.monotonic()
+        assert plan_main(["plan", "--model", "8b", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ndparallel plan: error: ") and err.count("\n") == 1 and fragment in err, err
+        assert time.monotonic() - started < 10, extra
+
+    refused(["--gpus", "8", "--seq", "0"], "seq_len=0 must be a positive integer")
+    refused(["--gpus", "8", "--top", "-1"], "--top=-1")
+    refused(["--gpus", "8", "--tp", "0"], "pinned mesh size(s) {'tp': 0} must be positive integers")
+    refused(["--gpus", "1000000000", "--top", "1"], "more than the planner's maximum of 1048576 (2**20) GPUs")
+    refused(["--gpus", "1048576", "--top", "1"], "more than 4096 mesh shapes to estimate: pin some sizes")
+    refused(["--gpus", "720720", "--top", "1"], "more than 4096 mesh shapes to estimate")
+
+
+def test_plan_search_skips_pipelines_deeper_than_the_model():
+    from ndparallel.estimate import ClusterSpec, TrainingSpec, model_spec, plan
+
+    model = model_spec({"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 128, "vocab_size": 256})
+    started = time.monotonic()
+    result = plan(model, TrainingSpec(global_batch=64, seq_len=64), ClusterSpec(num_gpus=65536), {"tp": 8}, True)
+    assert time.monotonic() - started < 60
+    assert {e.mesh.pp for e in result.ranked + result.rejected} == {1, 2}
+    with pytest.raises(ConfigError, match="= 4 pipeline stages but model.n_layers=2"):
+        plan(model, TrainingSpec(global_batch=64, seq_len=64), ClusterSpec(num_gpus=8), {"pp": 4}, True)
