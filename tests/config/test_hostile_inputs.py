@@ -71,3 +71,14 @@ def test_plan_search_skips_pipelines_deeper_than_the_model():
     assert {e.mesh.pp for e in result.ranked + result.rejected} == {1, 2}
     with pytest.raises(ConfigError, match="= 4 pipeline stages but model.n_layers=2"):
         plan(model, TrainingSpec(global_batch=64, seq_len=64), ClusterSpec(num_gpus=8), {"pp": 4}, True)
+
+
+# ------------------------------------------------------------------ 1: cuda is never silently replaced by the CPU
+def test_cuda_request_with_cpu_ranks_is_refused(capsys, monkeypatch):
+    monkeypatch.delenv("NDP_DEVICE", raising=False)
+    small = ["train.steps=1", "data.max_bytes=20000", "data.seq_len=32", "train.global_batch=2"]
+    _one_line_error(capsys, ["train", "--cpu-ranks", "2", *small, "train.device=cuda"], "train.device=cuda but --cpu")
+    _one_line_error(capsys, ["train", "--cpu-ranks", "2", "--device", "cuda", *small], "--device=cuda but")
+    if not torch.cuda.is_available():  # NDP_DEVICE=cpu must not hide a config asking for the missing CUDA
+        monkeypatch.setenv("NDP_DEVICE", "cpu")
+        _one_line_error(capsys, ["train", *small, "train.device=cuda"], "train.device=cuda but CUDA is not available")
