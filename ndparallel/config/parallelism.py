@@ -17,8 +17,10 @@ are an error (never "whichever the environment lists last").
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,9 @@ _ACCELERATE_PREFIX = "parallelism_config_"
 _ENV_PREFIXES = ("NDP_", "PARALLELISM_CONFIG_")
 # Accelerate's names for the knobs that differ from ours.
 _ALIASES = {"cp_comm_strategy": "cp_rotate_method"}
+OTHER_NDP_SETTINGS = frozenset({"NDP_DEVICE", "NDP_STORE_PATH", "NDP_LAUNCHER_PID"})
+"""``NDP_*`` variables that are not parallelism fields (the device, the test store, the worker guard): any other
+``NDP_*`` close to a field name is taken for a misspelled field and refused (:func:`environment_fields`)."""
 
 
 @dataclass
@@ -146,7 +151,11 @@ class ParallelismConfig(AccelerateNames):
         """The one precedence rule: defaults < ``file`` (a mapping, as :meth:`from_dict` reads it) <
         environment (``environ``, default ``os.environ``) < command-line ``overrides``."""
         cfg = cls.from_dict(file or {})
-        return cls.from_env(environ, base=cfg).with_overrides(overrides)
+        try:
+            cfg = cls.from_env(environ, base=cfg)
+        except ConfigError as err:  # e.g. NDP_PP_SIZE=0: say the environment set it
+            raise ConfigError(f"{err}{environment_note(_fields_named(str(err)), None, environ)}") from None
+        return cfg.with_overrides(overrides)
 
     def with_overrides(self, overrides: Iterable[str] | Mapping[str, Any]) -> ParallelismConfig:
         """A copy with ``["tp_size=2", "mixed_precision=bf16"]`` (or a dict) applied."""
@@ -211,7 +220,8 @@ class ParallelismConfig(AccelerateNames):
         check_pipeline_fields(self)  # ndparallel/config/pipeline.py
 
     def resolve(self, world_size: int) -> ParallelismConfig:
-        """A copy with ``-1`` filled in, checked against ``world_size``."""
+        """A copy with ``-1`` filled in, checked against ``world_size``. A size error names the ``NDP_*`` /
+        ``PARALLELISM_CONFIG_*`` variable in ``os.environ`` that set a size to the value it has here."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world size {world_size!r} must be a positive integer")
         sizes = self.sizes
@@ -221,13 +231,15 @@ class ParallelismConfig(AccelerateNames):
             if world_size % fixed:
                 raise ConfigError(
                     f"{auto[0]}=-1 cannot fill world size {world_size}: the other sizes multiply to {fixed}, "
-                    f"which does not divide {world_size}. {_suggest(sizes, world_size)}"
+                    f"which does not divide {world_size}{environment_note(SIZE_FIELDS, self)}. "
+                    f"{_suggest(sizes, world_size)}"
                 )
             return dataclasses.replace(self, **{auto[0]: world_size // fixed})
         if fixed != world_size:
             desc = " x ".join(f"{d}_size={s}" for d, s in sizes.items() if s != 1) or "all sizes = 1"
             raise ConfigError(
-                f"mesh sizes multiply to {fixed} ({desc}) but the world size is {world_size}. "
+                f"mesh sizes multiply to {fixed} ({desc}) but the world size is {world_size}"
+                f"{environment_note(SIZE_FIELDS, self)}. "
                 f"{_suggest(sizes, world_size)}"
             )
         return dataclasses.replace(self)
@@ -274,9 +286,15 @@ def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, An
     Every ``PARALLELISM_CONFIG_*`` variable is honoured or refused by name: our field names, Accelerate's
     aliases (``CP_COMM_STRATEGY``), ``SP_SIZE`` 1 (and its ``SP_*`` companions, which then do nothing);
     ``SP_SIZE > 1`` and unknown names raise ConfigError. ``NDP_*`` variables that are not parallelism fields
-    (``NDP_DEVICE``, ...) belong to other settings. Two variables that set one field to different values
-    raise ConfigError naming both.
+    belong to other settings (:data:`OTHER_NDP_SETTINGS`), except one a typo away from a field (``NDP_TP_SIZ``):
+    refused with a did-you-mean, as a misspelled size must not be silently ignored. Two variables that set one
+    field to different values raise ConfigError naming both.
     """
+    return {field: value for field, (_, value) in _environment_sources(environ).items()}
+
+
+def _environment_sources(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, Any]]:
+    """Field -> (the variable that sets it, its value): :func:`environment_fields` with the names kept."""
     environ = os.environ if environ is None else environ
     found: dict[str, tuple[str, Any]] = {}
     for name in sorted(environ):
@@ -287,7 +305,7 @@ def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, An
         if _refuse_sequence_parallel(key, value, source=name):
             continue
         if key not in _field_names() and key not in _ALIASES:
-            if prefix == "NDP_":
+            if prefix == "NDP_" and (name in OTHER_NDP_SETTINGS or not _close_to_a_field(key)):
                 continue
             raise ConfigError(
                 f"environment variable {name} is not a parallelism setting ndparallel knows"
@@ -300,7 +318,38 @@ def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, An
                 f"environment variables {other}={before!r} and {name}={value!r} both set {field}; unset one"
             )
         found[field] = (name, value)
-    return {field: value for field, (_, value) in found.items()}
+    return found
+
+
+def _close_to_a_field(key: str) -> bool:
+    """True for a key one typo away from a parallelism field or alias (``tp_siz``), not for an unrelated name."""
+    return bool(difflib.get_close_matches(key, sorted(_field_names() | set(_ALIASES)), n=1, cutoff=0.8))
+
+
+def environment_note(
+    fields: Iterable[str], cfg: ParallelismConfig | None = None, environ: Mapping[str, str] | None = None
+) -> str:
+    """``" (NDP_PP_SIZE=1 in the environment sets pp_size, over the config file)"`` for those of ``fields`` that
+    an environment variable sets (and, given ``cfg``, to the value ``cfg`` holds): an error about a size must
+    say where the size came from. Empty when none (or when the environment is itself malformed)."""
+    try:
+        sources = _environment_sources(environ)
+    except ConfigError:
+        return ""
+    named = [
+        (variable, value, field)
+        for field, (variable, value) in sources.items()
+        if field in set(fields) and (cfg is None or getattr(cfg, field) == value)
+    ]
+    if not named:
+        return ""
+    said = "; ".join(f"{variable}={value!r} in the environment sets {field}" for variable, value, field in named)
+    return f" ({said}, over the config file)"
+
+
+def _fields_named(message: str) -> list[str]:
+    """The parallelism fields a message names (``pp_size=0 is invalid`` -> ``["pp_size"]``)."""
+    return [name for name in sorted(_field_names()) if re.search(rf"\b{name}\b", message)]
 
 
 def _canonical_key(key: str) -> str:

@@ -82,3 +82,35 @@ def test_cuda_request_with_cpu_ranks_is_refused(capsys, monkeypatch):
     if not torch.cuda.is_available():  # NDP_DEVICE=cpu must not hide a config asking for the missing CUDA
         monkeypatch.setenv("NDP_DEVICE", "cpu")
         _one_line_error(capsys, ["train", *small, "train.device=cuda"], "train.device=cuda but CUDA is not available")
+
+
+# ------------------------------------------------------------------ 3, 4: the environment is named
+def test_misspelled_ndp_variable_gets_did_you_mean():
+    from ndparallel.config.parallelism import environment_fields
+
+    with pytest.raises(ConfigError, match=r"NDP_TP_SIZ is not a parallelism setting.*did you mean 'tp_size'"):
+        environment_fields({"NDP_TP_SIZ": "2"})
+    with pytest.raises(ConfigError, match=r"NDP_MIXED_PRECISON .*did you mean 'mixed_precision'"):
+        environment_fields({"NDP_MIXED_PRECISON": "bf16"})
+    # The other NDP_ settings, and names nowhere near a field, are not ours to refuse.
+    other = {"NDP_DEVICE": "cpu", "NDP_STORE_PATH": "/x", "NDP_LAUNCHER_PID": "1", "NDP_UNRELATED": "x"}
+    assert environment_fields(other) == {}
+
+
+def test_size_errors_name_the_environment_variable(tmp_path, capsys, monkeypatch):
+    from ndparallel.config.parallelism import ParallelismConfig
+
+    file = {"parallelism": {"pp_size": 2}}
+    monkeypatch.setenv("NDP_PP_SIZE", "1")  # resolve() reads os.environ: where ndparallel train's sizes came from
+    cfg = ParallelismConfig.from_sources(file)
+    with pytest.raises(ConfigError, match=r"world size is 2 \(NDP_PP_SIZE=1 in the environment sets pp_size"):
+        cfg.resolve(2)
+    with pytest.raises(ConfigError, match=r"pp_size=0 is invalid.*\(NDP_PP_SIZE=0 in the environment sets pp_size"):
+        ParallelismConfig.from_sources(file, {"NDP_PP_SIZE": "0"})
+    cfg = ParallelismConfig.from_sources(file, None, ["pp_size=3"])  # the command line won
+    with pytest.raises(ConfigError) as err:
+        cfg.resolve(2)
+    assert "NDP_PP_SIZE" not in str(err.value)
+    config = tmp_path / "pp2.yaml"
+    config.write_text("parallelism:\n  pp_size: 2\n")
+    _one_line_error(capsys, ["mesh", str(config), "--world-size", "2"], "NDP_PP_SIZE=1 in the environment sets pp_size")
