@@ -188,6 +188,12 @@ class TrainConfig:
             if not ok:
                 section, field_name = name.split(".")
                 raise ConfigError(f"{name}={getattr(getattr(self, section), field_name)!r} {message}")
+        memory = _physical_memory()
+        if memory and d.max_bytes > memory:
+            raise ConfigError(
+                f"data.max_bytes={d.max_bytes} is more than this machine's {memory / 2**30:,.1f} GiB of memory "
+                "(every rank holds what it reads); lower data.max_bytes"
+            )
         check_seq_fits(d.seq_len, self.model.max_seq_len)
         if (c.every or c.resume is True) and not c.dir:
             raise ConfigError("checkpoint.every / checkpoint.resume=true need checkpoint.dir (where to save and look)")

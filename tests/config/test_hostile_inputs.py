@@ -114,3 +114,43 @@ def test_size_errors_name_the_environment_variable(tmp_path, capsys, monkeypatch
     config = tmp_path / "pp2.yaml"
     config.write_text("parallelism:\n  pp_size: 2\n")
     _one_line_error(capsys, ["mesh", str(config), "--world-size", "2"], "NDP_PP_SIZE=1 in the environment sets pp_size")
+
+
+# ------------------------------------------------------------------ 6: data.path is a regular file; max_bytes fits
+def test_special_files_and_huge_max_bytes_are_refused(tmp_path, capsys):
+    import os
+    import threading
+
+    from ndparallel.train.data import ByteCorpus
+    from ndparallel.train.job_config import _physical_memory
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    # Bounded: without the fix, reading the FIFO blocks; the reader thread would stay alive past the timeout.
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            ByteCorpus(32, fifo, 20000)
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001  (the assertion below names it)
+            outcome.append(err)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # unblock the stuck open() so the thread ends, then fail
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("reading a FIFO as data.path blocked")
+    assert isinstance(outcome[0], ConfigError) and "is a FIFO (named pipe), not a regular file" in str(outcome[0])
+    linked = tmp_path / "corpus"
+    linked.mkdir()
+    (linked / "text.txt").write_text("hello " * 1000)
+    (linked / "pipe").symlink_to(fifo)  # a link to the FIFO inside a folder: refused at open, never blocks
+    with pytest.raises(ConfigError, match="is a FIFO"):
+        ByteCorpus(32, linked, 20000)
+    with pytest.raises(ConfigError, match="'/dev/zero' is a character device, not a regular file"):
+        ByteCorpus(32, "/dev/zero", 20000)
+    too_many = _physical_memory() + 1
+    _one_line_error(capsys, ["train", f"data.max_bytes={too_many}"], f"data.max_bytes={too_many} is more than")
