@@ -32,7 +32,7 @@ from ndparallel.config.accelerate import AccelerateNames, accelerate_settings, i
 from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS
 from ndparallel.config.pipeline import check_pipeline_fields
 from ndparallel.config.sources import did_you_mean, load_yaml_mapping, parse_overrides, parse_scalar
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = ["ParallelismConfig", "environment_fields"]
 
@@ -189,7 +189,9 @@ class ParallelismConfig(AccelerateNames):
         for name in SIZE_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{name}={value!r} must be an integer (>= 1, or -1 to fill the rest of the world)")
+                raise ConfigError(
+                    f"{name}={brief_repr(value)} must be an integer (>= 1, or -1 to fill the rest of the world)"
+                )
             if value == -1:
                 autos.append(name)
             elif value < 1:
@@ -202,7 +204,7 @@ class ParallelismConfig(AccelerateNames):
             value = getattr(self, name)
             if value not in choices:
                 hint = did_you_mean(str(value), choices)
-                raise ConfigError(f"{name}={value!r} is not one of {list(choices)}{hint}")
+                raise ConfigError(f"{name}={brief_repr(value)} is not one of {list(choices)}{hint}")
         if self.cp_backend == "torch" and self.cp_rotate_method == "alltoall":
             raise ConfigError(
                 "cp_rotate_method='alltoall' (Ulysses) needs cp_backend='ndparallel': torch's experimental context "
@@ -211,10 +213,10 @@ class ParallelismConfig(AccelerateNames):
             )
         for name in ("reshard_after_forward", "cpu_offload", "cp_load_balance"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+                raise ConfigError(f"{name}={brief_repr(getattr(self, name))} must be true or false")
         bucket = self.dp_bucket_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not 0 < bucket < math.inf:
-            raise ConfigError(f"dp_bucket_mb={bucket!r} must be a positive number of megabytes")
+            raise ConfigError(f"dp_bucket_mb={brief_repr(bucket)} must be a positive number of megabytes")
         if self.cpu_offload and self.dp_shard_size == 1 and self.cp_size == 1:
             raise ConfigError("cpu_offload=true needs FSDP: set dp_shard_size > 1 (or -1)")
         check_pipeline_fields(self)  # ndparallel/config/pipeline.py
@@ -223,7 +225,7 @@ class ParallelismConfig(AccelerateNames):
         """A copy with ``-1`` filled in, checked against ``world_size``. A size error names the ``NDP_*`` /
         ``PARALLELISM_CONFIG_*`` variable in ``os.environ`` that set a size to the value it has here."""
         if not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world size {world_size!r} must be a positive integer")
+            raise ConfigError(f"world size {brief_repr(world_size)} must be a positive integer")
         sizes = self.sizes
         auto = [f"{d}_size" for d, s in sizes.items() if s == -1]
         fixed = math.prod(s for s in sizes.values() if s != -1)
@@ -273,9 +275,10 @@ def _refuse_sequence_parallel(key: str, value: Any, source: str | None = None) -
         return False
     if name == "sp_size" and value not in (None, 1, "1"):
         raise ConfigError(
-            f"{source or key}={value!r}: Accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism, which "
-            f"ndparallel does not run as a separate dimension; split the sequence with cp_size={value} and "
-            "cp_rotate_method=alltoall instead (Accelerate: parallelism_config_cp_size + cp_comm_strategy: alltoall)"
+            f"{source or key}={brief_repr(value)}: Accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism, "
+            "which ndparallel does not run as a separate dimension; split the sequence with "
+            f"cp_size={brief_repr(value)} and cp_rotate_method=alltoall instead "
+            "(Accelerate: parallelism_config_cp_size + cp_comm_strategy: alltoall)"
         )
     return True  # sp_size 1 and the sp_* companions change nothing, as in Accelerate without sp
 
@@ -301,7 +304,11 @@ def _environment_sources(environ: Mapping[str, str] | None = None) -> dict[str, 
         prefix = next((p for p in _ENV_PREFIXES if name.startswith(p)), None)
         if prefix is None:
             continue
-        key, value = name[len(prefix) :].lower(), parse_scalar(environ[name])
+        key = name[len(prefix) :].lower()
+        try:
+            value = parse_scalar(environ[name])
+        except ConfigError as err:
+            raise ConfigError(f"environment variable {name}: {err}") from None
         if _refuse_sequence_parallel(key, value, source=name):
             continue
         if key not in _field_names() and key not in _ALIASES:
@@ -315,7 +322,8 @@ def _environment_sources(environ: Mapping[str, str] | None = None) -> dict[str, 
         if field in found and found[field][1] != value:
             other, before = found[field]
             raise ConfigError(
-                f"environment variables {other}={before!r} and {name}={value!r} both set {field}; unset one"
+                f"environment variables {other}={brief_repr(before)} and {name}={brief_repr(value)} both set {field}; "
+                "unset one"
             )
         found[field] = (name, value)
     return found
@@ -343,7 +351,9 @@ def environment_note(
     ]
     if not named:
         return ""
-    said = "; ".join(f"{variable}={value!r} in the environment sets {field}" for variable, value, field in named)
+    said = "; ".join(
+        f"{variable}={brief_repr(value)} in the environment sets {field}" for variable, value, field in named
+    )
     return f" ({said}, over the config file)"
 
 

@@ -22,7 +22,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.distributed.process import check_device_type
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 from ndparallel.models import TransformerConfig
 
 __all__ = [
@@ -187,7 +187,7 @@ class TrainConfig:
         for name, ok, message in rules:
             if not ok:
                 section, field_name = name.split(".")
-                raise ConfigError(f"{name}={getattr(getattr(self, section), field_name)!r} {message}")
+                raise ConfigError(f"{name}={brief_repr(getattr(getattr(self, section), field_name))} {message}")
         memory = _physical_memory()
         if memory and d.max_bytes > memory:
             raise ConfigError(

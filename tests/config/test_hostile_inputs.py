@@ -154,3 +154,51 @@ def test_special_files_and_huge_max_bytes_are_refused(tmp_path, capsys):
         ByteCorpus(32, "/dev/zero", 20000)
     too_many = _physical_memory() + 1
     _one_line_error(capsys, ["train", f"data.max_bytes={too_many}"], f"data.max_bytes={too_many} is more than")
+
+
+# ------------------------------------------------------------------ 5: YAML alias bombs; bounded error values
+def _alias_bomb(levels: int = 10) -> str:
+    """Flow YAML whose aliases expand to 10**levels leaves: ``&a0 [0,0,...], &a1 [*a0,*a0,...], ...``."""
+    parts = ["&a0 [" + ", ".join(["0"] * 10) + "]"]
+    parts += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(parts) + "]"
+
+
+def test_yaml_alias_bombs_are_refused_at_once(tmp_path, capsys, monkeypatch):
+    from ndparallel.config.parallelism import environment_fields
+    from ndparallel.config.sources import parse_overrides
+
+    started = time.monotonic()
+    bomb = _alias_bomb()
+    for section, key in (("parallelism", "pp_split"), ("data", "path")):
+        config = tmp_path / f"{key}.yaml"
+        config.write_text(f"{section}:\n  {key}: {bomb}\n")
+        _one_line_error(capsys, ["train", "--config", str(config)], "expand this value past 100,000 items")
+    _one_line_error(capsys, ["train", f"pp_split={bomb}"], "override 'pp_split': YAML aliases")
+    with pytest.raises(ConfigError, match="environment variable NDP_PP_SPLIT: YAML aliases"):
+        environment_fields({"NDP_PP_SPLIT": bomb})
+    with pytest.raises(ConfigError, match="a cycle"):
+        parse_overrides(["pp_split=&a [1, *a]"])
+    # Anchors and merges of an ordinary size still work.
+    merged = tmp_path / "merge.yaml"
+    merged.write_text("base: &b {steps: 2, lr: 0.1}\ntrain:\n  <<: *b\n  steps: 3\n")
+    from ndparallel.config.sources import load_yaml_mapping
+
+    assert load_yaml_mapping(merged)["train"] == {"steps": 3, "lr": 0.1}
+    assert time.monotonic() - started < 5
+
+
+def test_config_errors_print_a_bounded_value(capsys):
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.errors import BRIEF_LIMIT
+
+    nested = [[0, 1]]
+    for _ in range(30):
+        nested = [nested] * 10  # 10**30 leaves if printed in full; shared, so cheap to build
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        ParallelismConfig(pp_size=2, pp_split=nested)
+    assert len(str(err.value)) < BRIEF_LIMIT + 200 and time.monotonic() - started < 5
+    long_path = "x" * 100_000
+    err = _one_line_error(capsys, ["train", f"data.seq_len={long_path}"], "data.seq_len='xxx")
+    assert len(err) < BRIEF_LIMIT + 200

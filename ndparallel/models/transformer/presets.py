@@ -10,7 +10,7 @@ import torch
 from ndparallel.config.precision import DTYPES
 from ndparallel.config.preflight import ModelShape
 from ndparallel.config.sources import coerce_fields
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = ["PARAM_DTYPES", "PRESETS", "TransformerConfig"]
 
@@ -42,7 +42,7 @@ class TransformerConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name}={value!r} must be a positive integer")
+                raise ConfigError(f"model.{name}={brief_repr(value)} must be a positive integer")
         if self.dim % self.n_heads:
             raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.dim={self.dim}")
         if self.n_heads % self.n_kv_heads:
