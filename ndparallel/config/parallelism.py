@@ -98,7 +98,9 @@ class ParallelismConfig(AccelerateNames):
     pp_schedule: str = "1f1b"
     """Schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev (V: torch >= 2.12)."""
     pp_microbatches: int | None = None
-    """Micro-batches per step through the pipeline; None: the training accumulation steps."""
+    """Micro-batches per step through the pipeline; None: the accumulation steps of ``train.micro_batch``, or
+    without one the smallest count the schedule accepts that divides the per-rank batch (1F1B on 2 stages: 2;
+    ``ndparallel.config.preflight.default_pipeline_microbatches``)."""
     pp_stages_per_rank: int | None = None
     """Stages each pp rank holds; None: 1 for gpipe/1f1b, 2 for the others (V schedules: exactly 2)."""
     pp_split: list[list[int]] | None = None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from ndparallel.config.dims import divisors
 from ndparallel.config.preflight import JobShape, job_problems
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.comm import Collective, collectives
@@ -152,7 +152,7 @@ def _iter_mesh_shapes(
         raise ConfigError(f"unknown mesh dim(s) {unknown}; dims are pp, dp_replicate, dp_shard, cp, tp")
 
     def sizes(dim: str, left: int) -> list[int]:  # the candidates for ``dim`` when ``left`` ranks remain
-        return [v for v in ([fixed[dim]] if dim in fixed else _divisors(left)) if left % v == 0]
+        return [v for v in ([fixed[dim]] if dim in fixed else divisors(left)) if left % v == 0]
 
     for pp in sizes("pp", world_size) if pp_schedules else [fixed.get("pp", 1)]:
         if pp > max_pp or world_size % pp:
@@ -190,12 +190,6 @@ def _searched_shapes(
         shape = dropped or MeshShape(pp=fixed["pp"], pp_schedule=pp_schedules[0] if pp_schedules else "1f1b")
         raise ConfigError(shape_problems(model, TrainingSpec(), shape)[0])
     return shapes
-
-
-def _divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order (none for 0), by trial division up to its square root."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)

@@ -202,3 +202,33 @@ def test_config_errors_print_a_bounded_value(capsys):
     long_path = "x" * 100_000
     err = _one_line_error(capsys, ["train", f"data.seq_len={long_path}"], "data.seq_len='xxx")
     assert len(err) < BRIEF_LIMIT + 200
+
+
+# ------------------------------------------------------------------ 8: pp_size=2 alone runs with the defaults
+def test_pipeline_microbatches_default_to_what_the_schedule_needs():
+    from ndparallel.train.job_config import TrainConfig
+
+    def micro(config: str | None, *overrides: str) -> int:
+        cfg = TrainConfig.from_sources(config, list(overrides), {})
+        return cfg.check_mesh(cfg.parallelism.resolve(2))
+
+    assert micro(None, "pp_size=2", "train.steps=2") == 2  # 1F1B on 2 stages: the smallest count it takes
+    assert micro("configs/demo.yaml", "pp_size=2", "tp_size=1", "train.steps=2") == 2
+    assert micro(None, "pp_size=2", "pp_schedule=gpipe") == 1  # gpipe took 1 before: unchanged
+    assert micro(None, "pp_size=2", "train.global_batch=6", "model.n_layers=4", "pp_schedule=interleaved_1f1b") == 1
+    assert micro(None, "pp_size=2", "train.global_batch=9", "model.n_layers=4") == 3  # 2 does not divide 9
+    assert micro(None, "pp_size=2", "pp_microbatches=4") == 4  # explicit counts are kept
+    with pytest.raises(ConfigError, match="set pp_microbatches, or a smaller train.micro_batch"):
+        micro(None, "pp_size=2", "train.micro_batch=16")  # an explicit micro-batch of the whole batch: m = 1
+    with pytest.raises(ConfigError, match="no pipeline micro-batch count that pp_schedule='1f1b' accepts on 2 stages"):
+        micro(None, "pp_size=2", "train.global_batch=1")
+
+
+@pytest.mark.jobs  # two real gloo ranks through torchrun
+def test_pp_size_2_alone_trains_on_two_ranks():
+    from tests.command import run_ndparallel
+
+    small = ["train.steps=2", "data.max_bytes=20000", "data.seq_len=32", "train.global_batch=4", "train.log_every=1"]
+    result = run_ndparallel("train", "--cpu-ranks", "2", "pp_size=2", *small, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 micro-batch(es) per rank per step" in result.stdout + result.stderr
