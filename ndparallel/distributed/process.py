@@ -19,9 +19,25 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import INNER_DIMS, VIEWS, Mesh, flatten
 from ndparallel.errors import ConfigError
 
-__all__ = ["DEVICE_TYPES", "check_device_type", "destroy_distributed", "init_distributed", "job_store"]
+__all__ = [
+    "DEVICE_TYPES",
+    "check_device_type",
+    "destroy_distributed",
+    "init_distributed",
+    "job_store",
+    "physical_memory",
+]
 
 DEVICE_TYPES = ("cpu", "cuda")
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): the bound a model or corpus
+    every rank builds on the host must fit."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _launcher_store(timeout: datetime.timedelta) -> dist.Store:

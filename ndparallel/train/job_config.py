@@ -21,7 +21,7 @@ import yaml
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
-from ndparallel.distributed.process import check_device_type
+from ndparallel.distributed.process import check_device_type, physical_memory
 from ndparallel.errors import ConfigError, brief_repr
 from ndparallel.models import TransformerConfig
 
@@ -188,7 +188,7 @@ class TrainConfig:
             if not ok:
                 section, field_name = name.split(".")
                 raise ConfigError(f"{name}={brief_repr(getattr(getattr(self, section), field_name))} {message}")
-        memory = _physical_memory()
+        memory = physical_memory()
         if memory and d.max_bytes > memory:
             raise ConfigError(
                 f"data.max_bytes={d.max_bytes} is more than this machine's {memory / 2**30:,.1f} GiB of memory "
@@ -218,17 +218,10 @@ class TrainConfig:
         return check_job(sizes, self.job_shape(), self.model.preflight_shape())
 
 
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) -> None:
     """Refuse a model whose construction alone needs more than this machine's physical memory: each
     rank builds the whole model on the host (weights and rotary tables in ``model.dtype``) before sharding it."""
-    memory = _physical_memory() if memory is None else memory
+    memory = physical_memory() if memory is None else memory
     if not memory:
         return
     gib = 2**30

@@ -121,8 +121,8 @@ def test_special_files_and_huge_max_bytes_are_refused(tmp_path, capsys):
     import os
     import threading
 
+    from ndparallel.distributed.process import physical_memory
     from ndparallel.train.data import ByteCorpus
-    from ndparallel.train.job_config import _physical_memory
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -152,7 +152,7 @@ def test_special_files_and_huge_max_bytes_are_refused(tmp_path, capsys):
         ByteCorpus(32, linked, 20000)
     with pytest.raises(ConfigError, match="'/dev/zero' is a character device, not a regular file"):
         ByteCorpus(32, "/dev/zero", 20000)
-    too_many = _physical_memory() + 1
+    too_many = physical_memory() + 1
     _one_line_error(capsys, ["train", f"data.max_bytes={too_many}"], f"data.max_bytes={too_many} is more than")
 
 
@@ -232,3 +232,41 @@ def test_pp_size_2_alone_trains_on_two_ranks():
     result = run_ndparallel("train", "--cpu-ranks", "2", "pp_size=2", *small, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 micro-batch(es) per rank per step" in result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------ 9: Hugging Face folders that cannot load
+def test_hf_configs_too_big_for_this_machine_and_truncated_weights_are_refused(tmp_path):
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from ndparallel.hf import load_pretrained
+
+    folder = tmp_path / "tiny"
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    assert load_pretrained(folder).model.embed_tokens.weight.shape == (64, 32)  # the folder itself loads
+    for field, value, fragment in [
+        ("vocab_size", 10**12, "vocab_size=1000000000000 x hidden_size=32 gives at least"),
+        ("num_hidden_layers", 10**9, "num_hidden_layers=1000000000 x hidden_size=32 x intermediate_size=64"),
+        ("hidden_size", 10**12, "hidden_size=1000000000000"),
+    ]:
+        bad = tmp_path / f"huge_{field}"
+        bad.mkdir()
+        data = json.loads((folder / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**data, field: value}))
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match="more than its .* GiB of memory") as err:
+            load_pretrained(bad)
+        assert fragment in str(err.value) and time.monotonic() - started < 10, field
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_bytes((folder / "config.json").read_bytes())
+    (truncated / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(
+        ConfigError, match="model.safetensors' is not a readable safetensors file .truncated or corrupt"
+    ):
+        load_pretrained(truncated)
