@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ndparallel.config.dims import SIZE_FIELDS
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = ["AccelerateNames", "accelerate_settings", "fsdp_plugin_settings", "is_accelerate_file"]
 
@@ -31,7 +31,7 @@ _SECTION = "parallelism_config"
 
 def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"accelerate config {key}={value!r} must be true or false")
+        raise ConfigError(f"accelerate config {key}={brief_repr(value)} must be true or false")
     return value
 
 
@@ -143,7 +143,7 @@ def _translate(key: str, value: Any, settings: dict[str, Any], shown: str, top_l
     elif key in MATCHED:
         accepted, fix = MATCHED[key]
         if not accepted(value):
-            raise ConfigError(f"{shown}={value!r} is not supported: {fix}")
+            raise ConfigError(f"{shown}={brief_repr(value)} is not supported: {fix}")
     elif not (top_level and key in LAUNCHER):
         raise ConfigError(
             f"{shown} has no ndparallel meaning; remove it (docs/configuration.md lists every accepted Accelerate key)"
@@ -157,11 +157,11 @@ def accelerate_settings(data: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in data.items():
         if key == _SECTION:
             if value is not None and not isinstance(value, Mapping):
-                raise ConfigError(f"accelerate config parallelism_config must be a mapping, got {value!r}")
+                raise ConfigError(f"accelerate config parallelism_config must be a mapping, got {brief_repr(value)}")
             settings.update(value or {})
         elif key == "fsdp_config":
             if value is not None and not isinstance(value, Mapping):
-                raise ConfigError(f"accelerate config fsdp_config must be a mapping, got {value!r}")
+                raise ConfigError(f"accelerate config fsdp_config must be a mapping, got {brief_repr(value)}")
             for inner, inner_value in (value or {}).items():
                 _translate(str(inner), inner_value, settings, f"accelerate config fsdp_config.{inner}", False)
         else:
@@ -175,7 +175,7 @@ def _check_num_processes(num_processes: Any, settings: Mapping[str, Any]) -> Non
     if num_processes is None or num_processes == -1:
         return
     if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
-        raise ConfigError(f"accelerate config num_processes={num_processes!r} must be a positive integer")
+        raise ConfigError(f"accelerate config num_processes={brief_repr(num_processes)} must be a positive integer")
     sizes = []
     for name in SIZE_FIELDS:
         value = settings.get(f"parallelism_config_{name}", settings.get(name, 1))

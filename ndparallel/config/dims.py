@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-__all__ = ["MESH_DIMS", "SIZE_FIELDS", "fsdp_shards"]
+__all__ = ["MESH_DIMS", "SIZE_FIELDS", "divisors", "fsdp_shards"]
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SIZE_FIELDS: tuple[str, ...] = tuple(f"{d}_size" for d in MESH_DIMS)
@@ -14,3 +15,10 @@ def fsdp_shards(cfg: Any) -> bool:
     """Whether FSDP shards parameters: over dp_shard x cp, so when either is > 1 (context-parallel ranks shard
     too). An unresolved ``-1`` counts as 1 until the config is resolved against a world size."""
     return cfg.dp_shard_size not in (1, -1) or cfg.cp_size not in (1, -1)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order (none for 0), by trial division up to its square root: the
+    candidate sizes of a dimension (and micro-batch counts) without counting to ``n``."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]

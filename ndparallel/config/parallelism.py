@@ -17,8 +17,10 @@ are an error (never "whichever the environment lists last").
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from ndparallel.config.accelerate import AccelerateNames, accelerate_settings, i
 from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS
 from ndparallel.config.pipeline import check_pipeline_fields
 from ndparallel.config.sources import did_you_mean, load_yaml_mapping, parse_overrides, parse_scalar
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = ["ParallelismConfig", "environment_fields"]
 
@@ -51,6 +53,9 @@ _ACCELERATE_PREFIX = "parallelism_config_"
 _ENV_PREFIXES = ("NDP_", "PARALLELISM_CONFIG_")
 # Accelerate's names for the knobs that differ from ours.
 _ALIASES = {"cp_comm_strategy": "cp_rotate_method"}
+OTHER_NDP_SETTINGS = frozenset({"NDP_DEVICE", "NDP_STORE_PATH", "NDP_LAUNCHER_PID"})
+"""``NDP_*`` variables that are not parallelism fields (the device, the test store, the worker guard): any other
+``NDP_*`` close to a field name is taken for a misspelled field and refused (:func:`environment_fields`)."""
 
 
 @dataclass
@@ -93,7 +98,9 @@ class ParallelismConfig(AccelerateNames):
     pp_schedule: str = "1f1b"
     """Schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev (V: torch >= 2.12)."""
     pp_microbatches: int | None = None
-    """Micro-batches per step through the pipeline; None: the training accumulation steps."""
+    """Micro-batches per step through the pipeline; None: the accumulation steps of ``train.micro_batch``, or
+    without one the smallest count the schedule accepts that divides the per-rank batch (1F1B on 2 stages: 2;
+    ``ndparallel.config.preflight.default_pipeline_microbatches``)."""
     pp_stages_per_rank: int | None = None
     """Stages each pp rank holds; None: 1 for gpipe/1f1b, 2 for the others (V schedules: exactly 2)."""
     pp_split: list[list[int]] | None = None
@@ -146,7 +153,11 @@ class ParallelismConfig(AccelerateNames):
         """The one precedence rule: defaults < ``file`` (a mapping, as :meth:`from_dict` reads it) <
         environment (``environ``, default ``os.environ``) < command-line ``overrides``."""
         cfg = cls.from_dict(file or {})
-        return cls.from_env(environ, base=cfg).with_overrides(overrides)
+        try:
+            cfg = cls.from_env(environ, base=cfg)
+        except ConfigError as err:  # e.g. NDP_PP_SIZE=0: say the environment set it
+            raise ConfigError(f"{err}{environment_note(_fields_named(str(err)), None, environ)}") from None
+        return cfg.with_overrides(overrides)
 
     def with_overrides(self, overrides: Iterable[str] | Mapping[str, Any]) -> ParallelismConfig:
         """A copy with ``["tp_size=2", "mixed_precision=bf16"]`` (or a dict) applied."""
@@ -180,7 +191,9 @@ class ParallelismConfig(AccelerateNames):
         for name in SIZE_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{name}={value!r} must be an integer (>= 1, or -1 to fill the rest of the world)")
+                raise ConfigError(
+                    f"{name}={brief_repr(value)} must be an integer (>= 1, or -1 to fill the rest of the world)"
+                )
             if value == -1:
                 autos.append(name)
             elif value < 1:
@@ -193,7 +206,7 @@ class ParallelismConfig(AccelerateNames):
             value = getattr(self, name)
             if value not in choices:
                 hint = did_you_mean(str(value), choices)
-                raise ConfigError(f"{name}={value!r} is not one of {list(choices)}{hint}")
+                raise ConfigError(f"{name}={brief_repr(value)} is not one of {list(choices)}{hint}")
         if self.cp_backend == "torch" and self.cp_rotate_method == "alltoall":
             raise ConfigError(
                 "cp_rotate_method='alltoall' (Ulysses) needs cp_backend='ndparallel': torch's experimental context "
@@ -202,18 +215,19 @@ class ParallelismConfig(AccelerateNames):
             )
         for name in ("reshard_after_forward", "cpu_offload", "cp_load_balance"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+                raise ConfigError(f"{name}={brief_repr(getattr(self, name))} must be true or false")
         bucket = self.dp_bucket_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not 0 < bucket < math.inf:
-            raise ConfigError(f"dp_bucket_mb={bucket!r} must be a positive number of megabytes")
+            raise ConfigError(f"dp_bucket_mb={brief_repr(bucket)} must be a positive number of megabytes")
         if self.cpu_offload and self.dp_shard_size == 1 and self.cp_size == 1:
             raise ConfigError("cpu_offload=true needs FSDP: set dp_shard_size > 1 (or -1)")
         check_pipeline_fields(self)  # ndparallel/config/pipeline.py
 
     def resolve(self, world_size: int) -> ParallelismConfig:
-        """A copy with ``-1`` filled in, checked against ``world_size``."""
+        """A copy with ``-1`` filled in, checked against ``world_size``. A size error names the ``NDP_*`` /
+        ``PARALLELISM_CONFIG_*`` variable in ``os.environ`` that set a size to the value it has here."""
         if not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world size {world_size!r} must be a positive integer")
+            raise ConfigError(f"world size {brief_repr(world_size)} must be a positive integer")
         sizes = self.sizes
         auto = [f"{d}_size" for d, s in sizes.items() if s == -1]
         fixed = math.prod(s for s in sizes.values() if s != -1)
@@ -221,13 +235,15 @@ class ParallelismConfig(AccelerateNames):
             if world_size % fixed:
                 raise ConfigError(
                     f"{auto[0]}=-1 cannot fill world size {world_size}: the other sizes multiply to {fixed}, "
-                    f"which does not divide {world_size}. {_suggest(sizes, world_size)}"
+                    f"which does not divide {world_size}{environment_note(SIZE_FIELDS, self)}. "
+                    f"{_suggest(sizes, world_size)}"
                 )
             return dataclasses.replace(self, **{auto[0]: world_size // fixed})
         if fixed != world_size:
             desc = " x ".join(f"{d}_size={s}" for d, s in sizes.items() if s != 1) or "all sizes = 1"
             raise ConfigError(
-                f"mesh sizes multiply to {fixed} ({desc}) but the world size is {world_size}. "
+                f"mesh sizes multiply to {fixed} ({desc}) but the world size is {world_size}"
+                f"{environment_note(SIZE_FIELDS, self)}. "
                 f"{_suggest(sizes, world_size)}"
             )
         return dataclasses.replace(self)
@@ -261,9 +277,10 @@ def _refuse_sequence_parallel(key: str, value: Any, source: str | None = None) -
         return False
     if name == "sp_size" and value not in (None, 1, "1"):
         raise ConfigError(
-            f"{source or key}={value!r}: Accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism, which "
-            f"ndparallel does not run as a separate dimension; split the sequence with cp_size={value} and "
-            "cp_rotate_method=alltoall instead (Accelerate: parallelism_config_cp_size + cp_comm_strategy: alltoall)"
+            f"{source or key}={brief_repr(value)}: Accelerate's sp_size is DeepSpeed-Ulysses sequence parallelism, "
+            "which ndparallel does not run as a separate dimension; split the sequence with "
+            f"cp_size={brief_repr(value)} and cp_rotate_method=alltoall instead "
+            "(Accelerate: parallelism_config_cp_size + cp_comm_strategy: alltoall)"
         )
     return True  # sp_size 1 and the sp_* companions change nothing, as in Accelerate without sp
 
@@ -274,20 +291,30 @@ def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, An
     Every ``PARALLELISM_CONFIG_*`` variable is honoured or refused by name: our field names, Accelerate's
     aliases (``CP_COMM_STRATEGY``), ``SP_SIZE`` 1 (and its ``SP_*`` companions, which then do nothing);
     ``SP_SIZE > 1`` and unknown names raise ConfigError. ``NDP_*`` variables that are not parallelism fields
-    (``NDP_DEVICE``, ...) belong to other settings. Two variables that set one field to different values
-    raise ConfigError naming both.
+    belong to other settings (:data:`OTHER_NDP_SETTINGS`), except one a typo away from a field (``NDP_TP_SIZ``):
+    refused with a did-you-mean, as a misspelled size must not be silently ignored. Two variables that set one
+    field to different values raise ConfigError naming both.
     """
+    return {field: value for field, (_, value) in _environment_sources(environ).items()}
+
+
+def _environment_sources(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, Any]]:
+    """Field -> (the variable that sets it, its value): :func:`environment_fields` with the names kept."""
     environ = os.environ if environ is None else environ
     found: dict[str, tuple[str, Any]] = {}
     for name in sorted(environ):
         prefix = next((p for p in _ENV_PREFIXES if name.startswith(p)), None)
         if prefix is None:
             continue
-        key, value = name[len(prefix) :].lower(), parse_scalar(environ[name])
+        key = name[len(prefix) :].lower()
+        try:
+            value = parse_scalar(environ[name])
+        except ConfigError as err:
+            raise ConfigError(f"environment variable {name}: {err}") from None
         if _refuse_sequence_parallel(key, value, source=name):
             continue
         if key not in _field_names() and key not in _ALIASES:
-            if prefix == "NDP_":
+            if prefix == "NDP_" and (name in OTHER_NDP_SETTINGS or not _close_to_a_field(key)):
                 continue
             raise ConfigError(
                 f"environment variable {name} is not a parallelism setting ndparallel knows"
@@ -297,10 +324,44 @@ def environment_fields(environ: Mapping[str, str] | None = None) -> dict[str, An
         if field in found and found[field][1] != value:
             other, before = found[field]
             raise ConfigError(
-                f"environment variables {other}={before!r} and {name}={value!r} both set {field}; unset one"
+                f"environment variables {other}={brief_repr(before)} and {name}={brief_repr(value)} both set {field}; "
+                "unset one"
             )
         found[field] = (name, value)
-    return {field: value for field, (_, value) in found.items()}
+    return found
+
+
+def _close_to_a_field(key: str) -> bool:
+    """True for a key one typo away from a parallelism field or alias (``tp_siz``), not for an unrelated name."""
+    return bool(difflib.get_close_matches(key, sorted(_field_names() | set(_ALIASES)), n=1, cutoff=0.8))
+
+
+def environment_note(
+    fields: Iterable[str], cfg: ParallelismConfig | None = None, environ: Mapping[str, str] | None = None
+) -> str:
+    """``" (NDP_PP_SIZE=1 in the environment sets pp_size, over the config file)"`` for those of ``fields`` that
+    an environment variable sets (and, given ``cfg``, to the value ``cfg`` holds): an error about a size must
+    say where the size came from. Empty when none (or when the environment is itself malformed)."""
+    try:
+        sources = _environment_sources(environ)
+    except ConfigError:
+        return ""
+    named = [
+        (variable, value, field)
+        for field, (variable, value) in sources.items()
+        if field in set(fields) and (cfg is None or getattr(cfg, field) == value)
+    ]
+    if not named:
+        return ""
+    said = "; ".join(
+        f"{variable}={brief_repr(value)} in the environment sets {field}" for variable, value, field in named
+    )
+    return f" ({said}, over the config file)"
+
+
+def _fields_named(message: str) -> list[str]:
+    """The parallelism fields a message names (``pp_size=0 is invalid`` -> ``["pp_size"]``)."""
+    return [name for name in sorted(_field_names()) if re.search(rf"\b{name}\b", message)]
 
 
 def _canonical_key(key: str) -> str:

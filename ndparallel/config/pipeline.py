@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ndparallel.config.dims import fsdp_shards
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = [
     "PP_SCHEDULES",
@@ -106,7 +106,7 @@ def check_microbatches(schedule: str, microbatches: int, pp_size: int, per_rank:
     spec = schedule_spec(schedule)
     n_stages = pp_size * per_rank
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ConfigError(f"{field}={microbatches!r} must be a positive integer")
+        raise ConfigError(f"{field}={brief_repr(microbatches)} must be a positive integer")
     if spec.min_microbatches_is_stages and microbatches < n_stages:
         raise ConfigError(
             f"{field}={microbatches} is fewer than the {n_stages} pipeline stages that pp_schedule={schedule!r} "
@@ -128,12 +128,14 @@ def check_pp_split(split: Any, n_stages: int | None = None, n_blocks: int | None
         for r in split
     )
     if not shape_ok or not split:
-        raise ConfigError(f"pp_split={split!r} must be a list of [first, last) block ranges, e.g. [[0, 3], [3, 8]]")
+        raise ConfigError(
+            f"pp_split={brief_repr(split)} must be a list of [first, last) block ranges, e.g. [[0, 3], [3, 8]]"
+        )
     expected = 0
     for first, last in split:
         if first != expected or last <= first:
             raise ConfigError(
-                f"pp_split={split!r}: ranges must be non-empty, contiguous and start at block 0 "
+                f"pp_split={brief_repr(split)}: ranges must be non-empty, contiguous and start at block 0 "
                 f"(the range starting at {first} should start at {expected} and end after it)"
             )
         expected = last
@@ -143,7 +145,9 @@ def check_pp_split(split: Any, n_stages: int | None = None, n_blocks: int | None
             "give one range per stage"
         )
     if n_blocks is not None and expected != n_blocks:
-        raise ConfigError(f"pp_split={split!r} covers blocks 0..{expected - 1} but the model has {n_blocks} blocks")
+        raise ConfigError(
+            f"pp_split={brief_repr(split)} covers blocks 0..{expected - 1} but the model has {n_blocks} blocks"
+        )
 
 
 # Zero-bubble schedules: backward split into an input pass and a deferred weight pass (measured under FSDP's
@@ -181,7 +185,7 @@ def check_pipeline_fields(cfg: Any) -> None:
     for name in ("pp_microbatches", "pp_stages_per_rank"):
         value = getattr(cfg, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"{name}={value!r} must be a positive integer (or null for the default)")
+            raise ConfigError(f"{name}={brief_repr(value)} must be a positive integer (or null for the default)")
     check_pp_split(cfg.pp_split)
     if cfg.pp_size == 1:
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from ndparallel.config.dims import divisors
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.pipeline import check_defer_grad_sync, check_microbatches, check_pp_split, stages_per_rank
 from ndparallel.config.precision import forward_autocast_dtype
@@ -27,6 +28,7 @@ __all__ = [
     "check_job",
     "check_seq_fits",
     "check_tp_fields",
+    "default_pipeline_microbatches",
     "job_problems",
     "split_batch",
     "tp_fields_problem",
@@ -111,10 +113,24 @@ def split_batch(global_batch: int, micro_batch: int | None, dp_size: int, prefix
     return per_rank // micro
 
 
+def default_pipeline_microbatches(schedule: str, pp_size: int, per_rank: int, batch: int) -> int | None:
+    """The pipeline's micro-batches when neither ``pp_microbatches`` nor ``train.micro_batch`` is set: the
+    smallest count the schedule accepts (1F1B: one per stage at least) that divides the per-rank ``batch``;
+    None when no divisor fits. The smallest, not torchtitan's one sample per micro-batch: every job that
+    ran before (gpipe, m = 1) keeps its count, and micro-batches stay as large as the schedule allows."""
+    for m in divisors(batch):
+        try:
+            check_microbatches(schedule, m, pp_size, per_rank, "pp_microbatches")
+        except ConfigError:
+            continue
+        return m
+    return None
+
+
 def _pipeline_microbatches(p: ParallelismConfig, job: JobShape, model: ModelShape, accumulation: int) -> int:
     """Under pp the accumulation IS the pipeline's micro-batching: ``pp_microbatches`` if set (it must agree
-    with ``train.micro_batch`` when both are set), else the accumulation steps; checked against the
-    schedule and the model's blocks."""
+    with ``train.micro_batch`` when both are set), else the accumulation steps of ``train.micro_batch``, else
+    :func:`default_pipeline_microbatches`; checked against the schedule and the model's blocks."""
     per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
     n_stages = p.pp_size * per_rank
     if n_stages > model.n_blocks:
@@ -125,6 +141,16 @@ def _pipeline_microbatches(p: ParallelismConfig, job: JobShape, model: ModelShap
     check_pp_split(p.pp_split, n_stages=n_stages, n_blocks=model.n_blocks)
     check_defer_grad_sync(job.defer_grad_sync, p)
     field_name = "pp_microbatches"
+    per_rank_batch = job.global_batch // (p.dp_replicate_size * p.dp_shard_size)
+    if p.pp_microbatches is None and job.micro_batch is None:
+        chosen = default_pipeline_microbatches(p.pp_schedule, p.pp_size, per_rank, per_rank_batch)
+        if chosen is None:
+            raise ConfigError(
+                f"no pipeline micro-batch count that pp_schedule={p.pp_schedule!r} accepts on {n_stages} stages "
+                f"divides the per-rank batch {per_rank_batch} (train.global_batch / dp); raise train.global_batch "
+                f"(e.g. to {n_stages * p.dp_replicate_size * p.dp_shard_size}) or set pp_microbatches"
+            )
+        return chosen
     if p.pp_microbatches is None:
         field_name = "the pipeline's micro-batches (pp_microbatches unset: train.global_batch / dp / train.micro_batch)"
     elif job.micro_batch is not None and p.pp_microbatches != accumulation:
@@ -133,7 +159,6 @@ def _pipeline_microbatches(p: ParallelismConfig, job: JobShape, model: ModelShap
             "micro-batches per rank) disagree: under pp the accumulation is the pipeline's micro-batching; set one"
         )
     else:
-        per_rank_batch = job.global_batch // (p.dp_replicate_size * p.dp_shard_size)
         if per_rank_batch % p.pp_microbatches:
             raise ConfigError(
                 f"pp_microbatches={p.pp_microbatches} does not divide the per-rank batch {per_rank_batch} "

@@ -16,13 +16,57 @@ from typing import Any
 
 import yaml
 
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 
-__all__ = ["UniqueKeyLoader", "coerce_fields", "did_you_mean", "load_yaml_mapping", "parse_overrides", "parse_scalar"]
+__all__ = [
+    "MAX_YAML_VALUES",
+    "UniqueKeyLoader",
+    "coerce_fields",
+    "did_you_mean",
+    "load_yaml_mapping",
+    "parse_overrides",
+    "parse_scalar",
+]
+
+
+MAX_YAML_VALUES = 100_000
+"""The most values (scalars, keys included) one YAML document may hold once its aliases are expanded; a config
+holds hundreds. An alias bomb (``&a [*b, *b, ...]`` nested) expands to billions: refused while composing."""
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` (no tags, no code) that raises ConfigError for a mapping holding one key twice."""
+    """``yaml.SafeLoader`` (no tags, no code) that raises ConfigError for a mapping holding one key twice, and for
+    a document whose aliases expand past :data:`MAX_YAML_VALUES` values (or refer to themselves)."""
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """The number of scalars under ``node`` with every alias expanded, counted once per shared node (``sizes``,
+    by ``id``), so the work is the size of the text; ConfigError past the limit or for a cycle."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise ConfigError("a YAML alias refers to the node that holds it (a cycle); a config cannot be recursive")
+    if isinstance(node, yaml.ScalarNode):
+        return 1
+    open_nodes.add(key)
+    children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+    total = 0
+    for child in children:
+        total += _expanded_size(child, sizes, open_nodes)
+        if total > MAX_YAML_VALUES:
+            raise ConfigError(
+                f"YAML aliases (&anchor / *alias) expand this value past {MAX_YAML_VALUES:,} items (an alias bomb?); "
+                "a config needs no such nesting: write the values out"
+            )
+    open_nodes.discard(key)
+    sizes[key] = total
+    return total
 
 
 def _construct_unique_mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -55,9 +99,11 @@ def did_you_mean(word: str, options: Iterable[str]) -> str:
 def parse_scalar(text: str) -> Any:
     """``"2"`` -> 2, ``"true"`` -> True, ``"bf16"`` -> "bf16" (YAML scalar rules, safe)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError:
         return text
+    except RecursionError:
+        raise ConfigError(f"value {brief_repr(text)} is YAML nested too deeply for a setting") from None
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
@@ -66,8 +112,11 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. tp_size=2)")
-        result[key.strip()] = parse_scalar(value.strip())
+            raise ConfigError(f"override {brief_repr(item)} must look like key=value (e.g. tp_size=2)")
+        try:
+            result[key.strip()] = parse_scalar(value.strip())
+        except ConfigError as err:
+            raise ConfigError(f"override {key.strip()!r}: {err}") from None
     return result
 
 
@@ -111,7 +160,7 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
             if len(value) == len(inner):
                 return tuple(_coerce(v, t, f"{name}[{i}]") for i, (v, t) in enumerate(zip(value, inner, strict=True)))
     wanted = " or ".join(_type_name(o) for o in options)
-    raise ConfigError(f"{name}={value!r} must be {wanted}")
+    raise ConfigError(f"{name}={brief_repr(value)} must be {wanted}")
 
 
 def _type_name(annotation: Any) -> str:

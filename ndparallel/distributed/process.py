@@ -26,9 +26,19 @@ __all__ = [
     "file_job_store",
     "init_distributed",
     "job_store",
+    "physical_memory",
 ]
 
 DEVICE_TYPES = ("cpu", "cuda")
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): the bound a model or corpus
+    every rank builds on the host must fit."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _launcher_store(timeout: datetime.timedelta) -> dist.Store:

@@ -150,7 +150,7 @@ def _cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
 def _training_from_args(args: argparse.Namespace) -> TrainingSpec:
     return TrainingSpec(
         global_batch=args.global_batch,
-        seq_len=args.seq or 4096,
+        seq_len=4096 if args.seq is None else args.seq,  # an explicit 0 is refused, not replaced
         micro_batch=args.micro_batch,
         precision=args.precision,
         activation_checkpointing=args.ac,
@@ -169,6 +169,8 @@ def run_plan(args: argparse.Namespace) -> int:
         train = _training_from_args(args)
         fixed = {dim: getattr(args, f"pin_{dim}") for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
         fixed = {k: v for k, v in fixed.items() if v is not None}
+        for flag in ("top", "rejected"):
+            _non_negative(getattr(args, flag), f"--{flag}")
         if args.no_pp and fixed.get("pp", 1) > 1:
             raise ConfigError(f"--no-pp contradicts --pp {fixed['pp']}")
         result = plan(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from ndparallel.config.dims import divisors
 from ndparallel.config.preflight import JobShape, job_problems
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.comm import Collective, collectives
@@ -13,7 +14,7 @@ from ndparallel.estimate.pipeline import microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
 
-__all__ = ["Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
+__all__ = ["MAX_SHAPES", "Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
 
 
 @dataclass(frozen=True)
@@ -124,32 +125,71 @@ def estimate(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: Cl
     return Estimate(mesh, memory, comms, time, cluster.usable_memory, problems, micro)
 
 
+MAX_SHAPES = 4096
+"""The most mesh shapes one plan estimates (a few seconds of work): a larger search is refused, asking to pin
+sizes. 4096 GPUs give 1,610 shapes with pp searched for an 8B model; 2**20 GPUs, 7,566."""
+
+
 def mesh_shapes(
     world_size: int, fixed: Mapping[str, int] | None = None, pp_schedules: tuple[str, ...] = (), **pp_knobs: int
 ) -> list[MeshShape]:
     """Every (dp_replicate, dp_shard, cp, tp) whose product is ``world_size``; ``fixed`` pins dims (``pp`` too).
     With ``pp_schedules``, also every pp > 1 dividing the world, once per schedule (``pp_knobs``:
     ``pp_microbatches``, ``pp_stages_per_rank``)."""
-    fixed = dict(fixed or {})
+    return list(_iter_mesh_shapes(world_size, dict(fixed or {}), pp_schedules, world_size, pp_knobs))
+
+
+def _iter_mesh_shapes(
+    world_size: int, fixed: dict[str, int], pp_schedules: tuple[str, ...], max_pp: int, pp_knobs: Mapping[str, int]
+) -> Iterator[MeshShape]:
+    """:func:`mesh_shapes` one at a time, pp at most ``max_pp``: each size runs over the divisors of what the
+    sizes before it leave, so the work is the number of shapes, not the world size."""
+    bad = {k: v for k, v in fixed.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        raise ConfigError(f"pinned mesh size(s) {bad} must be positive integers")
     unknown = sorted(set(fixed) - {*MeshShape().as_dict(), "pp"})
     if unknown:
         raise ConfigError(f"unknown mesh dim(s) {unknown}; dims are pp, dp_replicate, dp_shard, cp, tp")
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    shapes = []
-    for pp in divisors if pp_schedules else [1]:
-        inner = world_size // pp
-        for tp in divisors:
-            for cp in divisors:
-                for shard in divisors:
-                    rest, remainder = divmod(inner, tp * cp * shard)
-                    if remainder or rest == 0:
+
+    def sizes(dim: str, left: int) -> list[int]:  # the candidates for ``dim`` when ``left`` ranks remain
+        return [v for v in ([fixed[dim]] if dim in fixed else divisors(left)) if left % v == 0]
+
+    for pp in sizes("pp", world_size) if pp_schedules else [fixed.get("pp", 1)]:
+        if pp > max_pp or world_size % pp:
+            continue
+        for tp in sizes("tp", world_size // pp):
+            for cp in sizes("cp", world_size // (pp * tp)):
+                for shard in sizes("dp_shard", world_size // (pp * tp * cp)):
+                    rest = world_size // (pp * tp * cp * shard)
+                    if fixed.get("dp_replicate", rest) != rest:
                         continue
                     if pp == 1:
-                        shapes.append(MeshShape(rest, shard, cp, tp))
+                        yield MeshShape(rest, shard, cp, tp)
                     else:
-                        shapes += [MeshShape(rest, shard, cp, tp, pp, name, **pp_knobs) for name in pp_schedules]
-    sizes = lambda s: {**s.as_dict(), "pp": s.pp}  # noqa: E731
-    return [s for s in shapes if all(sizes(s)[k] == v for k, v in fixed.items())]
+                        yield from (MeshShape(rest, shard, cp, tp, pp, name, **pp_knobs) for name in pp_schedules)
+
+
+def _searched_shapes(
+    model: ModelSpec, world_size: int, fixed: dict[str, int], pp_schedules: tuple[str, ...], **pp_knobs: int
+) -> list[MeshShape]:
+    """The shapes :func:`plan` estimates: those whose pipeline has no more stages than the model has blocks (the
+    others are refused by the pre-flight, and one costs O(pp**2) to estimate), at most :data:`MAX_SHAPES`."""
+    shapes, dropped = [], None
+    for shape in _iter_mesh_shapes(world_size, fixed, pp_schedules, model.n_layers, pp_knobs):
+        if shape.pp * shape.stages_per_rank > model.n_layers:
+            dropped = dropped or shape
+            continue
+        if len(shapes) == MAX_SHAPES:
+            raise ConfigError(
+                f"{world_size} GPUs give more than {MAX_SHAPES} mesh shapes to estimate: pin some sizes "
+                "(e.g. --tp 8 --cp 1), or pass --no-pp"
+            )
+        shapes.append(shape)
+    too_deep = fixed.get("pp", 1) > model.n_layers and world_size % fixed["pp"] == 0
+    if not shapes and (dropped or too_deep):
+        shape = dropped or MeshShape(pp=fixed["pp"], pp_schedule=pp_schedules[0] if pp_schedules else "1f1b")
+        raise ConfigError(shape_problems(model, TrainingSpec(), shape)[0])
+    return shapes
 
 
 @dataclass(frozen=True)
@@ -179,7 +219,7 @@ def plan(
     """Estimate every mesh shape of ``cluster.num_gpus`` and rank the feasible ones by step time. ``search_pp``
     (or a pinned ``pp``): pipeline shapes too, once per schedule in ``pp_schedules``."""
     with_pp = search_pp or dict(fixed or {}).get("pp", 1) > 1
-    shapes = mesh_shapes(cluster.num_gpus, fixed, pp_schedules if with_pp else (), **pp_knobs)
+    shapes = _searched_shapes(model, cluster.num_gpus, dict(fixed or {}), pp_schedules if with_pp else (), **pp_knobs)
     if not shapes:
         pinned = " x ".join(f"{k}={v}" for k, v in dict(fixed or {}).items())
         raise ConfigError(

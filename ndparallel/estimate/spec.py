@@ -23,6 +23,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.models.transformer.presets import PRESETS, TransformerConfig
 
 __all__ = [
+    "MAX_GPUS",
     "ACTIVATION_CHECKPOINTING",
     "GPU_PRESETS",
     "PRECISIONS",
@@ -243,6 +244,11 @@ GPU_PRESETS: dict[str, dict[str, float]] = {
 }
 
 
+MAX_GPUS = 2**20
+"""The largest world size the planner takes (a million ranks, beyond any cluster built): its search is bounded
+so that ``ndparallel plan`` answers in seconds."""
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """GPUs and their links. Defaults: an H100-class 8-GPU node, NVLink ~450 GB/s, 50 GB/s of network per GPU."""
@@ -267,6 +273,8 @@ class ClusterSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{key}={value!r} must be a positive integer")
+        if self.num_gpus > MAX_GPUS:
+            raise ConfigError(f"gpus={self.num_gpus} is more than the planner's maximum of {MAX_GPUS} (2**20) GPUs")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ConfigError(
                 f"gpus={self.num_gpus} is not a multiple of gpus_per_node={self.gpus_per_node}: "

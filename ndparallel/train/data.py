@@ -15,6 +15,7 @@ and ``load_state_dict()`` resume exactly.
 from __future__ import annotations
 
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +39,7 @@ def corpus_files(path: str | Path | None = None) -> list[Path]:
         root = Path(path)
         if not root.exists():
             raise ConfigError(f"data.path={str(path)!r} does not exist; point it at a text file or a folder")
-        files = _files_under(root) if root.is_dir() else [root]
+        files = _files_under(root) if root.is_dir() else [_regular_file(root)]
     if not files:
         raise ConfigError(f"data.path={str(path)!r} holds no files")
     return files
@@ -56,11 +57,37 @@ def _files_under(root: Path) -> list[Path]:
     return sorted(found)
 
 
+def _regular_file(file: Path) -> Path:
+    """``file`` if it is a regular file (or a link to one). A FIFO, socket or device is refused: reading one
+    blocks for a writer that may never come, or never ends (``/dev/zero``)."""
+    try:
+        mode = file.stat().st_mode
+    except OSError:
+        return file  # a dangling link or a vanished file: _read_head names it
+    _check_regular(file, mode)
+    return file
+
+
+def _check_regular(file: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise ConfigError(
+            f"data.path: {str(file)!r} is {_kind(mode)}, not a regular file; point data.path at a text file or folder"
+        )
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((name for test, name in kinds.items() if test(mode)), "a socket or other special file")
+
+
 def _read_head(file: Path, limit: int) -> bytes:
     """At most ``limit`` bytes from the start of ``file``. A file that cannot be read is an error naming
-    it: skipping it would let ranks on different machines train on different corpora."""
+    it: skipping it would let ranks on different machines train on different corpora. Opened without
+    blocking, and checked to be a regular file once open (a FIFO swapped in after listing is refused too)."""
     try:
-        with open(file, "rb") as f:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            _check_regular(file, os.fstat(fd).st_mode)
             return f.read(limit)
     except OSError as err:
         raise ConfigError(

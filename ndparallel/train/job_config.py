@@ -21,8 +21,8 @@ import yaml
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
-from ndparallel.distributed.process import check_device_type
-from ndparallel.errors import ConfigError
+from ndparallel.distributed.process import check_device_type, physical_memory
+from ndparallel.errors import ConfigError, brief_repr
 from ndparallel.models import TransformerConfig
 
 __all__ = [
@@ -187,7 +187,13 @@ class TrainConfig:
         for name, ok, message in rules:
             if not ok:
                 section, field_name = name.split(".")
-                raise ConfigError(f"{name}={getattr(getattr(self, section), field_name)!r} {message}")
+                raise ConfigError(f"{name}={brief_repr(getattr(getattr(self, section), field_name))} {message}")
+        memory = physical_memory()
+        if memory and d.max_bytes > memory:
+            raise ConfigError(
+                f"data.max_bytes={d.max_bytes} is more than this machine's {memory / 2**30:,.1f} GiB of memory "
+                "(every rank holds what it reads); lower data.max_bytes"
+            )
         check_seq_fits(d.seq_len, self.model.max_seq_len)
         if (c.every or c.resume is True) and not c.dir:
             raise ConfigError("checkpoint.every / checkpoint.resume=true need checkpoint.dir (where to save and look)")
@@ -212,22 +218,16 @@ class TrainConfig:
         return check_job(sizes, self.job_shape(), self.model.preflight_shape())
 
 
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) -> None:
     """Refuse a model whose construction alone needs more than this machine's physical memory: each
-    rank builds the whole model on the host (fp32 weights, rotary tables) before sharding it."""
-    memory = _physical_memory() if memory is None else memory
+    rank builds the whole model on the host (weights and rotary tables in ``model.dtype``) before sharding it."""
+    memory = physical_memory() if memory is None else memory
     if not memory:
         return
     gib = 2**30
-    weights = 4 * model.num_params()
-    rotary = 4 * 3 * model.max_seq_len * (model.head_dim // 2)  # cos and sin tables, and the angles behind them
+    width = model.torch_dtype.itemsize
+    weights = width * model.num_params()
+    rotary = width * 3 * model.max_seq_len * (model.head_dim // 2)  # cos and sin tables, and the angles behind them
     if weights + rotary <= memory:
         return
     if rotary > weights:
@@ -236,19 +236,21 @@ def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) ->
             f"more than this machine's {memory / gib:,.1f} GiB of memory; lower model.max_seq_len"
         )
     raise ConfigError(
-        f"the model ({model.num_params() / 1e9:,.1f}B parameters) needs {weights / gib:,.1f} GiB of fp32 weights "
-        f"to build on each rank, more than this machine's {memory / gib:,.1f} GiB of memory; choose a smaller model"
+        f"the model ({model.num_params() / 1e9:,.1f}B parameters) needs {weights / gib:,.1f} GiB of "
+        f"{model.dtype} weights to build on each rank, more than this machine's {memory / gib:,.1f} GiB of memory; "
+        "choose a smaller model"
     )
 
 
 def job_device(cfg: TrainConfig) -> str:
     """The device type of the job: ``NDP_DEVICE``, else ``train.device``, else cuda when available;
-    an unknown name, or cuda without CUDA, is a ConfigError naming where it came from."""
+    an unknown name, or cuda without CUDA, is a ConfigError naming where it came from. ``train.device`` is
+    checked even where ``NDP_DEVICE`` wins: a config asking for cuda on a machine without it is refused,
+    not run on the CPU."""
+    configured = check_device_type(cfg.train.device, "train.device") if cfg.train.device else None
     if os.environ.get("NDP_DEVICE"):
         return check_device_type(os.environ["NDP_DEVICE"], "NDP_DEVICE")
-    if cfg.train.device:
-        return check_device_type(cfg.train.device, "train.device")
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return configured or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _build(section_cls: type, name: str, values: Mapping[str, Any]) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ndparallel.distributed.process import physical_memory
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.family import block_list
 
@@ -86,9 +87,7 @@ def check_fits_in_memory(spec: ModelSpec, ranks: int, memory: int | None = None)
     """Refuse a model too big for this machine before building it: the reference and every rank hold the whole
     model with its gradients and AdamW state (4 copies). Counted on the meta device; a factory that cannot
     build there is not checked."""
-    from ndparallel.train.job_config import _physical_memory  # the one reading of the machine's memory
-
-    memory = _physical_memory() if memory is None else memory
+    memory = physical_memory() if memory is None else memory
     try:
         with torch.device("meta"):
             model = spec.build()

@@ -39,7 +39,8 @@ def test_pp_cases_the_trainer_would_refuse_are_refused_early():
         ({"pp_size": 4, "pp_schedule": "1f1b", "pp_microbatches": 2}, "pp_microbatches=2 is fewer than the 4"),
         ({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 4, "pp_microbatches": 4},
          "pp_size=2 x pp_stages_per_rank=4 = 8 pipeline stages but model.n_layers=2"),
-        ({"pp_size": 2, "pp_schedule": "1f1b"}, "(set pp_microbatches, or a smaller train.micro_batch)"),
+        ({"pp_size": 2, "pp_schedule": "1f1b", "micro_batch": 8},
+         "(set pp_microbatches, or a smaller train.micro_batch)"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(message)):
             cases_from_config(_config(shape))

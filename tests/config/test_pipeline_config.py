@@ -137,7 +137,11 @@ def _train_config(parallel: dict, **train):
             {"micro_batch": 2},
             "= 8 pipeline stages but model.n_layers=4",
         ),
-        ({"pp_size": 2}, {"global_batch": 8}, "pp_microbatches unset: train.global_batch / dp / train.micro_batch"),
+        (
+            {"pp_size": 2},
+            {"global_batch": 8, "micro_batch": 8},
+            "pp_microbatches unset: train.global_batch / dp / train.micro_batch",
+        ),
         ({"pp_size": 2, "pp_microbatches": 4}, {"global_batch": 8, "micro_batch": 4}, "disagree"),
         ({"pp_size": 2, "pp_microbatches": 3}, {"global_batch": 8}, "does not divide the per-rank batch 8"),
         ({"pp_size": 2, "pp_split": [[0, 1], [1, 3]]}, {"micro_batch": 2}, "but the model has 4 blocks"),

@@ -11,6 +11,7 @@ any mesh.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.agree import agree
 from ndparallel.distributed.mesh import Mesh
-from ndparallel.distributed.process import init_distributed
+from ndparallel.distributed.process import init_distributed, physical_memory
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.init import init_buffers
 from ndparallel.parallel.fully_shard import fsdp_mesh
@@ -94,24 +95,35 @@ def _chunk_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int
 # ------------------------------------------------------------------------------------------ loading
 
 
+@contextlib.contextmanager
+def _safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open(file)``; a file safetensors cannot read (truncated, corrupt) is a ConfigError naming it, not
+    safetensors' bare ``SafetensorError: incomplete metadata``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ConfigError(
+            f"{str(file)!r} is not a readable safetensors file (truncated or corrupt: {err}); save or copy it again"
+        ) from None
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from ``model.safetensors`` or a sharded index."""
-    from safetensors import safe_open
-
     index = path / SAFE_INDEX
     if index.is_file():
         return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
     single = path / SAFE_WEIGHTS
     if not single.is_file():
         raise ConfigError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}: save it with save_pretrained")
-    with safe_open(str(single), framework="pt") as f:
+    with _safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
 @torch.no_grad()
 def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
-    from safetensors import safe_open
-
     wanted = dict(model.named_parameters())
     wanted.update((n, b) for n, b in model.named_buffers() if n in files)
     missing = sorted(set(wanted) - set(files))
@@ -121,7 +133,7 @@ def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
+        with _safetensors(file) as f:
             for name in names:
                 target = wanted[name]
                 stored = f.get_slice(name)
@@ -159,7 +171,7 @@ def load_pretrained(
             "ndparallel.hf.load_pretrained_pipeline, which returns this rank's pipeline stages"
         )
     _check_meta_init(mesh)  # pp stages are materialised before parallelize: no such limit there
-    model, files = _meta_model(path, model_class, dtype)
+    model, files = _meta_model(path, model_class, dtype, mesh)
     model = parallelize(model, cfg, mesh, **parallelize_kwargs)
     model.to_empty(device=mesh.device)
     init_buffers(model)
@@ -187,7 +199,7 @@ def load_pretrained_pipeline(
     from ndparallel.parallel.pipeline import build_pipeline
 
     mesh = mesh or init_distributed(cfg or ParallelismConfig())
-    model, files = _meta_model(path, model_class, dtype)
+    model, files = _meta_model(path, model_class, dtype, mesh)
     setattr(model, LOAD_MARKER, True)  # stages compute only their rotary tables; parameters come from files
     pipe = build_pipeline(model, cfg, mesh, microbatches=microbatches)
     failure = None
@@ -200,13 +212,14 @@ def load_pretrained_pipeline(
     return pipe
 
 
-def _meta_model(path: str | os.PathLike, model_class: type | None, dtype: torch.dtype) -> tuple:
+def _meta_model(path: str | os.PathLike, model_class: type | None, dtype: torch.dtype, mesh: Mesh) -> tuple:
     """The model of folder ``path`` on the meta device, parameters in ``dtype``; its tensor name -> file map."""
     transformers = _require_transformers()
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{str(path)!r} has no config.json: pass a local folder written by save_pretrained")
     config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    _check_fits_this_machine(config, dtype, mesh, path / "config.json")
     model_class = model_class or transformers.AutoModelForCausalLM
     files = _weight_files(path)
     with torch.device("meta"):
@@ -214,6 +227,40 @@ def _meta_model(path: str | os.PathLike, model_class: type | None, dtype: torch.
         model = build(config)
     _cast_parameters(model, dtype)
     return model, files
+
+
+def _parameter_floor(config: Any) -> tuple[int, str]:
+    """A lower bound on the parameters of a decoder with ``config``'s sizes (the embedding, and per block an
+    MLP's up and down projections and one norm: every family has at least these), and the fields of its
+    largest term. Plain integer arithmetic, so a config of 10**12 of anything costs nothing to check."""
+    sizes = {
+        k: getattr(config, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
+    }
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes.values()):
+        return 0, ""  # not a decoder of the usual fields: the model's own construction judges it
+    vocab, hidden, layers, ffn = sizes.values()
+    embedding, blocks = vocab * hidden, layers * (2 * hidden * ffn + hidden)
+    if embedding >= blocks:
+        return embedding + blocks, f"vocab_size={vocab} x hidden_size={hidden}"
+    return embedding + blocks, f"num_hidden_layers={layers} x hidden_size={hidden} x intermediate_size={ffn}"
+
+
+def _check_fits_this_machine(config: Any, dtype: torch.dtype, mesh: Mesh, source: Path) -> None:
+    """Refuse, before anything is built, a config whose parameters cannot fit: even spread evenly over every
+    rank of the mesh, this machine's ranks would hold more bytes than its physical memory (a lower bound:
+    replicas hold more). Building such a model hangs or dies with a raw storage-size error on every rank."""
+    memory = physical_memory()
+    count, fields = _parameter_floor(config)
+    if not memory or not count:
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed = count * dtype.itemsize * min(local_ranks, mesh.size()) / mesh.size()
+    if needed > memory:
+        raise ConfigError(
+            f"{source}: {fields} gives at least {count:.3g} parameters, {needed / 2**30:,.0f} GiB in {dtype} on "
+            f"this machine's {min(local_ranks, mesh.size())} of {mesh.size()} ranks, more than its "
+            f"{memory / 2**30:,.1f} GiB of memory; is the config right?"
+        )
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

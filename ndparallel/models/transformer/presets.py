@@ -10,7 +10,7 @@ import torch
 from ndparallel.config.precision import DTYPES
 from ndparallel.config.preflight import ModelShape
 from ndparallel.config.sources import coerce_fields
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = ["PARAM_DTYPES", "PRESETS", "TransformerConfig"]
 
@@ -31,9 +31,10 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str | None = None
     """Parameter dtype: ``float32``, or ``float64`` (the exactness proof of the parity tests; bf16/fp16
-    training is ``parallelism.mixed_precision``)."""
+    training is ``parallelism.mixed_precision``). None: ``torch.get_default_dtype()`` when the config is made,
+    as ``nn.Linear`` would use (resolved to its name here, so the config records what was built)."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -41,13 +42,15 @@ class TransformerConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name}={value!r} must be a positive integer")
+                raise ConfigError(f"model.{name}={brief_repr(value)} must be a positive integer")
         if self.dim % self.n_heads:
             raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.dim={self.dim}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} (dim / n_heads) must be even for rotary embeddings")
+        if self.dtype is None:
+            self.dtype = _param_dtype_name(torch.get_default_dtype())
         if self.dtype not in PARAM_DTYPES:
             raise ConfigError(
                 f"model.dtype={self.dtype!r} must be one of {list(PARAM_DTYPES)} "
@@ -96,6 +99,17 @@ class TransformerConfig:
         matmul_params = self.num_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
         attention = 6 * self.n_layers * self.dim * seq_len  # 12*L*d*s, halved for the causal mask
         return 6 * matmul_params + attention
+
+
+def _param_dtype_name(dtype: torch.dtype) -> str:
+    """The ``model.dtype`` name of torch's default dtype; a default outside ``PARAM_DTYPES`` is refused."""
+    for name in PARAM_DTYPES:
+        if DTYPES[name] == dtype:
+            return name
+    raise ConfigError(
+        f"torch.get_default_dtype() is {dtype}, not a parameter dtype: set model.dtype to one of {list(PARAM_DTYPES)} "
+        "(bf16/fp16: parallelism.mixed_precision)"
+    )
 
 
 # Shapes: tiny/small are for tests and CPU demos; 1b is the 953M-parameter model of the one-GPU
