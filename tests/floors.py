@@ -22,14 +22,18 @@ BEGIN, END = "<!-- floors:begin (python -m tests.floors --write) -->", "<!-- flo
 FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("errors", ("errors",), "the exceptions every floor raises"),
     ("config", ("config",), "what a user declares, and every rule checkable on it alone: no ranks, no model"),
-    ("distributed", ("distributed", "testing"), "ranks and collectives, knowing no module tree; the gloo rank harness"),
+    ("distributed", ("distributed",), "ranks and collectives, knowing no module tree; the gloo rank harness"),
     ("parallel", ("parallel",), "the family protocol, the planners and their order, pipeline runtime, clip, loss"),
     ("models", ("models",), "one folder per model family, each handing the planners what they need"),
     ("state", ("checkpoint", "estimate"), "checkpoints on disk; the cost model and mesh search"),
     ("train", ("train",), "the training job: one step, the loop, data"),
     ("jobs", ("accelerator", "bench", "verify"), "the Accelerate-compatible API; the scaling benchmark; verify"),
     ("launch", ("launch",), "the ndparallel command, torchrun underneath, worker guard, notebook launcher"),
-    ("api", ("__init__", "__main__", "hf"), "the public face: import ndparallel as ndp, python -m, ndparallel.hf"),
+    (
+        "api",
+        ("__init__", "__main__", "hf", "testing"),
+        "the public face: ndp.X, python -m, ndparallel.hf, ndparallel.testing",
+    ),
 )
 ROOT_MODULES = ("__init__", "__main__", "errors", "testing")
 

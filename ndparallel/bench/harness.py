@@ -314,7 +314,7 @@ def run_cases(
     prefixes = {id(c): f"[{i + 1}/{total}]" for i, c in enumerate(cases)}
     if inside_launcher():
         return _run_in_launcher(cases, peak_flops, prefixes)
-    from ndparallel.testing import run_distributed
+    from ndparallel.distributed.spawn import run_distributed
 
     by_world: dict[int, list[BenchCase]] = defaultdict(list)
     for case in cases:

@@ -16,9 +16,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ndparallel.distributed.spawn import defined_interactively, pickled_call, run_ranks
+from ndparallel.distributed.spawn import spawn_context as forkserver_context  # run_distributed's start method
 from ndparallel.errors import ConfigError
-from ndparallel.testing import _context as forkserver_context  # the start method run_distributed uses
-from ndparallel.testing import defined_interactively, pickled_call, run_ranks
 
 __all__ = ["notebook_launcher"]
 

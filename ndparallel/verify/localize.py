@@ -188,7 +188,7 @@ def _found(module: str, tensor: str, error: float, dims: str, rank: int, compare
 
 def localize(spec: ModelSpec, layout: Layout, settings: Settings, tol: float) -> dict[str, Any]:
     """Re-run step 1 of ``layout`` with every module hooked; the first divergence from one process."""
-    from ndparallel.testing import run_distributed
+    from ndparallel.distributed.spawn import run_distributed
 
     one = Settings(**{**settings.__dict__, "steps": 1})
     ref = _record(spec, None, one)

@@ -77,7 +77,7 @@ def reference(spec: ModelSpec, settings: Settings) -> Trace:
 
 def run_layouts(spec: ModelSpec, layouts: Sequence[Layout], settings: Settings, progress=print) -> dict[Layout, Trace]:
     """Every layout's trace; one spawned group of gloo ranks per world size."""
-    from ndparallel.testing import DistributedError, run_distributed
+    from ndparallel.distributed.spawn import DistributedError, run_distributed
 
     traces: dict[Layout, Trace] = {}
     for world in sorted({layout.ranks for layout in layouts}):
