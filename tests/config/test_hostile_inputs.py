@@ -291,6 +291,7 @@ def test_hf_configs_too_big_for_this_machine_and_truncated_weights_are_refused(t
     import json
 
     transformers = pytest.importorskip("transformers")
+    from ndparallel.distributed.process import destroy_distributed
     from ndparallel.hf import load_pretrained
 
     folder = tmp_path / "tiny"
@@ -300,7 +301,10 @@ def test_hf_configs_too_big_for_this_machine_and_truncated_weights_are_refused(t
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    assert load_pretrained(folder).model.embed_tokens.weight.shape == (64, 32)  # the folder itself loads
+    try:  # the folder itself loads (load_pretrained without a mesh starts a one-process group)
+        assert load_pretrained(folder).model.embed_tokens.weight.shape == (64, 32)
+    finally:
+        destroy_distributed()  # later tests in this pytest process expect no process group
     fields = {"vocab_size": 10**12, "num_hidden_layers": 10**9, "hidden_size": 10**12}
     data = json.loads((folder / "config.json").read_text())
     for field, value in fields.items():  # the weights are there: only the config's sizes are hostile
@@ -318,7 +322,10 @@ def test_hf_configs_too_big_for_this_machine_and_truncated_weights_are_refused(t
     truncated.mkdir()
     (truncated / "config.json").write_bytes((folder / "config.json").read_bytes())
     (truncated / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:100])
-    with pytest.raises(
-        ConfigError, match="model.safetensors' is not a readable safetensors file .truncated or corrupt"
-    ):
-        load_pretrained(truncated)
+    try:
+        with pytest.raises(
+            ConfigError, match="model.safetensors' is not a readable safetensors file .truncated or corrupt"
+        ):
+            load_pretrained(truncated)
+    finally:
+        destroy_distributed()
