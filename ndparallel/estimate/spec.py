@@ -20,7 +20,7 @@ from ndparallel.config.pipeline import PP_SCHEDULES
 from ndparallel.config.preflight import ModelShape
 from ndparallel.distributed.peak import GPU_PEAK_BF16
 from ndparallel.errors import ConfigError
-from ndparallel.models.transformer.presets import PRESETS, TransformerConfig
+from ndparallel.models.transformer.presets import PRESETS, TP_SPLIT_FIELDS, TransformerConfig
 
 __all__ = [
     "MAX_GPUS",
@@ -122,7 +122,7 @@ class ModelSpec:
     # -- parameter counts ------------------------------------------------------------------------
     def preflight_shape(self) -> ModelShape:
         """What the job pre-flight checks, named as ``ndparallel train``'s ``model:`` section names them."""
-        split = {f"model.{name}": getattr(self, name) for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")}
+        split = {f"model.{name}": getattr(self, name) for name in TP_SPLIT_FIELDS}
         return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads))
 
     @property

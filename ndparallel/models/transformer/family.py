@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 
 from ndparallel.errors import ConfigError
 from ndparallel.models.transformer.model import CoreAttention, Transformer
+from ndparallel.models.transformer.presets import TP_SPLIT_FIELDS
 from ndparallel.models.transformer.stage import TransformerStage
 from ndparallel.parallel.family import ModelFamily
 from ndparallel.parallel.fully_shard import default_shard_groups
@@ -81,7 +82,7 @@ class TransformerFamily(ModelFamily):
     """:class:`ndparallel.models.Transformer`, and the default for models no other family claims."""
 
     name = "transformer"
-    split_fields = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    split_fields = TP_SPLIT_FIELDS
     heads_field = "n_heads"
     cp_attention = (CoreAttention,)
     positions_arg = "positions"

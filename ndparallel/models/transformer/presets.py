@@ -12,9 +12,11 @@ from ndparallel.config.preflight import ModelShape
 from ndparallel.config.sources import coerce_fields
 from ndparallel.errors import ConfigError, brief_repr
 
-__all__ = ["PARAM_DTYPES", "PRESETS", "TransformerConfig"]
+__all__ = ["PARAM_DTYPES", "PRESETS", "TP_SPLIT_FIELDS", "TransformerConfig"]
 
 PARAM_DTYPES = ("float32", "float64")  # names in ndparallel.config.precision.DTYPES
+# The shape fields the reference TP table shards (heads, kv heads, FFN width, vocabulary): tp must divide them.
+TP_SPLIT_FIELDS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 
 
 @dataclass
@@ -83,7 +85,7 @@ class TransformerConfig:
     def preflight_shape(self) -> ModelShape:
         """What the job pre-flight checks (:mod:`ndparallel.config.preflight`): blocks, the fields TP splits
         (the reference table shards heads, FFN width and vocabulary), the query heads and the position table."""
-        split = {f"model.{name}": getattr(self, name) for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")}
+        split = {f"model.{name}": getattr(self, name) for name in TP_SPLIT_FIELDS}
         return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads), self.max_seq_len)
 
     def num_params(self) -> int:
