@@ -94,7 +94,7 @@ def norm_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: i
     the rstd. Either way the all-gathered output, saved by wq/wk/wv or w1/w3, is ``d`` in the compute dtype.
     """
     e, d, t = train.bytes.compute, model.dim, tp
-    internal = e * d / t if train.fused_norm else 2 * 4 * d / t
+    internal = e * d / t if train.fused_norm or train.compile != "none" else 2 * 4 * d / t  # compiled: fused
     return internal + 4 / t + e * d
 
 
