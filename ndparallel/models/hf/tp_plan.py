@@ -112,7 +112,10 @@ def _is_norm(module: nn.Module) -> bool:
 def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     found = block_list(model)
     if found is None:
-        raise ConfigError(f"{type(model).__name__} has no nn.ModuleList of decoder layers; {_custom_plan_hint(model)}")
+        raise ConfigError(
+            f"model_type={model.config.model_type!r}: {type(model).__name__} has no nn.ModuleList of decoder layers; "
+            f"{_custom_plan_hint(model)}"
+        )
     return found
 
 
