@@ -42,22 +42,30 @@ ARCHS = {
     "mistral": {},
 }
 EAGER = ("gemma2",)  # no SDPA path in transformers
+# The rest of the catalogue's translated plans (tests/models/test_hf_catalogue.py), default tiny configs, in
+# a slow 2-rank sweep: tp 2, 2 steps, losses, grad norms and step-1 gradients.
+SWEEP = (
+    "arcee", "cohere2", "cwm", "ernie4_5", "exaone", "exaone4", "gemma", "glm", "glm4", "gpt_neox", "helium",
+    "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral3", "nanochat", "olmo", "olmo3", "phi",
+    "seed_oss", "vaultgemma",
+)  # fmt: skip
 LAYOUTS = {2: {"tp2": {"tp_size": 2}}, 4: {"dp2_tp2": {"dp_shard_size": 2, "tp_size": 2}}}  # by world size
-# Gemma's and Cohere's norms (and Gemma 2's eager softmax) compute in float32 inside a float64 model: its own floor (the same batch as two accumulated
-# halves against one batch, measured below) bounds what any layout can reach; others are held to 1e-10.
-FP32_INSIDE = ("gemma2", "gemma3_text", "cohere")
+# Gemma's and Cohere's norms (and Gemma 2's eager softmax) compute in float32 inside a float64 model: its own
+# floor (the same batch as two accumulated halves against one batch, measured by tolerance()) bounds what any
+# layout can reach; others are held to 1e-10.
+FP32_INSIDE = ("gemma2", "gemma3_text", "cohere", "cohere2", "gemma", "vaultgemma", "helium")
 
 
 def build(model_type: str, seed: int = 0):
     from ndparallel.hf import tiny_config
 
-    config = tiny_config(model_type, **ARCHS[model_type])
+    config = tiny_config(model_type, **ARCHS.get(model_type, {}))
     attn = "eager" if model_type in EAGER else "sdpa"
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
 
 
-def train(model_type: str, parallel: dict | None, halves: bool = False) -> dict:
+def train(model_type: str, parallel: dict | None, halves: bool = False, steps: int = STEPS) -> dict:
     """``STEPS`` AdamW steps; ``parallel=None``: one process, plain HF model (``halves``: each batch as two
     accumulated halves, the model's own round-off floor)."""
     import ndparallel as ndp
@@ -72,7 +80,7 @@ def train(model_type: str, parallel: dict | None, halves: bool = False) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = BATCH // dp
     result = {"losses": [], "grad_norms": [], "dtype": "float64"}
-    for step, (tokens, labels) in enumerate(make_batches(STEPS, BATCH, SEQ, model.config.vocab_size)):
+    for step, (tokens, labels) in enumerate(make_batches(steps, BATCH, SEQ, model.config.vocab_size)):
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         parts = [slice(0, 2), slice(2, 4)] if halves else [rows]
         loss_sum = 0.0
@@ -97,21 +105,33 @@ def _full(param) -> np.ndarray:
     return full.detach().numpy().copy()
 
 
-def run_group(layouts: dict, archs: tuple = tuple(ARCHS)) -> dict:
+def run_group(layouts: dict, archs: tuple = tuple(ARCHS), steps: int = STEPS) -> dict:
     """Every architecture on every layout of this world size, in one spawned group."""
     out = {}
     for model_type in archs:
         for name, layout in layouts.items():
             try:
-                out[(model_type, name)] = train(model_type, layout)
+                out[(model_type, name)] = train(model_type, layout, steps=steps)
             except Exception as err:  # reported per architecture by the test, not a crash of the group
                 out[(model_type, name)] = {"error": f"{type(err).__name__}: {err}"}
     return out
 
 
 @functools.cache
-def reference(model_type: str, halves: bool = False) -> dict:
-    return train(model_type, None, halves=halves)
+def reference(model_type: str, halves: bool = False, steps: int = STEPS) -> dict:
+    return train(model_type, None, halves=halves, steps=steps)
+
+
+def tolerance(model_type: str, steps: int = STEPS) -> float:
+    """1e-10, or for a model computing in fp32 inside 10x its own floor: the largest difference (losses, grad
+    norms, step-1 gradients, final parameters) between one batch and the same batch as two accumulated halves."""
+    if model_type not in FP32_INSIDE:
+        return 1e-10
+    ref, halves = reference(model_type, steps=steps), reference(model_type, halves=True, steps=steps)
+    floor = max(abs(a - b) for a, b in zip(ref["losses"], halves["losses"], strict=True))
+    floor = max(floor, *(abs(a - b) / b for a, b in zip(ref["grad_norms"], halves["grad_norms"], strict=True)))
+    floor = max(floor, *(float(np.abs(ref["grads"][n] - halves["grads"][n]).max()) for n in ref["grads"]))
+    return max(10 * max(floor, max_param_diff(halves, ref)), 1e-10)
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +147,7 @@ def max_param_diff(got: dict, ref: dict) -> float:
 def test_tp_equals_one_process(group, model_type):
     ref = reference(model_type)
     assert max(ref["losses"]) - min(ref["losses"]) > 1e-3, f"{model_type}: the reference does not train"
-    tol = 1e-10
-    if model_type in FP32_INSIDE:
-        floor = reference(model_type, halves=True)
-        tol = max(10 * max_param_diff(floor, ref), 1e-10)
+    tol = tolerance(model_type)
     for size, layouts in LAYOUTS.items():
         for (rank, result), name in ((r, n) for r in enumerate(group[size]) for n in layouts):
             got = result[(model_type, name)]
@@ -139,3 +156,22 @@ def test_tp_equals_one_process(group, model_type):
             assert_parity(got, ref, loss_tol=tol, norm_rtol=tol, grad_tol=tol, label=label)
             diff = max_param_diff(got, ref)
             assert diff <= tol, f"{label}: parameters after {STEPS} steps differ by {diff:.3g} (tol {tol:.3g})"
+
+
+@pytest.mark.slow
+def test_tp_sweep_of_the_translated_catalogue():
+    """Every other translated plan of the catalogue on tp 2 (2 steps): exact, or fails naming the model."""
+    got = run_distributed(run_group, 2, LAYOUTS[2], SWEEP, 2, timeout=1500)
+    failures = []
+    for model_type in SWEEP:
+        ref, tol = reference(model_type, steps=2), tolerance(model_type, steps=2)
+        for rank, result in enumerate(got):
+            run, label = result[(model_type, "tp2")], f"{model_type} tp2 rank {rank}"
+            if "error" in run:
+                failures.append(f"{label}: {run['error']}")
+                continue
+            try:
+                assert_parity(run, ref, loss_tol=tol, norm_rtol=tol, grad_tol=tol, label=label)
+            except AssertionError as err:
+                failures.append(str(err))
+    assert not failures, "\n".join(failures)

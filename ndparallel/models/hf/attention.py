@@ -1,7 +1,8 @@
 """The attention seam of a Hugging Face model under tp/cp: registry functions, input hook, refusals.
 
 HF attention modules call a function from ``transformers``' attention registry. Under TP or CP,
-:func:`apply_hf_attention` selects ``"ndparallel_local"`` (causal attention on the rank's heads; no "sdpa" in the name: transformers checks the name for SDPA support) or
+:func:`apply_hf_attention` selects ``"ndparallel_local"`` (causal attention on the rank's heads; the name
+holds no "sdpa": transformers reads that as a claim of SDPA support, which Gemma 2 lacks) or
 ``"ndparallel_ring"`` (:func:`ndparallel.distributed.ring.ring_attention` over ``mesh["cp"]``, by
 ``cp_rotate_method``), installs the input hook (:mod:`ndparallel.models.hf.inputs`: positions, KV cache off,
 collective refusals) and the sharding-aware ``outputs.loss`` (:mod:`ndparallel.models.hf.loss`).
@@ -233,8 +234,11 @@ def _check_features(model: nn.Module, tp: int, cp: int) -> None:
         config = module.config
         softcap = getattr(config, "attn_logit_softcapping", None)
         if softcap is not None and cp > 1:
-            raise _refuse(module, f"attn_logit_softcapping={softcap}", "logit soft-capping is not implemented under "
-                          "cp (tp alone is exact)")
+            raise _refuse(
+                module,
+                f"attn_logit_softcapping={softcap}",
+                "logit soft-capping is not implemented under cp (tp alone is exact)",
+            )
         dropout = getattr(config, "attention_dropout", 0.0)
         if isinstance(dropout, float | int) and dropout > 0:
             raise _refuse(module, f"attention_dropout={dropout}", "attention dropout is not implemented")

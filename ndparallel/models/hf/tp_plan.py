@@ -65,6 +65,9 @@ REFUSED = {
     "all_reduce": "a module summing partial outputs of rowwise children conflicts with ndparallel's "
     "reduce-scatter to sequence shards",
 }
+# model types whose attention splits q/k/v by the config's global head count (``view(..., num_heads, head_dim)``,
+# CodeGen's 4-way packed qkv_proj) instead of ``-1``: measured, a raw shape error on tp 2. Refused by name.
+GLOBAL_HEAD_SPLIT = ("codegen", "gptj")
 _MOE_FIRST = ("moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj")  # the refusal that names the real reason
 _GATHERED = {"colwise_gather_output", "rowwise_split_input", "replicate", "embedding_rowwise", "embedding_colwise"}
 _ROWWISE = {"rowwise", "rowwise_split_input"}
@@ -164,8 +167,11 @@ def _refuse_first(model: nn.Module, plan: dict[str, str]) -> None:
             raise _unplaceable(model, fqn, module, f"its base_model_tp_plan style {kind!r}: {REFUSED[kind]}")
         if kind not in STYLES:
             raise _unplaceable(
-                model, fqn, module, f"its base_model_tp_plan style {kind!r} is unknown to ndparallel (known: "
-                f"{sorted(STYLES)}; refused: {sorted(REFUSED)})"
+                model,
+                fqn,
+                module,
+                f"its base_model_tp_plan style {kind!r} is unknown to ndparallel (known: "
+                f"{sorted(STYLES)}; refused: {sorted(REFUSED)})",
             )
         if is_param:
             raise _unplaceable(model, fqn, None, f"{kind!r} on a bare parameter: ndparallel places modules")
@@ -178,8 +184,12 @@ def _translate(ctx: _Context, fqn: str, kind: str, module: nn.Module, gathered: 
         return None  # the input embedding / lm_head: ndparallel's own placement (exact for every style here)
     sub = ctx.sublayer(fqn)
     if sub is None:
-        raise _unplaceable(model, fqn, module, f"{kind!r} outside a decoder layer's sublayer: the sequence-parallel "
-                           "table has no place for it")
+        raise _unplaceable(
+            model,
+            fqn,
+            module,
+            f"{kind!r} outside a decoder layer's sublayer: the sequence-parallel table has no place for it",
+        )
     if kind in ("colwise", "colwise_gather_output", "rowwise", "rowwise_split_input"):
         if not isinstance(module, nn.Linear):
             raise _unplaceable(model, fqn, module, f"{kind!r} shards an nn.Linear, and this is not one")
@@ -189,8 +199,13 @@ def _translate(ctx: _Context, fqn: str, kind: str, module: nn.Module, gathered: 
         return ColwiseParallel(output_layouts=Replicate())
     if kind in _ROWWISE:
         if len(fqn.split(".")) != ctx.depth + 2:
-            raise _unplaceable(model, fqn, module, f"{kind!r} below the sublayer's children: ndparallel reduce-"
-                               "scatters only a sublayer's last projection into sequence shards")
+            raise _unplaceable(
+                model,
+                fqn,
+                module,
+                f"{kind!r} below the sublayer's children: ndparallel reduce-"
+                "scatters only a sublayer's last projection into sequence shards",
+            )
         inputs = Replicate() if kind == "rowwise_split_input" else Shard(-1)
         return RowwiseParallel(input_layouts=inputs, output_layouts=Shard(1))
     if kind in ("embedding_rowwise", "embedding_colwise"):
@@ -200,16 +215,24 @@ def _translate(ctx: _Context, fqn: str, kind: str, module: nn.Module, gathered: 
         return style(input_layouts=Replicate(), output_layouts=Replicate())
     if kind == "replicate":
         if not gathered:
-            raise _unplaceable(model, fqn, module, "'replicate' inside a sublayer whose inputs are sharded: its "
-                               "gradients would differ per rank")
+            raise _unplaceable(
+                model,
+                fqn,
+                module,
+                "'replicate' inside a sublayer whose inputs are sharded: its gradients would differ per rank",
+            )
         return ReplicatedCompute()
     # replicated_with_grad_allreduce
     params = list(module.parameters())
     if not params:
         return None  # a norm without a scale: nothing to shard or sum
     if list(module.children()) or any(p.dim() != 1 for p in params):
-        raise _unplaceable(model, fqn, module, "'replicated_with_grad_allreduce' on a module that is not a norm "
-                           "(a leaf with 1-D parameters)")
+        raise _unplaceable(
+            model,
+            fqn,
+            module,
+            "'replicated_with_grad_allreduce' on a module that is not a norm (a leaf with 1-D parameters)",
+        )
     return PerShardNorm()
 
 
@@ -235,8 +258,13 @@ def _linear_entries(
         sub = ctx.sublayer(fqn)
         if kind in _ROWWISE and fqn not in ctx.structural and sub is not None:
             if sub in exits:
-                raise _unplaceable(model, fqn, module, f"a second rowwise projection in {sub!r} (after "
-                                   f"{exits[sub]!r}): ndparallel reduce-scatters one exit per sublayer")
+                raise _unplaceable(
+                    model,
+                    fqn,
+                    module,
+                    f"a second rowwise projection in {sub!r} (after "
+                    f"{exits[sub]!r}): ndparallel reduce-scatters one exit per sublayer",
+                )
             exits[sub] = fqn
         style = _translate(ctx, fqn, kind, module, by_sub.get(sub or "", set()) <= _GATHERED)
         if style is not None:
@@ -274,7 +302,9 @@ def _check_placeable(model: nn.Module, fqn: str, module: nn.Module, expected: ty
         raise _unplaceable(model, fqn, module, f"it is not an nn.{expected.__name__}{where}")
 
 
-def hf_tp_plan(model: nn.Module, overrides: Mapping[str, ParallelStyle | None] | None = None) -> dict[str, ParallelStyle]:
+def hf_tp_plan(
+    model: nn.Module, overrides: Mapping[str, ParallelStyle | None] | None = None
+) -> dict[str, ParallelStyle]:
     """The TP + SP table for a Hugging Face decoder, from its ``config.base_model_tp_plan`` (module docstring).
 
     Raises :class:`ConfigError` naming the module it cannot place (a wrapped ``lm_head``, a style ndparallel
@@ -293,6 +323,14 @@ def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -
     dot = f"{prefix}." if prefix else ""
     layers_name, layers = _blocks(model)
     layers_pattern = f"{layers_name}.*"
+    if model.config.model_type in GLOBAL_HEAD_SPLIT and not overrides:
+        attn = next((n for n, _ in layers[0].named_children() if "attn" in n), "attn")
+        raise _unplaceable(
+            model,
+            f"{layers_pattern}.{attn}",
+            getattr(layers[0], attn, None),
+            "its attention splits q/k/v by the global head count, not the rank's heads (a shape error on tp 2)",
+        )
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
     embedding_fqn = _fqn(model, embedding)
     if embedding_fqn not in overrides:
