@@ -122,3 +122,33 @@ def markdown_table() -> str:
 
 if __name__ == "__main__":  # python -m tests.models.test_hf_catalogue > table (docs/models.md)
     print(markdown_table())
+
+
+def tiny_llama(plan: dict):
+    from ndparallel.hf import tiny_config
+
+    config = tiny_config("llama")
+    config.base_model_tp_plan = plan
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_unknown_and_misplaced_styles_are_refused_by_name():
+    from ndparallel.hf import hf_tp_plan
+
+    base = dict(tiny_llama({}).config.__class__().base_model_tp_plan)
+    cases = {
+        "colwise_foo": ("model.layers.*.mlp.up_proj", "unknown to ndparallel"),
+        "all_reduce": ("model.layers.*.mlp.up_proj", "conflicts with ndparallel's reduce-scatter"),
+        "replicated_with_grad_allreduce": ("model.layers.*.self_attn.q_proj", "not a norm"),
+    }
+    for style, (fqn, reason) in cases.items():
+        target = fqn.removeprefix("model.")
+        with pytest.raises(ConfigError) as err:
+            hf_tp_plan(tiny_llama({**base, target: style}))
+        message = str(err.value)
+        assert f"'{fqn}'" in message and reason in message and "tp_size=1" in message, (style, message)
+    with pytest.raises(ConfigError, match=r"'model.layers.\*.mlp.down_proj' \(Linear\): a second rowwise projection"):
+        hf_tp_plan(tiny_llama({**base, "layers.*.mlp.gate_proj": "rowwise"}))
+    with pytest.raises(ConfigError, match=r"outside a decoder layer's sublayer"):
+        hf_tp_plan(tiny_llama({**base, "rotary_emb": "colwise"}))
