@@ -141,6 +141,7 @@ def test_unknown_and_misplaced_styles_are_refused_by_name():
         "colwise_foo": ("model.layers.*.mlp.up_proj", "unknown to ndparallel"),
         "all_reduce": ("model.layers.*.mlp.up_proj", "conflicts with ndparallel's reduce-scatter"),
         "replicated_with_grad_allreduce": ("model.layers.*.self_attn.q_proj", "not a norm"),
+        "packed_colwise": ("model.layers.*.mlp.up_proj", "colwise_gather_output translation"),
     }
     for style, (fqn, reason) in cases.items():
         target = fqn.removeprefix("model.")

@@ -163,6 +163,15 @@ def _refuse_first(model: nn.Module, plan: dict[str, str]) -> None:
         module, is_param = _matches(model, fqn)
         if module is None and not is_param:
             continue
+        if kind in ("packed_colwise", "packed_rowwise") and isinstance(module, nn.Linear):
+            raise _unplaceable(
+                model,
+                fqn,
+                module,
+                f"{kind!r} on an nn.Linear is not translated (each rank would "
+                "need its slice of every packed part); its colwise_gather_output translation, "
+                "ColwiseParallel(output_layouts=Replicate()), is exact",
+            )
         if kind in REFUSED:
             raise _unplaceable(model, fqn, module, f"its base_model_tp_plan style {kind!r}: {REFUSED[kind]}")
         if kind not in STYLES:
