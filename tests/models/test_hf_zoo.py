@@ -42,7 +42,7 @@ ARCHS = {
     "cohere": {},  # parallel residual, LayerNorm
     "mistral": {},
 }
-EAGER = ("gemma2",)  # no SDPA path in transformers
+EAGER = ("gemma2",)  # no SDPA path in transformers (others found by build)
 # The rest of the catalogue's translated plans (tests/models/test_hf_catalogue.py), default tiny configs, in
 # a slow 2-rank sweep: tp 2, 2 steps, losses, grad norms and step-1 gradients.
 SWEEP = (
@@ -64,6 +64,11 @@ def build(model_type: str, seed: int = 0):
 
     config = tiny_config(model_type, **ARCHS.get(model_type, {}))
     attn = "eager" if model_type in EAGER else "sdpa"
+    try:
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    except ValueError:  # no SDPA path (Gemma 2, VaultGemma): transformers' eager attention
+        attn = "eager"
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
 
