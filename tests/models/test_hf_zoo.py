@@ -6,8 +6,8 @@ gathered projections with full-width q/k norms (OLMo 2), fused qkv / gate_up pro
 scaling and sandwich norms (Gemma 2/3), final-logit soft-capping (Gemma 2), attention / MLP biases and
 LayerNorm with bias (StarCoder 2), parallel residual blocks (Cohere), custom attention scaling (Granite).
 Losses, grad norms, step-1 gradients and the parameters after the last step are compared per architecture.
-One spawned group of 2 gloo ranks runs every architecture on tp 2; FSDP 2 x TP 2 (4 ranks) and a sweep of
-the rest of the translated catalogue are marked slow.
+One spawned group of 2 gloo ranks runs every architecture on tp 2; FSDP 2 x TP 2 (4 ranks) is marked slow; the
+sweep of the rest of the translated catalogue is marked extended (make test-extended).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_fsdp_tp_equals_one_process():
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # breadth, not a new code path: make test-extended (docs/models.md has its last result)
 def test_tp_sweep_of_the_translated_catalogue():
     """Every other translated plan of the catalogue on tp 2 (2 steps): exact, or fails naming the model."""
     results = run_distributed(run_group, 2, LAYOUTS[2], SWEEP, 2, timeout=1500)
