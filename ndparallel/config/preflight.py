@@ -102,8 +102,8 @@ def ep_problem(ep_size: int, experts: tuple[str, int] | None) -> str | None:
         return None
     if experts is None or experts[1] == 0:
         return (
-            f"ep_size={ep_size} but the model is dense (no routed experts): expert parallelism shards experts; "
-            "use ep_size=1, or a mixture-of-experts model (e.g. model.preset: tiny-moe)"
+            f"ep_size={ep_size} but the model is dense (no routed experts its family shards: Hugging Face MoE "
+            "models are not expert-parallel yet); use ep_size=1, or the reference MoE (model.preset: tiny-moe)"
         )
     name, count = experts
     if count % ep_size:
