@@ -212,6 +212,12 @@ def train_steps(
             name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().numpy().copy()
             for name, p in net.named_parameters()
         }
+    result["layouts"] = {  # how each parameter is held: mesh dims, placements, local shape
+        name: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)), tuple(p.to_local().shape))
+        if isinstance(p, DTensor)
+        else ((), (), tuple(p.shape))
+        for name, p in net.named_parameters()
+    }
     result["coordinate"] = mesh.coordinate if mesh else {}
     result["dtypes"] = {n: str(p.dtype) for n, p in net.named_parameters()}
     result["all_dtensor"] = all(isinstance(p, DTensor) for p in net.parameters())

@@ -95,9 +95,17 @@ def moe_problem(n_experts: int, top_k: int, n_shared: int, router: str, prefix: 
     return None
 
 
-def ep_problem(ep_size: int, experts: tuple[str, int] | None) -> str | None:
-    """Why ``ep_size`` cannot split the routed experts (a dense model, or a count ep does not divide), or None.
+def ep_problem(ep_size: int, experts: tuple[str, int] | None, p: ParallelismConfig | None = None) -> str | None:
+    """Why ``ep_size`` cannot split the routed experts (a dense model, or a count ep does not divide), or why the
+    knobs of ``p`` are not proved on a mixture of experts yet (compile, activation checkpointing), or None.
     The rules on the mesh alone (ep fits dp_shard x cp) are :class:`ParallelismConfig`'s."""
+    if p is not None and experts is not None and experts[1]:
+        for knob in ("compile", "activation_checkpointing"):
+            if getattr(p, knob) != "none":
+                return (
+                    f"{knob}={getattr(p, knob)!r} on a mixture-of-experts model ({experts[0]}={experts[1]}) is not "
+                    f"proved against one process yet; use {knob}='none'"
+                )
     if ep_size <= 1:
         return None
     if experts is None or experts[1] == 0:
@@ -243,7 +251,7 @@ def _rules(p: ParallelismConfig, job: JobShape, model: ModelShape) -> list[Calla
         lambda: raise_problem(sequence_problem(job.seq_len, p.cp_size, p.tp_size, p.cp_load_balance, "data.seq_len")),
         lambda: raise_problem(tp_fields_problem(model.tp_fields, p.tp_size)),
         lambda: raise_problem(heads and alltoall_heads_problem(heads[1], p.tp_size, p.cp_size, what=heads[0])),
-        lambda: raise_problem(ep_problem(p.ep_size, model.experts)),
+        lambda: raise_problem(ep_problem(p.ep_size, model.experts, p)),
         lambda: forward_autocast_dtype(p),  # refuses fp16 without FSDP
         batch,
     ]

@@ -118,7 +118,7 @@ def parallelize(
     blocks: BlockSpec = None,
     fsdp_groups: Sequence[Sequence[str]] | None = None,
 ) -> nn.Module:
-    """Apply TP/SP -> CP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate to ``model`` in place.
+    """Apply TP/SP -> CP -> MoE/EP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate to ``model``.
 
     Args:
         model: the module to parallelise (on the target device, or meta for deferred init).
@@ -156,7 +156,7 @@ def parallelize(
     check_compile(cfg.compile, tp)
     moe_layers = family.moe_layers(model)
     experts = ("n_experts", moe_layers[0].experts.n_experts) if moe_layers else None
-    problem = ep_problem(mesh.size("ep"), experts)
+    problem = ep_problem(mesh.size("ep"), experts, cfg)
     if problem:
         raise ConfigError(problem)  # every refusal happens before the model is touched
 

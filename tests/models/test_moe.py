@@ -108,3 +108,6 @@ def test_preflight_ep_rules():
     six = _cfg(n_experts=6).preflight_shape()
     assert "ep_size=4 does not divide model.n_experts=6" in job_problems(p, job, six)[0]
     assert dataclasses.replace(p, ep_size=2).describe() == "dp_shard=4 (ep=2)"
+    compiled = dataclasses.replace(p, ep_size=1, compile="blocks")
+    assert "compile='blocks' on a mixture-of-experts model" in job_problems(compiled, job, _cfg().preflight_shape())[0]
+    assert job_problems(compiled, job, dense) == []

@@ -1,5 +1,6 @@
 """Expert parallel on 4 ranks, float64, against one process: ep 2 with the experts' FSDP over the other 2 ranks of
-dp_shard (ep_fsdp 2), and ep 4 (each rank owns one expert). Plus the mesh's ep views and the dispatch's bookkeeping.
+dp_shard (ep_fsdp 2), and ep 4 (each rank owns one expert) with the sigmoid router. Plus the mesh's ep views
+and the ep rules.
 
 Each rank must hold only its own experts (n_experts / ep of them, never a replica), and the loss, grad norm
 (clipped), step-1 gradients and parameters after 5 AdamW steps equal one process to 1e-10.
@@ -12,14 +13,14 @@ import pytest
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import format_rank_table, rank_groups
 from ndparallel.errors import ConfigError
-from tests.parallel.test_moe_parity import COMMON, MODEL, _reference, moe_loss_fn, param_error
+from tests.parallel.test_moe_parity import COMMON, MODEL, SIGMOID, _reference, moe_loss_fn, param_error
 from tests.parity import FLOAT64_TOL, assert_parity, run_cached
 
 LAYOUTS = {
-    "ep2 x ep_fsdp2": {"dp_shard_size": 4, "ep_size": 2},
-    "ep4": {"dp_shard_size": 4, "ep_size": 4},
+    "ep2 x ep_fsdp2": ({"dp_shard_size": 4, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
+    "ep4 sigmoid": ({"dp_shard_size": 4, "ep_size": 4}, dict(model=SIGMOID, loss_fn=moe_loss_fn)),
 }
-RUNS = [(parallel, {**COMMON, "model": MODEL, "loss_fn": moe_loss_fn}) for parallel in LAYOUTS.values()]
+RUNS = [(parallel, {**COMMON, **kwargs}) for parallel, kwargs in LAYOUTS.values()]
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +29,17 @@ def results():
 
 
 def test_expert_parallel_four_ranks_equals_one_process(results):
-    ref = _reference({**COMMON, "model": MODEL})
-    for index, (label, parallel) in enumerate(LAYOUTS.items()):
+    for index, (label, (parallel, kwargs)) in enumerate(LAYOUTS.items()):
+        ref = _reference({**COMMON, **kwargs})
         ep = parallel["ep_size"]
         for rank, per_rank in enumerate(results):
             got = per_rank[index]
             assert_parity(got, ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"])
             assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
             assert got["coordinate"]["ep"] == rank % ep, label
+            dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
+            assert dims == ("ep_fsdp", "ep") and "Replicate()" not in placements, (label, dims, placements)
+            assert placements[-1] == "S(0)" and local == (1, 32, 64), (label, placements, local)
 
 
 def test_mesh_ep_views():
