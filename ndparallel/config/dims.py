@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["EP_BORROWS", "MESH_DIMS", "SIZE_FIELDS", "divisors", "ep_problem", "fsdp_shards"]
+__all__ = ["EP_BORROWS", "MESH_DIMS", "SIZE_FIELDS", "divisors", "ep_mesh_problem", "fsdp_shards"]
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SIZE_FIELDS: tuple[str, ...] = tuple(f"{d}_size" for d in MESH_DIMS)
@@ -15,7 +15,7 @@ EP_BORROWS: tuple[str, ...] = ("dp_shard", "cp")
 _EP_UNTESTED = ("pp", "dp_replicate", "cp", "tp")
 
 
-def ep_problem(cfg: Any) -> str | None:
+def ep_mesh_problem(cfg: Any) -> str | None:
     """Why ``cfg.ep_size`` cannot borrow its ranks from dp_shard x cp of a resolved ``cfg``, or None."""
     ep = cfg.ep_size
     if ep == 1:

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from ndparallel.config.accelerate import AccelerateNames, accelerate_settings, is_accelerate_file
-from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS, ep_problem
+from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS, ep_mesh_problem
 from ndparallel.config.pipeline import check_pipeline_fields
 from ndparallel.config.sources import did_you_mean, load_yaml_mapping, parse_overrides, parse_scalar
 from ndparallel.errors import ConfigError, brief_repr
@@ -78,7 +78,7 @@ class ParallelismConfig(AccelerateNames):
     ep_size: int = 1
     """Expert-parallel size: each rank owns ``n_experts / ep_size`` routed experts, tokens reach them by all-to-all.
     Not a mesh dim of its own: ep borrows its ranks from dp_shard x cp (the inner ones), the experts' FSDP shards
-    over what remains (``ndparallel.config.dims.ep_problem``; docs/expert-parallel.md)."""
+    over what remains (``ndparallel.config.dims.ep_mesh_problem``; docs/expert-parallel.md)."""
 
     mixed_precision: str = "no"
     """Compute/parameter dtype under FSDP: ``no`` (fp32), ``bf16`` or ``fp16``; gradients reduce in fp32."""
@@ -256,7 +256,7 @@ class ParallelismConfig(AccelerateNames):
         return dataclasses.replace(self)._check_ep()
 
     def _check_ep(self) -> ParallelismConfig:
-        problem = ep_problem(self)
+        problem = ep_mesh_problem(self)
         if problem:
             raise ConfigError(problem)
         return self
