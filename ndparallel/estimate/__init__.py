@@ -1,9 +1,13 @@
 """Analytic memory / communication / step-time model of ndparallel training, and the mesh search behind
 ``ndparallel plan``.
 
-Modules: ``spec`` (model, cluster, training and mesh descriptions), ``memory``, ``comm``, ``timing``
-(the model), ``pipeline`` (pipeline parallelism: stage split, micro-batches in flight, bubble, p2p),
-``search`` (estimate one shape, rank them all), ``cli`` (the ``plan`` command).
+Modules: ``spec`` (model, cluster, training and mesh descriptions), ``hardware`` (the one table of per-GPU
+constants, with sources), ``memory``, ``comm``, the time model from its parts: ``kernels`` (a matmul by shape,
+attention, a memory-bound pass), ``memory_ops`` (bytes of the memory-bound ops, eager or compiled),
+``checkpointing`` (what each policy recomputes), ``compute`` (one rank's compute by kind), ``timing`` (overlap,
+exposed communication, the step); ``pipeline`` (pipeline parallelism: stage split, micro-batches in flight,
+bubble, p2p), ``search`` (estimate one shape, rank them all), ``explain`` (``plan --explain``), ``cli`` (the
+``plan`` command).
 
     from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, model_spec, plan
 
@@ -19,6 +23,8 @@ Formulas and validation: docs/planning.md.
 
 from ndparallel.distributed.counter import CommCounter
 from ndparallel.estimate.comm import Collective, collectives, group_link
+from ndparallel.estimate.compute import ComputeTime, compute_time
+from ndparallel.estimate.hardware import GPU_KINDS, LINKS, GpuKind
 from ndparallel.estimate.memory import (
     MemoryEstimate,
     activation_bytes,
@@ -43,7 +49,11 @@ from ndparallel.estimate.spec import (
 from ndparallel.estimate.timing import StepTime, estimate_step_time
 
 __all__ = [
+    "GPU_KINDS",
     "GPU_PRESETS",
+    "LINKS",
+    "ComputeTime",
+    "GpuKind",
     "PRECISIONS",
     "ClusterSpec",
     "Collective",
@@ -59,6 +69,7 @@ __all__ = [
     "activation_bytes",
     "bubble_fraction",
     "collectives",
+    "compute_time",
     "estimate",
     "estimate_memory",
     "estimate_step_time",

@@ -4,6 +4,8 @@
     ndparallel plan --model path/to/config.json --gpus 16 --gpu h200 --json
     ndparallel plan --dim 4096 --layers 32 --heads 32 --kv-heads 8 --ffn-dim 14336 --vocab 128256 --gpus 8
     ndparallel plan --model 70b --gpus 64 --pp-schedule gpipe,1f1b,interleaved_1f1b --pp-microbatches 16
+    ndparallel plan --model 8b --gpus 8 --gpu h100-hbm2e --seq 8192 --global-batch 16 --micro-batch 2 \
+        --ac selective --selective-ac-option op --compile blocks --dp-shard 8 --explain
 
 ``ndparallel.launch.cli`` registers it (``add_plan_parser(subparsers)``, then ``args.func(args)`` = ``run_plan``),
 as it registers ``ndparallel.bench.cli``.
@@ -34,12 +36,13 @@ from ndparallel.estimate import (
     parse_count,
     plan,
 )
-from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, GiB
+from ndparallel.estimate.explain import breakdown, format_explain
+from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, COMPILE_MODES, GiB
 
 PP_COMPARED = ("gpipe", "1f1b", "interleaved_1f1b")
 """``--pp-schedule all``: the schedules whose memory rule is measured (docs/planning.md)."""
 
-__all__ = ["add_plan_parser", "format_plan", "main", "plan_to_json", "run_plan"]
+__all__ = ["add_plan_parser", "format_explain", "format_plan", "main", "plan_to_json", "run_plan"]
 
 _RAW_COUNTS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
                "ffn_dim": "ffn_dim", "vocab": "vocab_size"}  # fmt: skip
@@ -62,12 +65,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     cluster = p.add_argument_group("cluster (defaults: --gpu preset)")
     cluster.add_argument("--gpus", type=int, required=True, help="total number of GPUs (world size)")
     cluster.add_argument("--gpus-per-node", type=int, default=8)
-    cluster.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100)")
+    cluster.add_argument(
+        "--gpu", default="h100", help=f"GPU kind (estimate/hardware.py): {', '.join(GPU_PRESETS)} (default h100)"
+    )
     cluster.add_argument("--gpu-mem", help="memory per GPU, e.g. 80GiB, 80GB, 141G")
     cluster.add_argument("--intra-bw", help="NVLink bandwidth per GPU and direction, e.g. 450GB/s")
     cluster.add_argument("--inter-bw", help="network bandwidth per GPU, e.g. 50GB/s or 400Gbit/s")
     cluster.add_argument("--peak-flops", help="dense peak FLOP/s per GPU in the compute dtype, e.g. 989T")
-    cluster.add_argument("--mfu", type=float, default=0.5, help="assumed compute efficiency (default 0.5)")
+    cluster.add_argument("--hbm-bw", help="HBM bandwidth per GPU, e.g. 3.35TB/s (memory-bound kernels)")
+    cluster.add_argument(
+        "--mfu", type=float, default=None,
+        help="override the kernel model: every FLOP at peak x MFU, no memory-bound time (e.g. 0.5)",
+    )  # fmt: skip
     cluster.add_argument("--memory-margin", type=float, default=0.1, help="fraction of memory kept free (0.1)")
 
     train = p.add_argument_group("training")
@@ -75,7 +84,27 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     train.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step (256)")
     train.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on one dp rank (1)")
     train.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
-    train.add_argument("--ac", default="none", choices=list(ACTIVATION_CHECKPOINTING), help="activation ckpt")
+    train.add_argument(
+        "--ac", default="none", choices=list(ACTIVATION_CHECKPOINTING),
+        help="activation checkpointing, torchtitan's modes: none, full, selective (see --selective-ac-option)",
+    )  # fmt: skip
+    train.add_argument(
+        "--selective-ac-option", default="2",
+        help="--ac selective: 'op' (per-op: save matmul / attention / reduce-scatter outputs, every second matmul "
+        "recomputed; planner only, ndparallel train runs per-layer) or N (every N-th block; default 2, ndparallel's)",
+    )  # fmt: skip
+    train.add_argument(
+        "--compile", default="none", choices=list(COMPILE_MODES),
+        help="torch.compile: none, blocks (each block), model (whole model); the config's compile",
+    )  # fmt: skip
+    train.add_argument(
+        "--compiled-loss", action="store_true",
+        help="the loss head (final norm + output + fp32 cross-entropy) compiled in one graph",
+    )  # fmt: skip
+    train.add_argument(
+        "--composite-norm", action="store_true",
+        help="RMSNorm as eager composite ops (e.g. torchtitan's norm_type=rmsnorm), not the fused CUDA kernel",
+    )  # fmt: skip
     train.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP keeps units gathered")
     train.add_argument(
         "--cp-rotate-method", default="ring", choices=list(CHOICES["cp_rotate_method"]),
@@ -109,6 +138,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     out.add_argument("--top", type=int, default=10, help="how many ranked shapes to print (10)")
     out.add_argument("--rejected", type=int, default=8, help="how many rejected shapes to print (8)")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    out.add_argument(
+        "--explain", action="store_true",
+        help="the best shape's step-time breakdown: compute by kind, exposed communication by dim, bubble",
+    )  # fmt: skip
     p.set_defaults(func=run_plan)
     return p
 
@@ -132,6 +165,8 @@ def _cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
         "num_gpus": args.gpus, "gpus_per_node": min(args.gpus_per_node, args.gpus) if args.gpus > 0 else 1,
         "mfu": args.mfu, "memory_margin": args.memory_margin,
     }  # fmt: skip
+    if args.mfu is None:
+        del overrides["mfu"]
     if args.gpus is None or args.gpus < 1:
         raise ConfigError(f"--gpus={args.gpus} must be a positive integer")
     if args.gpus_per_node < 1:
@@ -144,6 +179,8 @@ def _cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
         overrides["inter_node_bw"] = parse_bandwidth(args.inter_bw, "--inter-bw")
     if args.peak_flops:
         overrides["peak_flops"] = parse_count(args.peak_flops, "--peak-flops")
+    if args.hbm_bw:
+        overrides["hbm_bw"] = parse_bandwidth(args.hbm_bw, "--hbm-bw")
     return ClusterSpec.from_gpu(args.gpu, **overrides)
 
 
@@ -154,6 +191,10 @@ def _training_from_args(args: argparse.Namespace) -> TrainingSpec:
         micro_batch=args.micro_batch,
         precision=args.precision,
         activation_checkpointing=args.ac,
+        selective_ac_option=str(args.selective_ac_option),
+        compile=args.compile,
+        compiled_loss=args.compiled_loss,
+        fused_norm=not args.composite_norm,
         reshard_after_forward=not args.no_reshard_after_forward,
         cp_rotate_method=args.cp_rotate_method,
         cp_load_balance=not args.no_cp_load_balance,
@@ -182,6 +223,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"ndparallel plan: error: {err}", file=sys.stderr)
         return 2
     text = json.dumps(plan_to_json(result, args.top, args.rejected), indent=2) if args.json else None
+    if text is None and args.explain and result.best is not None:
+        text = format_plan(result, args.top, args.rejected) + "\n\n" + format_explain(result.best)
     try:
         print(text or format_plan(result, args.top, args.rejected))
         sys.stdout.flush()
@@ -211,10 +254,19 @@ def plan_to_json(result: Plan, top: int | None = None, rejected: int | None = No
         "cluster": vars(result.cluster),
         "training": vars(result.train),
         "ranked": [e.as_dict() for e in result.ranked[:top]],
+        "explain": [list(row) for row in breakdown(result.best)] if result.best else [],
         "rejected": [e.as_dict() for e in result.rejected[:rejected]],
         "num_ranked": len(result.ranked),
         "num_rejected": len(result.rejected),
     }
+
+
+def _ac_text(t: TrainingSpec) -> str:
+    if t.activation_checkpointing != "selective":
+        return t.activation_checkpointing
+    if t.selective_ac_option == "op":
+        return "selective per-op (modelled; ndparallel train runs none / full / selective per-layer 2)"
+    return f"selective every {t.selective_ac_option} blocks"
 
 
 def _gib(value: float) -> str:
@@ -229,9 +281,12 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 8) -> str:
         f"{m.n_kv_heads} kv heads, ffn {m.ffn_dim}, vocab {m.vocab_size})",
         f"cluster: {c.num_gpus} GPUs, {c.gpus_per_node}/node, {_gib(c.gpu_memory)} GiB each "
         f"({_gib(c.usable_memory)} usable), NVLink {c.intra_node_bw / 1e9:.0f} GB/s, network "
-        f"{c.inter_node_bw / 1e9:.0f} GB/s per GPU, {c.peak_flops / 1e12:.0f} TFLOP/s x MFU {c.mfu:.2f}",
+        f"{c.inter_node_bw / 1e9:.0f} GB/s per GPU, {c.peak_flops / 1e12:.0f} TFLOP/s, HBM {c.hbm_bw / 1e12:.2f} TB/s"
+        + (f" x flat MFU {c.mfu:.2f} (--mfu override)" if c.mfu is not None else f" ({c.gpu} kernel model)"),
         f"training: global batch {t.global_batch} x seq {t.seq_len}, micro-batch {t.micro_batch}, {t.precision}, "
-        f"AdamW, activation checkpointing {t.activation_checkpointing}",
+        f"AdamW, activation checkpointing {_ac_text(t)}, compile {t.compile}"
+        + (" + compiled loss head" if t.compiled_loss else "")
+        + ("" if t.fused_norm else ", composite RMSNorm"),
         "",
     ]
     columns = ("#", "mesh ([pp sched x] rep x shard x cp x tp)", "mem/GPU GiB", "step s", "tok/s", "MFU")

@@ -3,9 +3,11 @@
 Bytes are *payloads*: the full tensor of an all-gather's output, a reduce-scatter's input, an
 all-reduce's tensor, a P2P send's tensor (what ``CommCounter`` counts on real ranks). Time uses the
 ring algorithm: a rank moves ``(n-1)/n`` of the payload for all-gather and reduce-scatter and
-``2(n-1)/n`` for all-reduce, at the bandwidth of the slowest link the group crosses, plus a fixed
-latency per call. Which link a group uses follows from the mesh order (dp_replicate, dp_shard, cp,
-tp, outer -> inner): a group whose ranks fit inside one node uses NVLink, otherwise the network.
+``2(n-1)/n`` for all-reduce, at the link's efficiency times the data-sheet bandwidth of the slowest link the
+group crosses, plus a fixed latency per call (``hardware.LINKS``: so a small message reaches a small fraction
+of the bandwidth, ``size / (size + latency x bandwidth)``). Which link a group uses follows from the mesh order
+(dp_replicate, dp_shard, cp, tp, outer -> inner): a group whose ranks fit inside one node uses NVLink, otherwise
+the network.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from ndparallel.distributed.ulysses import kv_heads_sent
+from ndparallel.estimate.checkpointing import per_op
+from ndparallel.estimate.hardware import LINKS
 from ndparallel.estimate.memory import (
     DDP_BUCKET_BYTES,
     checkpointed_blocks,
@@ -27,8 +31,8 @@ from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, Training
 __all__ = ["LATENCY_S", "Collective", "collectives", "group_link"]
 
 DIM_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
-LATENCY_S = {"intra": 10e-6, "inter": 30e-6}
-"""Fixed cost of one collective call (launch + synchronisation), seconds."""
+LATENCY_S = {name: link.latency_s for name, link in LINKS.items()}
+"""Fixed cost of one collective call (launch + synchronisation), seconds (``hardware.LINKS``)."""
 BUS_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -69,7 +73,8 @@ class Collective:
 
     @property
     def time_s(self) -> float:
-        return self.bus_bytes / self.bandwidth + self.calls * LATENCY_S[self.link]
+        link = LINKS[self.link]
+        return self.bus_bytes / (self.bandwidth * link.efficiency) + self.calls * link.latency_s
 
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "bus_bytes": self.bus_bytes, "time_s": self.time_s}
@@ -151,12 +156,14 @@ def collectives(
     # [micro_batch, seq/cp, dim] activation forward, the same again backward, + recomputed forwards.
     tokens = train.micro_batch * train.seq_len / mesh.cp
     activation = tokens * model.dim * precision.compute
-    recomputed = checkpointed_blocks(layers, train.activation_checkpointing)
+    recomputed = checkpointed_blocks(layers, train.activation_checkpointing, train.selective_ac_option)
     # Recomputation (non-reentrant checkpoint) stops once the last saved tensor is rebuilt: the block's
     # final reduce-scatter (w2's) is not repeated. + 1 each for the embedding (reduce-scatter forward,
     # all-gather backward) and the output projection (all-gather forward, reduce-scatter backward).
     ends = share.embedding + share.head
-    tp_calls = {"all_gather": 4 * layers + 2 * recomputed + ends, "reduce_scatter": 4 * layers + recomputed + ends}
+    # Per-op selective checkpointing saves the reduce-scatter outputs: only the all-gathers run again.
+    rs_recomputed = 0 if per_op(train.activation_checkpointing, train.selective_ac_option) else recomputed
+    tp_calls = {"all_gather": 4 * layers + 2 * recomputed + ends, "reduce_scatter": 4 * layers + rs_recomputed + ends}
     for kind, calls in tp_calls.items():
         add(f"TP {kind.replace('_', '-')} (SP activations)", kind, ("tp",), "tp",
             calls * micro_steps, calls * activation * micro_steps)  # fmt: skip

@@ -17,6 +17,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.precision import forward_autocast_dtype
 from ndparallel.distributed.ulysses import kv_heads_sent
 from ndparallel.errors import ConfigError
+from ndparallel.estimate.checkpointing import checkpointed_count, per_op
 from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
 
@@ -39,12 +40,25 @@ __all__ = [
 DDP_BUCKET_BYTES = 25 * 10**6  # ndparallel's replicate default bucket (dp_bucket_mb=25)
 
 
-def checkpointed_blocks(n_layers: int, mode: str) -> int:
-    """Blocks recomputed in backward: all (``full``), every other one starting with the first
-    (``selective``, ndparallel's parallel/activation_checkpoint.py), or none."""
+def checkpointed_blocks(n_layers: int, mode: str, option: str = "2") -> int:
+    """Blocks wrapped in a checkpoint: all (``full``, per-op ``selective``), every ``option``-th one starting
+    with the first (per-layer ``selective``; ``"2"`` is ndparallel's parallel/activation_checkpoint.py), or none
+    (estimate/checkpointing.py)."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation checkpointing mode {mode!r} not in {ACTIVATION_CHECKPOINTING}")
-    return {"none": 0, "full": n_layers, "selective": (n_layers + 1) // 2}[mode]
+    return checkpointed_count(n_layers, mode, option)
+
+
+def per_op_layer_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int) -> float:
+    """What a block saves per token under per-op selective checkpointing (estimate/checkpointing.py): its input
+    (sequence-sharded), the outputs of wq, wv and w1, attention's output and fp32 log-sum-exp, w2's output (the
+    full ``d`` partial sum under TP) and, under TP, the reduce-scatter outputs of wo and w2. Compiled, w2's output
+    and its reduce-scatter are dropped (backward does not read them)."""
+    e, t = train.bytes.compute, tp
+    saved = e * model.dim / t + e * (2 * model.q_dim + model.kv_dim + model.ffn_dim) / t + 4 * model.n_heads / t
+    if train.compile == "none":
+        saved += e * model.dim + (e * model.dim / t if t > 1 else 0.0)
+    return saved + (e * model.dim / t if t > 1 else 0.0)
 
 
 def fsdp_units(model: ModelSpec, tp: int) -> dict[str, float]:
@@ -80,7 +94,7 @@ def norm_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: i
     the rstd. Either way the all-gathered output, saved by wq/wk/wv or w1/w3, is ``d`` in the compute dtype.
     """
     e, d, t = train.bytes.compute, model.dim, tp
-    internal = e * d / t if train.fused_norm else 2 * 4 * d / t
+    internal = e * d / t if train.fused_norm or train.compile != "none" else 2 * 4 * d / t  # compiled: fused
     return internal + 4 / t + e * d
 
 
@@ -92,7 +106,8 @@ def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: 
     (``norm_activation_bytes_per_token``); attention's q, k, v and output (``2 q_dim/t + 2 kv'/t``) with
     its fp32 log-sum-exp (``heads/t``), where ``kv' = q_dim`` when SDPA gets k/v repeated for grouped-query
     attention and ``kv_dim`` otherwise (and under context parallel: ring attention keeps the kv heads);
-    SwiGLU's w1 out, silu out, w3 out and product (``4f/t``), in the compute dtype. All-to-all (Ulysses)
+    SwiGLU's w1 out, silu out, w3 out and product (``4f/t``), in the compute dtype (compiled: w1 and w3 out only,
+    ``2f/t``). All-to-all (Ulysses)
     context parallel keeps the kv heads it sent (``lcm(kv heads, cp)`` when cp does not divide them) and, besides
     the output the projection saves, SDPA's own head-sharded output (one more ``q_dim/t``).
     """
@@ -104,14 +119,18 @@ def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: 
         kv_saved = kv_heads_sent(model.n_kv_heads // t, cp) * model.head_dim * t
         ulysses_output = e * model.q_dim / t
     attention = e * (2 * model.q_dim + 2 * kv_saved) / t + 4 * model.n_heads / t + ulysses_output
-    mlp = e * 4 * model.ffn_dim / t
+    # Compiled, the partitioner recomputes silu(w1 x) * w3 x in backward from the two matmul outputs it saves.
+    mlp = e * (2 if train.compile != "none" else 4) * model.ffn_dim / t
     return 2 * norm_activation_bytes_per_token(model, train, tp) + attention + mlp
 
 
 def head_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int) -> float:
     """The final RMSNorm (as in a block), vocab-parallel logits in the compute dtype, the fp32 log-softmax the
-    loss saves and its fp32 gradient at the start of backward (``V/t`` each)."""
+    loss saves and its fp32 gradient at the start of backward (``V/t`` each); with ``compiled_loss`` the logits
+    and their gradient in the compute dtype."""
     vocab = model.vocab_size / tp
+    if train.compiled_loss:  # one graph: the compute-dtype logits and their gradient, no fp32 copies
+        return norm_activation_bytes_per_token(model, train, tp) + vocab * 2 * train.bytes.compute
     return norm_activation_bytes_per_token(model, train, tp) + vocab * (train.bytes.compute + 4 + 4)
 
 
@@ -137,12 +156,15 @@ def activation_bytes(
     layer = layer_activation_bytes_per_token(model, train, mesh.tp, mesh.cp) * tokens
     block_input = train.bytes.compute * model.dim / mesh.tp * tokens
     n_layers = model.n_layers if blocks is None else blocks
-    checkpointed = checkpointed_blocks(n_layers, mode)
+    checkpointed = checkpointed_blocks(n_layers, mode, train.selective_ac_option)
     stored = (n_layers - checkpointed) * layer + checkpointed * block_input
+    if per_op(mode, train.selective_ac_option):
+        stored = n_layers * per_op_layer_bytes_per_token(model, train, mesh.tp) * tokens
     recompute = layer if checkpointed else 0.0
     head_bytes = head_activation_bytes_per_token(model, train, mesh.tp) * tokens if head else 0.0
     if head and saved_only:
-        head_bytes -= model.vocab_size / mesh.tp * (train.bytes.compute + 4) * tokens
+        transient = train.bytes.compute if train.compiled_loss else train.bytes.compute + 4
+        head_bytes -= model.vocab_size / mesh.tp * transient * tokens
     return stored + recompute + head_bytes
 
 
@@ -182,7 +204,7 @@ def autocast_weight_bytes(
     copy per pipeline micro-batch in flight (measured: tests/estimate/test_estimate_pp.py, docs/planning.md)."""
     if not autocasts(train, mesh):
         return 0.0
-    stored = blocks - checkpointed_blocks(blocks, mode or train.activation_checkpointing)
+    stored = blocks - checkpointed_blocks(blocks, mode or train.activation_checkpointing, train.selective_ac_option)
     return train.bytes.compute * (stored * model.layer_matmul_params + head * model.vocab_size * model.dim) / mesh.tp
 
 

@@ -13,6 +13,7 @@ from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
 from ndparallel.estimate.pipeline import microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
+from ndparallel.parallel.compile import check_compile
 
 __all__ = ["MAX_SHAPES", "Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
 
@@ -103,6 +104,10 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
     with one message for one refusal wherever it is asked."""
     try:
         cfg = mesh.to_config(train).resolve(mesh.world_size)
+    except ConfigError as err:
+        return [str(err)]
+    try:
+        check_compile(train.compile, mesh.tp)
     except ConfigError as err:
         return [str(err)]
     micro_batch = None if mesh.pp > 1 and mesh.pp_microbatches else train.micro_batch

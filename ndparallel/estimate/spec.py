@@ -20,11 +20,13 @@ from ndparallel.config.pipeline import PP_SCHEDULES
 from ndparallel.config.preflight import ModelShape
 from ndparallel.distributed.peak import GPU_PEAK_BF16
 from ndparallel.errors import ConfigError
+from ndparallel.estimate.hardware import GPU_KINDS
 from ndparallel.models.transformer.presets import PRESETS, TP_SPLIT_FIELDS, TransformerConfig
 
 __all__ = [
     "MAX_GPUS",
     "ACTIVATION_CHECKPOINTING",
+    "COMPILE_MODES",
     "GPU_PRESETS",
     "PRECISIONS",
     "ClusterSpec",
@@ -235,13 +237,14 @@ def model_spec(model: str | os.PathLike | Mapping[str, Any] | TransformerConfig 
 
 
 # ---------------------------------------------------------------------------------------------- cluster
-# Memory, NVLink per direction (effective), inter-node per GPU (one 400 Gb/s NIC); the dense bf16 peak
-# comes from the one peak table, ndparallel.distributed.peak.GPU_PEAK_BF16.
-GPU_PRESETS: dict[str, dict[str, float]] = {
-    "h100": dict(gpu_memory=80 * GiB, peak_flops=GPU_PEAK_BF16["H100"], intra_node_bw=450e9, inter_node_bw=50e9),
-    "h200": dict(gpu_memory=140 * GiB, peak_flops=GPU_PEAK_BF16["H200"], intra_node_bw=450e9, inter_node_bw=50e9),
-    "a100": dict(gpu_memory=80 * GiB, peak_flops=GPU_PEAK_BF16["A100"], intra_node_bw=250e9, inter_node_bw=25e9),
-}
+# The ClusterSpec fields of each GPU kind of the one table of per-GPU constants (estimate/hardware.py).
+GPU_PRESETS: dict[str, dict[str, Any]] = {
+    name: dict(
+        gpu=name, gpu_memory=kind.memory, peak_flops=kind.peak_flops, hbm_bw=kind.hbm_bw,
+        intra_node_bw=kind.nvlink_bw, inter_node_bw=kind.network_bw, attention_eff=kind.attention_eff,
+    )
+    for name, kind in GPU_KINDS.items()
+}  # fmt: skip
 
 
 MAX_GPUS = 2**20
@@ -251,20 +254,29 @@ so that ``ndparallel plan`` answers in seconds."""
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """GPUs and their links. Defaults: an H100-class 8-GPU node, NVLink ~450 GB/s, 50 GB/s of network per GPU."""
+    """GPUs and their links. Defaults: an H100 SXM 8-GPU node, NVLink 450 GB/s, 50 GB/s of network per GPU
+    (``from_gpu`` fills every field from the GPU table, estimate/hardware.py)."""
 
     num_gpus: int = 8
     gpus_per_node: int = 8
     gpu_memory: float = 80 * GiB
     """Bytes of memory per GPU."""
     intra_node_bw: float = 450e9
-    """Effective bus bandwidth of one GPU inside a node (NVLink), bytes/s per direction."""
+    """Bandwidth of one GPU inside a node (NVLink), bytes/s per direction (data sheet; collectives reach
+    ``hardware.LINKS['intra'].efficiency`` of it)."""
     inter_node_bw: float = 50e9
-    """Effective network bandwidth per GPU between nodes (InfiniBand / RoCE), bytes/s per direction."""
+    """Network bandwidth per GPU between nodes (InfiniBand / RoCE), bytes/s per direction (data sheet)."""
     peak_flops: float = GPU_PEAK_BF16["H100"]
     """Dense peak FLOP/s of one GPU in the compute dtype."""
-    mfu: float = 0.5
-    """Fraction of peak the matmuls reach (model FLOPs utilisation, communication excluded)."""
+    mfu: float | None = None
+    """Override: every FLOP at ``peak x mfu`` and no memory-bound time (the old flat model). None (default):
+    the kernel model (estimate/compute.py)."""
+    hbm_bw: float = 3.35e12
+    """HBM bandwidth, bytes/s (memory-bound kernels)."""
+    attention_eff: float = 0.30
+    """Fraction of peak flash attention reaches (hardware.GpuKind.attention_eff)."""
+    gpu: str = "h100"
+    """The GPU kind's name (for the report)."""
     memory_margin: float = 0.1
     """Fraction of GPU memory kept free for the CUDA context, allocator fragmentation and comm buffers."""
 
@@ -281,11 +293,13 @@ class ClusterSpec:
                 f"use {self.num_gpus // self.gpus_per_node * self.gpus_per_node} or "
                 f"{math.ceil(self.num_gpus / self.gpus_per_node) * self.gpus_per_node} GPUs, or set --gpus-per-node"
             )
-        for key in ("gpu_memory", "intra_node_bw", "inter_node_bw", "peak_flops"):
+        for key in ("gpu_memory", "intra_node_bw", "inter_node_bw", "peak_flops", "hbm_bw"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be positive")
-        if not 0 < self.mfu <= 1:
-            raise ConfigError(f"mfu={self.mfu!r} must be in (0, 1], e.g. 0.5")
+        if self.mfu is not None and not 0 < self.mfu <= 1:
+            raise ConfigError(f"mfu={self.mfu!r} must be in (0, 1], e.g. 0.5 (or omitted: the kernel model)")
+        if not 0 < self.attention_eff <= 1:
+            raise ConfigError(f"attention_eff={self.attention_eff!r} must be in (0, 1]")
         if not 0 <= self.memory_margin < 1:
             raise ConfigError(f"memory_margin={self.memory_margin!r} must be in [0, 1), e.g. 0.1")
 
@@ -299,7 +313,7 @@ class ClusterSpec:
 
     @classmethod
     def from_gpu(cls, gpu: str, **overrides: Any) -> ClusterSpec:
-        """A preset GPU (``h100``, ``h200``, ``a100``) with any field overridden."""
+        """A GPU kind of the table (``h100``, ``h100-hbm2e``, ``h200``, ``a100``) with any field overridden."""
         key = gpu.lower()
         if key not in GPU_PRESETS:
             raise ConfigError(f"unknown gpu {gpu!r}; choose one of {sorted(GPU_PRESETS)} (or give each field)")
@@ -330,6 +344,7 @@ PRECISIONS: dict[str, Precision] = {
     "fp16": Precision("fp16", param=4, grad=4, optimizer=8, compute=2, reduce=4),
 }
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+COMPILE_MODES = ("none", "blocks", "model")
 
 
 @dataclass(frozen=True)
@@ -342,6 +357,17 @@ class TrainingSpec:
     precision: str = "bf16"
     """``bf16``/``fp16``: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32), fp32 master shards; or ``fp32``."""
     activation_checkpointing: str = "none"
+    """torchtitan's ``activation_checkpoint.mode``: ``none``, ``full`` or ``selective`` (``selective_ac_option``)."""
+    selective_ac_option: str = "2"
+    """torchtitan's ``selective_ac_option``: ``"op"`` (per-op: save the matmul, attention and reduce-scatter
+    outputs, every second matmul excepted) or ``"N"`` (checkpoint every N-th block; ``"2"``, the default, is
+    ndparallel's ``selective``: every other block, the first included)."""
+    compile: str = "none"
+    """``none``, ``blocks`` (each block compiled) or ``model`` (the whole model, so also the embedding, final
+    norm and output projection): the config's ``compile``. Either way the cross-entropy runs eager."""
+    compiled_loss: bool = False
+    """The loss head (final norm + output projection + fp32 cross-entropy) in one compiled graph, as the
+    plain-PyTorch recipe of docs/planning.md's H200 rows: no fp32 logits materialised."""
     optimizer: str = "adamw"
     reshard_after_forward: bool = True
     """FSDP: free gathered units after forward and all-gather them again in backward."""
@@ -368,6 +394,13 @@ class TrainingSpec:
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
                 f"{list(ACTIVATION_CHECKPOINTING)}"
             )
+        option = self.selective_ac_option
+        if option != "op" and not (option.isdigit() and int(option) > 0):
+            raise ConfigError(
+                f"selective_ac_option={option!r} must be 'op' (per-op) or a positive integer N (every N-th block)"
+            )
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"compile={self.compile!r} is not one of {list(COMPILE_MODES)}")
         if self.cp_rotate_method not in CHOICES["cp_rotate_method"]:
             raise ConfigError(
                 f"cp_rotate_method={self.cp_rotate_method!r} is not one of {list(CHOICES['cp_rotate_method'])}"
@@ -440,7 +473,7 @@ class MeshShape:
         if train is not None:
             knobs = {
                 "mixed_precision": "no" if train.precision == "fp32" else train.precision,
-                "activation_checkpointing": train.activation_checkpointing,
+                "activation_checkpointing": train.activation_checkpointing, "compile": train.compile,
                 "cp_rotate_method": train.cp_rotate_method, "cp_load_balance": train.cp_load_balance,
             }  # fmt: skip
         sizes = {f"{dim}_size": value for dim, value in self.as_dict().items()}

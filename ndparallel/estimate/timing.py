@@ -18,9 +18,10 @@ Overlap assumptions (FSDP2 prefetching, overlapped gradient reduction, no async 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ndparallel.estimate.comm import Collective
+from ndparallel.estimate.compute import compute_time
 from ndparallel.estimate.memory import checkpointed_blocks, pipeline_train
 from ndparallel.estimate.pipeline import bubble_fraction, microbatches, rank_shares
 from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
@@ -44,6 +45,11 @@ class StepTime:
     peak_flops: float
     bubble: float = 0.0
     """Pipeline parallel: idle share of the step (``compute_s`` already includes it)."""
+    compute_by_kind: dict[str, float] = field(default_factory=dict)
+    """Seconds per step of each kind of compute (matmul, attention, memory-bound, recompute, casts, optimizer),
+    before the bubble: ``compute_s = sum + bubble_s``."""
+    bubble_s: float = 0.0
+    """Pipeline parallel: the seconds the bubble adds."""
 
     @property
     def exposed_comm_s(self) -> float:
@@ -66,7 +72,8 @@ class StepTime:
         return {
             "step_s": self.step_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
             "exposed_comm_s": self.exposed_comm_s, "exposed_s": dict(self.exposed_s), "bubble": self.bubble,
-            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "compute_by_kind": dict(self.compute_by_kind),
+            "bubble_s": self.bubble_s,
         }  # fmt: skip
 
 
@@ -77,19 +84,15 @@ def estimate_step_time(
     train = pipeline_train(train, mesh)
     micro_steps = train.accumulation_steps(mesh) or 1
     seq = train.seq_len
-    tokens = train.micro_batch * seq  # per data-parallel rank and micro-batch, shared by its cp x tp ranks
     flops_per_token = model.flops_per_token(seq)
-    attention_per_token = model.attention_flops_per_token(seq)
-    layer_matmul_per_token = 6 * model.n_layers * model.layer_matmul_params
-    recomputed = checkpointed_blocks(model.n_layers, train.activation_checkpointing)
-    # Recompute = one more forward (1/3 of forward + backward) of the checkpointed blocks.
-    recompute_per_token = recomputed / model.n_layers * (layer_matmul_per_token + attention_per_token) / 3
-
-    # one dp rank's cp x tp GPUs share its tokens; with pp each computes its stages' share (the largest sets the pace)
-    rate = cluster.peak_flops * cluster.mfu * mesh.cp * mesh.tp / _largest_share(model, mesh)
-    forward_s = micro_steps * tokens * flops_per_token / 3 / rate
-    backward_s = micro_steps * tokens * (2 * flops_per_token / 3 + recompute_per_token) / rate
-    attention_s = micro_steps * tokens * attention_per_token * (1 + recomputed / model.n_layers / 3) / rate
+    if cluster.mfu is not None:
+        forward_s, backward_s, attention_s = _flat_compute(model, train, mesh, cluster, micro_steps)
+        by_kind, per_step_s = {"matmul + attention (flat --mfu)": forward_s + backward_s}, 0.0
+    else:
+        parts = compute_time(model, train, mesh, cluster)
+        forward_s, backward_s = micro_steps * parts.forward_s, micro_steps * parts.backward_s
+        attention_s = micro_steps * (parts.attention_forward + parts.attention_backward)
+        by_kind, per_step_s = parts.step_by_kind(micro_steps), sum(parts.per_step.values())
 
     by_phase: dict[str, list[Collective]] = {}
     for row in comms:
@@ -132,7 +135,7 @@ def estimate_step_time(
     }
     tokens_per_step = train.global_batch * seq
     return StepTime(
-        compute_s=(forward_s + backward_s) / (1 - bubble),
+        compute_s=(forward_s + backward_s) / (1 - bubble) + per_step_s,
         comm_s=sum(row.time_s for row in comms),
         exposed_s={k: v for k, v in exposed.items() if v > 0},
         tokens_per_step=tokens_per_step,
@@ -140,7 +143,29 @@ def estimate_step_time(
         world_size=mesh.world_size,
         peak_flops=cluster.peak_flops,
         bubble=bubble,
+        compute_by_kind=by_kind,
+        bubble_s=(forward_s + backward_s) * bubble / (1 - bubble),
     )
+
+
+def _flat_compute(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec, micro_steps: int
+) -> tuple[float, float, float]:
+    """The ``--mfu`` override: every FLOP at ``peak x mfu`` (forward, backward + recompute, attention)."""
+    seq = train.seq_len
+    tokens = train.micro_batch * seq  # per data-parallel rank and micro-batch, shared by its cp x tp ranks
+    flops_per_token = model.flops_per_token(seq)
+    attention_per_token = model.attention_flops_per_token(seq)
+    layer_matmul_per_token = 6 * model.n_layers * model.layer_matmul_params
+    recomputed = checkpointed_blocks(model.n_layers, train.activation_checkpointing, train.selective_ac_option)
+    # Recompute = one more forward (1/3 of forward + backward) of the checkpointed blocks.
+    recompute_per_token = recomputed / model.n_layers * (layer_matmul_per_token + attention_per_token) / 3
+    # one dp rank's cp x tp GPUs share its tokens; with pp each computes its stages' share (the largest sets the pace)
+    rate = cluster.peak_flops * float(cluster.mfu or 1.0) * mesh.cp * mesh.tp / _largest_share(model, mesh)
+    forward_s = micro_steps * tokens * flops_per_token / 3 / rate
+    backward_s = micro_steps * tokens * (2 * flops_per_token / 3 + recompute_per_token) / rate
+    attention_s = micro_steps * tokens * attention_per_token * (1 + recomputed / model.n_layers / 3) / rate
+    return forward_s, backward_s, attention_s
 
 
 def _largest_share(model: ModelSpec, mesh: MeshShape) -> float:

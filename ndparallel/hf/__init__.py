@@ -3,8 +3,9 @@
 The public names of the Hugging Face family, whose code lives in ``ndparallel/models/hf/`` (docs/huggingface.md)::
 
     family.py      what ndparallel.parallelize asks of an HF model (a ndparallel.parallel.family.ModelFamily)
-    tp_plan.py     the TP + SP table and FSDP units, derived from the model's own names
-    styles.py      GatherSequence, TiedColwiseParallel: the TP styles the table needs beyond torch's
+    tp_plan.py     the TP + SP table and FSDP units, translated from the config's base_model_tp_plan
+    styles.py      GatherSequence, TiedColwiseParallel, ReplicatedCompute, PerShardNorm: the styles beyond torch's
+    tiny.py        tiny_config: a tiny random config of any causal-LM model type (tests, the zoo)
     attention.py   the attention seam under tp/cp (registry functions) and its pre-flight refusals
     inputs.py      forward inputs under tp/cp: collective refusals, global position_ids
     loss.py        outputs.loss under tp/cp, exactly as in one process
@@ -23,12 +24,16 @@ The public names of the Hugging Face family, whose code lives in ``ndparallel/mo
 from ndparallel.models.hf.attention import apply_hf_attention
 from ndparallel.models.hf.init import seeded_init
 from ndparallel.models.hf.pretrained import load_pretrained, load_pretrained_pipeline, local_region, save_pretrained
-from ndparallel.models.hf.styles import GatherSequence, TiedColwiseParallel
-from ndparallel.models.hf.tp_plan import SUPPORTED_MODEL_TYPES, hf_fsdp_groups, hf_tp_plan, is_hf_model
+from ndparallel.models.hf.styles import GatherSequence, PerShardNorm, ReplicatedCompute, TiedColwiseParallel
+from ndparallel.models.hf.tiny import tiny_config
+from ndparallel.models.hf.tp_plan import REFUSED, STYLES, hf_fsdp_groups, hf_tp_plan, is_hf_model
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
+    "REFUSED",
+    "STYLES",
     "GatherSequence",
+    "PerShardNorm",
+    "ReplicatedCompute",
     "TiedColwiseParallel",
     "apply_hf_attention",
     "hf_fsdp_groups",
@@ -39,4 +44,5 @@ __all__ = [
     "local_region",
     "save_pretrained",
     "seeded_init",
+    "tiny_config",
 ]

@@ -131,6 +131,10 @@ from ndparallel.distributed.watchdog import Watchdog
 
 ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=-1))  # timeout 600 s: a periodic heartbeat every 2 s
 watchdog = Watchdog.for_job(600)  # the one init_distributed started
+# torchrun SIGTERMs the ranks left once rank 1 dies; on a loaded machine that can land before rank 0's
+# all_reduce fails, and the default action ends it unexplained. ndparallel train defers SIGTERM to a step
+# boundary; this script ignores it, so the failed collective is always what ends rank 0.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 t = torch.ones(1)
 try:
     for step in range(1, 100_000):

@@ -2,7 +2,7 @@
 
 One spawned group of 4 gloo ranks trains every family on dp_shard 2 x tp 2, dp_shard 2 x cp 2 and tp 2 x cp 2
 with activation checkpointing (3 AdamW steps in float64: losses, grad norms and step-1 gradients within 1e-10),
-and a Qwen3 (q_norm/k_norm, outside the families) with the plan docs/huggingface.md gives; loads a
+and a Qwen3 (per-head q_norm/k_norm) with the plan translated from its base_model_tp_plan; loads a
 save_pretrained folder straight into a sharded model (fp32 and bf16) and writes it back, and checks the
 ConfigErrors that need a mesh, including refusals that must be raised on every rank alike and a wrapped
 lm_head. fp32 smoke runs live in tests/parallel/test_fp32_smoke.py.
@@ -55,7 +55,7 @@ def tiny_config(family: str, **overrides):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=64, tie_word_embeddings=False)
-    if family == "qwen3":  # per-head q_norm / k_norm: outside the built-in families
+    if family == "qwen3":  # per-head q_norm / k_norm: replicated_with_grad_allreduce
         return transformers.Qwen3Config(**common, head_dim=8, tie_word_embeddings=False)
     raise ValueError(family)
 
@@ -64,18 +64,6 @@ def build(family: str, seed: int = 0, dtype: str = "float32", **overrides):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa")
     return model.to(TORCH_DTYPES[dtype])
-
-
-def qwen3_plan(model) -> dict:
-    """The plan docs/huggingface.md gives for Qwen3: the derived table, with q_norm / k_norm (RMSNorm over
-    head_dim on ``[batch, seq, heads, head_dim]``) run on the rank's heads with a replicated weight."""
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    from ndparallel.hf import hf_tp_plan
-
-    per_head = SequenceParallel(sequence_dim=2, use_local_output=True)  # dim 2 = heads, split by q/k_proj
-    norms = {f"model.layers.*.self_attn.{name}": per_head for name in ("q_norm", "k_norm")}
-    return hf_tp_plan(model, untested=True, overrides=norms)
 
 
 def hf_loss(model, tokens, labels, mesh, explicit_positions: bool = False) -> torch.Tensor:
@@ -102,8 +90,7 @@ def train(family: str, parallel: dict | None, steps: int = STEPS, dtype: str = "
     model, mesh, dp, dp_rank = build(family, dtype=dtype), None, 1, 0
     if parallel is not None:
         mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
-        plan = qwen3_plan(model) if family == "qwen3" and mesh.size("tp") > 1 else None
-        model = ndp.parallelize(model, mesh.config, mesh, tp_plan=plan)
+        model = ndp.parallelize(model, mesh.config, mesh)
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = GLOBAL_BATCH // dp
@@ -459,28 +446,17 @@ def test_unsupported_architecture_is_a_config_error():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
     with pytest.raises(ConfigError, match=r"model_type='gpt2'.*tp_plan=\{fqn_pattern: ParallelStyle\}"):
         hf_tp_plan(gpt2)
-    with pytest.raises(ConfigError, match="unsharded"):
-        hf_tp_plan(gpt2, untested=True)  # GPT-2's fused c_attn / LayerNorm biases are not in the derived table
+    with pytest.raises(ConfigError, match="unsharded"):  # a partial plan of your own must still cover everything
+        hf_tp_plan(gpt2, overrides={"transformer.h.*.mlp.c_fc": None})
     with pytest.raises(ConfigError, match="not a Hugging Face"):
         hf_tp_plan(torch.nn.Linear(2, 2))
 
 
-def test_models_outside_the_families_are_refused_naming_the_module():
-    from ndparallel.hf import hf_fsdp_groups, hf_tp_plan
+def test_plans_come_from_base_model_tp_plan_and_refusals_name_the_module():
+    from ndparallel.hf import PerShardNorm, hf_fsdp_groups, hf_tp_plan
 
-    with pytest.raises(ConfigError) as err:
-        hf_tp_plan(build("qwen3"))
-    message = str(err.value)
-    for part in (
-        "model_type='qwen3'",
-        "'model.layers.*.self_attn.q_norm' (Qwen3RMSNorm)",
-        "tp_plan=",
-        "blocks=",
-        "fsdp_groups=",
-    ):
-        assert part in message, (part, message)
-    plan = qwen3_plan(build("qwen3"))  # the documented way out (trained on tp 2 x cp 2 in the group above)
-    assert plan["model.layers.*.self_attn.q_norm"].sequence_sharding[0].dim == 2
+    plan = hf_tp_plan(build("qwen3"))  # trained on tp 2 x cp 2 in the group above
+    assert isinstance(plan["model.layers.*.self_attn.q_norm"], PerShardNorm)
     with pytest.raises(ConfigError, match=r"cannot place 'lm_head' \(LmHeadWrapper\).*'lm_head.lm_head'"):
         hf_tp_plan(wrapped_llama())
     assert "lm_head" not in wrapped_plan(wrapped_llama()) and "lm_head.lm_head" in wrapped_plan(wrapped_llama())

@@ -1,7 +1,8 @@
 """The attention seam of a Hugging Face model under tp/cp: registry functions, input hook, refusals.
 
 HF attention modules call a function from ``transformers``' attention registry. Under TP or CP,
-:func:`apply_hf_attention` selects ``"ndparallel_sdpa"`` (causal SDPA on the rank's heads) or
+:func:`apply_hf_attention` selects ``"ndparallel_local"`` (causal attention on the rank's heads; the name
+holds no "sdpa": transformers reads that as a claim of SDPA support, which Gemma 2 lacks) or
 ``"ndparallel_ring"`` (:func:`ndparallel.distributed.ring.ring_attention` over ``mesh["cp"]``, by
 ``cp_rotate_method``), installs the input hook (:mod:`ndparallel.models.hf.inputs`: positions, KV cache off,
 collective refusals) and the sharding-aware ``outputs.loss`` (:mod:`ndparallel.models.hf.loss`).
@@ -41,7 +42,7 @@ __all__ = [
     "route_hf_attention",
 ]
 
-ATTENTION_SDPA, ATTENTION_RING = "ndparallel_sdpa", "ndparallel_ring"
+ATTENTION_SDPA, ATTENTION_RING = "ndparallel_local", "ndparallel_ring"
 
 
 @dataclass
@@ -87,7 +88,7 @@ def _refuse(module: nn.Module, feature: str, why: str) -> ConfigError:
     )
 
 
-def _check_call(module: nn.Module, seq: int, dropout: float, kwargs: dict) -> None:
+def _check_call(module: nn.Module, seq: int, dropout: float, kwargs: dict, softcap_ok: bool = False) -> None:
     """Refuse, by name, every attention keyword of this call that ndparallel's attention would not honour.
     ``seq`` is the whole sequence the call attends over (the rank's rows times cp)."""
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal", True) is False:
@@ -100,7 +101,7 @@ def _check_call(module: nn.Module, seq: int, dropout: float, kwargs: dict) -> No
             f"sliding_window={window} is shorter than the sequence ({seq}): ndparallel's "
             "attention is full causal; use sequences <= sliding_window or config.sliding_window=None"
         )
-    if kwargs.get("softcap") is not None:
+    if kwargs.get("softcap") is not None and not softcap_ok:
         raise _refuse(module, f"softcap={kwargs['softcap']}", "attention logit soft-capping is not implemented")
     for name, value in kwargs.items():
         if name not in _NEUTRAL_KWARGS | {"is_causal", "sliding_window", "softcap", "s_aux"}:
@@ -123,11 +124,31 @@ def _same_head_dim(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def _sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Causal SDPA on ``[batch, heads, seq, head_dim]`` (the rank's heads); returns ``[batch, seq, heads, dim]``."""
-    _check_call(module, query.shape[2] * _spec(module).cp_size, dropout, kwargs)
-    sinks = kwargs.get("s_aux")
+    _check_call(module, query.shape[2] * _spec(module).cp_size, dropout, kwargs, softcap_ok=True)
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     check_sinks(sinks, query.shape[1])
+    if softcap is not None:
+        if sinks is not None:
+            raise _refuse(module, "softcap with sinks", "their combination is not implemented")
+        return _softcapped_attention(query, key, value, scaling, softcap), None
     out = local_attention(query, key, value, True, scaling, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _softcapped_attention(query, key, value, scaling: float | None, softcap: float) -> torch.Tensor:
+    """Causal attention with logit soft-capping (Gemma 2) on the rank's heads, the arithmetic of transformers'
+    eager attention (the only one such models have): scores capped by ``tanh(s / cap) * cap``, softmax in
+    float32. ``[batch, heads, seq, dim]`` in, ``[batch, seq, heads, dim]`` out. Not under cp (refused there)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    seq = query.shape[2]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=query.device).triu(1)
+    scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -156,7 +177,7 @@ def _register_attention(model: nn.Module, name: str) -> None:
 def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | None = None) -> nn.Module:
     """Route an HF model's attention through ndparallel when ``tp > 1`` or ``cp > 1`` (no-op otherwise).
 
-    Sets ``attn_implementation`` to ``"ndparallel_ring"`` (cp > 1) or ``"ndparallel_sdpa"``, and hooks the
+    Sets ``attn_implementation`` to ``"ndparallel_ring"`` (cp > 1) or ``"ndparallel_local"``, and hooks the
     model's inputs: ``position_ids`` default to this rank's global positions (the layout of
     :func:`ndparallel.context_parallel`), the KV cache is off; padding masks, a sequence the mesh cannot split,
     unsharded ``position_ids`` and misshapen labels are refused on every rank alike. ``labels=`` /
@@ -197,7 +218,7 @@ def check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> boo
         raise ConfigError(f"cp_backend={cfg.cp_backend!r} is not supported for Hugging Face models; use 'ndparallel'")
     if mesh.size("cp") > 1:
         _check_rope(model, mesh.size("cp"))
-    _check_features(model, mesh.size("tp"))
+    _check_features(model, mesh.size("tp"), mesh.size("cp"))
     if not any(_is_hf_attention(m) for m in model.modules()):
         raise ConfigError(
             f"{type(model).__name__} has no HF attention module (with is_causal, layer_idx, config) calling the "
@@ -206,14 +227,18 @@ def check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> boo
     return True
 
 
-def _check_features(model: nn.Module, tp: int) -> None:
+def _check_features(model: nn.Module, tp: int, cp: int) -> None:
     """Refuse, before the model is touched, the attention features its config turns on that the seam cannot
     honour (each would otherwise reach :func:`_check_call` on the first forward, or worse be ignored)."""
     for module in filter(_is_hf_attention, model.modules()):
         config = module.config
         softcap = getattr(config, "attn_logit_softcapping", None)
-        if softcap is not None:
-            raise _refuse(module, f"attn_logit_softcapping={softcap}", "logit soft-capping is not implemented")
+        if softcap is not None and cp > 1:
+            raise _refuse(
+                module,
+                f"attn_logit_softcapping={softcap}",
+                "logit soft-capping is not implemented under cp (tp alone is exact)",
+            )
         dropout = getattr(config, "attention_dropout", 0.0)
         if isinstance(dropout, float | int) and dropout > 0:
             raise _refuse(module, f"attention_dropout={dropout}", "attention dropout is not implemented")

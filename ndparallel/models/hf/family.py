@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs (Llama, Qwen2, Mistral) as a model family: what ``parallelize`` asks of them.
+"""Hugging Face causal LMs (any with a ``base_model_tp_plan``) as a model family: what ``parallelize`` asks of them.
 
 The answers live beside this file: the TP + SP table and FSDP units in :mod:`ndparallel.models.hf.tp_plan`, the
 attention seam, position handling and input checks in :mod:`ndparallel.models.hf.attention` /
@@ -25,8 +25,7 @@ __all__ = ["FAMILY", "HuggingFaceFamily", "hf_parallelize_kwargs"]
 
 
 class HuggingFaceFamily(ModelFamily):
-    """A ``transformers`` PreTrainedModel: built-in plans for
-    :data:`ndparallel.models.hf.tp_plan.SUPPORTED_MODEL_TYPES`."""
+    """A ``transformers`` PreTrainedModel: its TP plan translated from its own ``base_model_tp_plan``."""
 
     name = "huggingface"
     split_fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")

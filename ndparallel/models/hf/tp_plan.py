@@ -1,25 +1,27 @@
-"""The tensor/sequence-parallel table and FSDP units of a Hugging Face decoder (Llama, Qwen2, Mistral).
+"""The tensor/sequence-parallel table and FSDP units of any Hugging Face decoder, from its own ``base_model_tp_plan``.
 
-The TP + SP table is derived from the model's own module names. Its Linear entries come from the
-config's ``base_model_tp_plan`` when present (``"colwise"``/``"rowwise"``, prefixed with the base
-model's attribute, ``model.``), the sequence-parallel entries from the decoder's structure::
+The Linear entries come from the config's ``base_model_tp_plan`` (transformers' style names, prefixed with the
+base model's attribute, ``model.``), each translated to an exact DTensor style or refused by name
+(:data:`STYLES`, docs/huggingface.md has the table); the sequence-parallel entries come from the decoder's
+structure::
 
     model.embed_tokens                     RowwiseParallel, output Shard(1)     (vocab split; seq-sharded output)
     model.layers.*.input_layernorm         SequenceParallel                      (every norm child of a block)
-    model.layers.*.self_attn               GatherSequence: Shard(1) -> Replicate (parent of colwise projections)
-    model.layers.*.self_attn.{q,k,v}_proj  ColwiseParallel                       ("colwise" in the HF plan)
-    model.layers.*.self_attn.o_proj        RowwiseParallel, output Shard(1)      ("rowwise")
-    model.layers.*.post_attention_layernorm SequenceParallel
+    model.layers.*.self_attn               GatherSequence: Shard(1) -> Replicate (a sublayer holding plan entries)
+    model.layers.*.self_attn.{q,k,v}_proj  ColwiseParallel                       ("colwise")
+    model.layers.*.self_attn.q_norm        PerShardNorm                          ("replicated_with_grad_allreduce")
+    model.layers.*.self_attn.o_proj        RowwiseParallel, output Shard(1)      ("rowwise": the sublayer's exit)
     model.layers.*.mlp                     GatherSequence
-    model.layers.*.mlp.{gate,up}_proj      ColwiseParallel
     model.layers.*.mlp.down_proj           RowwiseParallel, output Shard(1)
     model.norm                             SequenceParallel, local output
     lm_head                                ColwiseParallel, input Shard(1), vocab-sharded DTensor logits
 
-Patterns follow :mod:`ndparallel.parallel.fqn` (``*`` inside one atom). Tied word embeddings (small Qwen2):
-the embedding and ``lm_head`` both shard the vocabulary on dim 0, so after TP ``lm_head`` gets the
-embedding's DTensor parameter back (one parameter, as before), and FSDP keeps both in the root unit (a
-parameter must live in one FSDP unit). Models are recognised without importing ``transformers``.
+A sublayer whose projections all gather their outputs (``colwise_gather_output`` / ``rowwise_split_input``:
+OLMo 2, Phi-3) computes replicated inside, so its other parameter-holding modules (OLMo 2's full-width
+q/k norms) run as :class:`ReplicatedCompute`. Patterns follow :mod:`ndparallel.parallel.fqn`; base-plan
+entries that match nothing in this instance (variants of the architecture) are left out. Tied word
+embeddings: the embedding and ``lm_head`` both shard the vocabulary on dim 0, ``lm_head`` gets the
+embedding's DTensor parameter back, and FSDP keeps both in the root unit. No ``transformers`` import.
 """
 
 from __future__ import annotations
@@ -31,13 +33,44 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ndparallel.errors import ConfigError
-from ndparallel.models.hf.styles import GatherSequence, TiedColwiseParallel
+from ndparallel.models.hf.styles import GatherSequence, PerShardNorm, ReplicatedCompute, TiedColwiseParallel
 from ndparallel.parallel.family import block_list
 from ndparallel.parallel.fqn import fqn_matches, matching_modules
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "hf_fsdp_groups", "hf_tp_plan", "is_hf_model"]
+__all__ = ["REFUSED", "STYLES", "hf_fsdp_groups", "hf_tp_plan", "is_hf_model"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # tested against the unparallelised model
+# transformers' style name -> what ndparallel does with it (docs/huggingface.md, "The style table")
+STYLES = {
+    "colwise": "ColwiseParallel: output features sharded, local output",
+    "rowwise": "RowwiseParallel, output reduce-scattered to sequence shards (the sublayer's exit)",
+    "colwise_gather_output": "ColwiseParallel, output all-gathered (replicated compute after it)",
+    "rowwise_split_input": "RowwiseParallel on a replicated input, output reduce-scattered to sequence shards",
+    "replicated_with_grad_allreduce": "PerShardNorm: replicated weight over each rank's heads, gradient summed",
+    "embedding_rowwise": "the input embedding: vocab-parallel, seq-sharded output; inside a sublayer: "
+    "vocab-parallel, replicated output",
+    "embedding_colwise": "the input embedding: placed vocab-parallel as above; inside a sublayer: "
+    "dim-sharded, gathered output",
+    "replicate": "the input embedding: placed vocab-parallel; inside a gathered sublayer: ReplicatedCompute",
+}
+# transformers' style name -> why ndparallel refuses it (each names the module and the way out when raised)
+REFUSED = {
+    "moe_tp_experts": "tensor parallel of fused MoE experts is not implemented (experts are sharded by expert "
+    "parallel, ep_size, its own issue)",
+    "moe_identity_expert": "it belongs to MoE tensor parallel of the experts, which is not implemented",
+    "packed_colwise": "packed 3-D expert weights belong to MoE tensor parallel, which is not implemented",
+    "packed_rowwise": "packed 3-D expert weights belong to MoE tensor parallel, which is not implemented",
+    "mla_kv_a_proj": "MLA's shared rope key (kv_a_proj_with_mqa) needs a gradient all-reduce of one output "
+    "slice that ndparallel does not implement",
+    "local_params": "bare parameters sharded with the heads (attention sinks) are not translated",
+    "all_reduce": "a module summing partial outputs of rowwise children conflicts with ndparallel's "
+    "reduce-scatter to sequence shards",
+}
+# model types whose attention splits q/k/v by the config's global head count (``view(..., num_heads, head_dim)``,
+# CodeGen's 4-way packed qkv_proj) instead of ``-1``: measured, a raw shape error on tp 2. Refused by name.
+GLOBAL_HEAD_SPLIT = ("codegen", "gptj")
+_MOE_FIRST = ("moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj")  # the refusal that names the real reason
+_GATHERED = {"colwise_gather_output", "rowwise_split_input", "replicate", "embedding_rowwise", "embedding_colwise"}
+_ROWWISE = {"rowwise", "rowwise_split_input"}
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -49,22 +82,19 @@ def is_hf_model(model: nn.Module) -> bool:
 def _custom_plan_hint(model: nn.Module) -> str:
     return (
         f"pass tp_plan={{fqn_pattern: ParallelStyle}} to ndparallel.parallelize for {type(model).__name__} (start from "
-        "ndparallel.hf.hf_tp_plan(model, untested=True, overrides={fqn: style})), with "
+        "ndparallel.hf.hf_tp_plan(model, overrides={fqn: style})), with "
         "blocks=[fqn, ...] and fsdp_groups=[[fqn, ...], ...] where the defaults do not fit "
         "(docs/huggingface.md#another-architecture-pass-a-plan), or use tp_size=1"
     )
 
 
 def _unplaceable(model: nn.Module, fqn: str, module: nn.Module | None, why: str) -> ConfigError:
-    """The refusal when the built-in plan cannot place ``fqn``: names the module, its class and the way out."""
+    """The refusal when the plan cannot place ``fqn``: names the model type, the module, its class and the way out."""
     kind = f" ({type(module).__name__})" if module is not None else ""
-    return ConfigError(f"the built-in Hugging Face plan cannot place {fqn!r}{kind}: {why}; {_custom_plan_hint(model)}")
-
-
-_HF_STYLES = {
-    "colwise": lambda: ColwiseParallel(),
-    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
-}
+    return ConfigError(
+        f"model_type={model.config.model_type!r}: the Hugging Face plan cannot place {fqn!r}{kind}: {why}; "
+        f"{_custom_plan_hint(model)}"
+    )
 
 
 def _fqn(model: nn.Module, module: nn.Module | None) -> str | None:
@@ -75,48 +105,198 @@ def _fqn(model: nn.Module, module: nn.Module | None) -> str | None:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    """A leaf module whose only parameter is a 1-D ``weight`` (RMSNorm/LayerNorm without bias)."""
+    """A leaf module whose parameters are a 1-D ``weight`` and maybe a 1-D ``bias`` (RMSNorm, LayerNorm)."""
     params = dict(module.named_parameters())
-    return not list(module.children()) and set(params) == {"weight"} and params["weight"].dim() == 1
+    if list(module.children()) or "weight" not in params or not set(params) <= {"weight", "bias"}:
+        return False
+    return all(p.dim() == 1 for p in params.values())
 
 
 def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     found = block_list(model)
     if found is None:
-        raise ConfigError(f"{type(model).__name__} has no nn.ModuleList of decoder layers; {_custom_plan_hint(model)}")
+        raise ConfigError(
+            f"model_type={model.config.model_type!r}: {type(model).__name__} has no nn.ModuleList of decoder layers; "
+            f"{_custom_plan_hint(model)}"
+        )
     return found
 
 
-def _linear_entries(
-    model: nn.Module, prefix: str, overrides: Mapping[str, ParallelStyle | None]
-) -> dict[str, ParallelStyle | None]:
-    """The Linear entries: from the HF config's ``base_model_tp_plan`` when present, else Llama names.
-    An entry in ``overrides`` (prefixed FQN pattern) replaces the translation of that pattern."""
-    hf_plan = getattr(model.config, "base_model_tp_plan", None) or {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
-    entries = {}
-    for pattern, kind in hf_plan.items():
-        fqn = f"{prefix}.{pattern}" if prefix else pattern
-        if fqn in overrides:
-            entries[fqn] = overrides[fqn]
-        elif kind in _HF_STYLES:
-            entries[fqn] = _HF_STYLES[kind]()
-        else:
+class _Context:
+    """What translating one entry needs to know about the model."""
+
+    def __init__(self, model: nn.Module, layers_pattern: str, embedding_fqn: str, output_fqn: str | None):
+        self.model = model
+        self.layers_pattern = layers_pattern
+        self.structural = {embedding_fqn, output_fqn}
+        self.depth = len(layers_pattern.split("."))
+
+    def sublayer(self, fqn: str) -> str | None:
+        """``layers.*.<sub>`` for an entry inside a decoder layer's child, else None."""
+        atoms = fqn.split(".")
+        if len(atoms) < self.depth + 2 or not fqn.startswith(f"{self.layers_pattern}."):
+            return None
+        return ".".join(atoms[: self.depth + 1])
+
+
+def _base_plan(model: nn.Module, prefix: str, overrides: Mapping) -> dict[str, str]:
+    hf_plan = getattr(model.config, "base_model_tp_plan", None)
+    if not hf_plan and not overrides:
+        raise ConfigError(
+            f"model_type={model.config.model_type!r} has no base_model_tp_plan in its transformers config, so "
+            f"there is no tensor-parallel plan to translate; {_custom_plan_hint(model)}"
+        )
+    return {f"{prefix}.{pattern}" if prefix else pattern: kind for pattern, kind in (hf_plan or {}).items()}
+
+
+def _matches(model: nn.Module, pattern: str) -> tuple[nn.Module | None, bool]:
+    """The first module ``pattern`` matches, and whether it matches a parameter instead."""
+    module = next((m for _, m in matching_modules(model, pattern)), None)
+    is_param = module is None and any(fqn_matches(name, pattern) for name, _ in model.named_parameters())
+    return module, is_param
+
+
+def _refuse_first(model: nn.Module, plan: dict[str, str]) -> None:
+    """Raise for the first refused style, MoE / MLA first (their reason is the real one), naming the module."""
+    ranked = sorted(plan.items(), key=lambda kv: kv[1] not in _MOE_FIRST)
+    for fqn, kind in ranked:
+        module, is_param = _matches(model, fqn)
+        if module is None and not is_param:
+            continue
+        if kind in ("packed_colwise", "packed_rowwise") and isinstance(module, nn.Linear):
             raise _unplaceable(
                 model,
                 fqn,
-                _first_match(model, fqn),
-                f"the model's base_model_tp_plan says {kind!r}, which has no ndparallel translation "
-                f"(known: {sorted(_HF_STYLES)})",
+                module,
+                f"{kind!r} on an nn.Linear is not translated (each rank would "
+                "need its slice of every packed part); its colwise_gather_output translation, "
+                "ColwiseParallel(output_layouts=Replicate()), is exact",
             )
+        if kind in REFUSED:
+            raise _unplaceable(model, fqn, module, f"its base_model_tp_plan style {kind!r}: {REFUSED[kind]}")
+        if kind not in STYLES:
+            raise _unplaceable(
+                model,
+                fqn,
+                module,
+                f"its base_model_tp_plan style {kind!r} is unknown to ndparallel (known: "
+                f"{sorted(STYLES)}; refused: {sorted(REFUSED)})",
+            )
+        if is_param:
+            raise _unplaceable(model, fqn, None, f"{kind!r} on a bare parameter: ndparallel places modules")
+
+
+def _translate(ctx: _Context, fqn: str, kind: str, module: nn.Module, gathered: bool) -> ParallelStyle | None:
+    """One base-plan entry as a DTensor style (None: nothing to do), or a ConfigError naming it."""
+    model = ctx.model
+    if fqn in ctx.structural:
+        return None  # the input embedding / lm_head: ndparallel's own placement (exact for every style here)
+    sub = ctx.sublayer(fqn)
+    if sub is None:
+        raise _unplaceable(
+            model,
+            fqn,
+            module,
+            f"{kind!r} outside a decoder layer's sublayer: the sequence-parallel table has no place for it",
+        )
+    if kind in ("colwise", "colwise_gather_output", "rowwise", "rowwise_split_input"):
+        if not isinstance(module, nn.Linear):
+            raise _unplaceable(model, fqn, module, f"{kind!r} shards an nn.Linear, and this is not one")
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "colwise_gather_output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if kind in _ROWWISE:
+        if len(fqn.split(".")) != ctx.depth + 2:
+            raise _unplaceable(
+                model,
+                fqn,
+                module,
+                f"{kind!r} below the sublayer's children: ndparallel reduce-"
+                "scatters only a sublayer's last projection into sequence shards",
+            )
+        inputs = Replicate() if kind == "rowwise_split_input" else Shard(-1)
+        return RowwiseParallel(input_layouts=inputs, output_layouts=Shard(1))
+    if kind in ("embedding_rowwise", "embedding_colwise"):
+        if not isinstance(module, nn.Embedding):
+            raise _unplaceable(model, fqn, module, f"{kind!r} shards an nn.Embedding, and this is not one")
+        style = RowwiseParallel if kind == "embedding_rowwise" else ColwiseParallel
+        return style(input_layouts=Replicate(), output_layouts=Replicate())
+    if kind == "replicate":
+        if not gathered:
+            raise _unplaceable(
+                model,
+                fqn,
+                module,
+                "'replicate' inside a sublayer whose inputs are sharded: its gradients would differ per rank",
+            )
+        return ReplicatedCompute()
+    # replicated_with_grad_allreduce
+    params = list(module.parameters())
+    if not params:
+        return None  # a norm without a scale: nothing to shard or sum
+    if list(module.children()) or any(p.dim() != 1 for p in params):
+        raise _unplaceable(
+            model,
+            fqn,
+            module,
+            "'replicated_with_grad_allreduce' on a module that is not a norm (a leaf with 1-D parameters)",
+        )
+    return PerShardNorm()
+
+
+def _linear_entries(
+    ctx: _Context, prefix: str, overrides: Mapping[str, ParallelStyle | None]
+) -> dict[str, ParallelStyle | None]:
+    """The entries of the base plan, translated; an entry in ``overrides`` (prefixed FQN pattern) replaces the
+    translation of that pattern. Base entries matching nothing in this instance are left out."""
+    model = ctx.model
+    plan = {fqn: kind for fqn, kind in _base_plan(model, prefix, overrides).items() if fqn not in overrides}
+    _refuse_first(model, plan)
+    by_sub: dict[str, set[str]] = {}
+    for fqn, kind in plan.items():
+        sub = ctx.sublayer(fqn)
+        if sub is not None and _matches(model, fqn)[0] is not None:
+            by_sub.setdefault(sub, set()).add(kind)
+    entries: dict[str, ParallelStyle | None] = {}
+    exits: dict[str, str] = {}
+    for fqn, kind in plan.items():
+        module, _ = _matches(model, fqn)
+        if module is None:
+            continue
+        sub = ctx.sublayer(fqn)
+        if kind in _ROWWISE and fqn not in ctx.structural and sub is not None:
+            if sub in exits:
+                raise _unplaceable(
+                    model,
+                    fqn,
+                    module,
+                    f"a second rowwise projection in {sub!r} (after "
+                    f"{exits[sub]!r}): ndparallel reduce-scatters one exit per sublayer",
+                )
+            exits[sub] = fqn
+        style = _translate(ctx, fqn, kind, module, by_sub.get(sub or "", set()) <= _GATHERED)
+        if style is not None:
+            entries[fqn] = style
+    entries.update(overrides)
+    for sub, kinds in by_sub.items():
+        if kinds <= _GATHERED:
+            entries.update(_replicated_inside(model, sub, entries))
     return entries
+
+
+def _replicated_inside(model: nn.Module, sub: str, entries: Mapping) -> dict[str, ParallelStyle]:
+    """The parameter-holding leaves of a gathered sublayer no entry covers: they compute on replicated inputs."""
+    extra = {}
+    for name, module in matching_modules(model, sub):
+        for child, leaf in module.named_modules():
+            if not child or list(leaf.children()) or not list(leaf.parameters(recurse=False)):
+                continue
+            pattern = f"{sub}.{child}"
+            if not any(fqn_matches(f"{name}.{child}", p) for p in entries):
+                extra[pattern] = ReplicatedCompute()
+        break  # the layers share one structure: the first matching sublayer names the patterns
+    return extra
 
 
 def _first_match(model: nn.Module, pattern: str) -> nn.Module | None:
@@ -132,32 +312,18 @@ def _check_placeable(model: nn.Module, fqn: str, module: nn.Module, expected: ty
 
 
 def hf_tp_plan(
-    model: nn.Module, untested: bool = False, overrides: Mapping[str, ParallelStyle | None] | None = None
+    model: nn.Module, overrides: Mapping[str, ParallelStyle | None] | None = None
 ) -> dict[str, ParallelStyle]:
-    """The TP + SP table for a Hugging Face decoder (see the module docstring).
+    """The TP + SP table for a Hugging Face decoder, from its ``config.base_model_tp_plan`` (module docstring).
 
-    Raises :class:`ConfigError` naming the module it cannot place (a wrapped ``lm_head``, a
-    ``base_model_tp_plan`` entry without a translation, a parameter left unsharded), and for a
-    ``model_type`` outside :data:`SUPPORTED_MODEL_TYPES` unless ``untested=True`` (then the derived
-    table is returned for you to check and pass as ``tp_plan=``). ``overrides`` maps prefixed FQN patterns
-    to the style to use instead of the derived one (``None`` leaves the pattern out); it is how a
-    model outside the families gets a plan (docs/huggingface.md).
+    Raises :class:`ConfigError` naming the module it cannot place (a wrapped ``lm_head``, a style ndparallel
+    refuses or does not know, a parameter left unsharded) and for a config without a ``base_model_tp_plan``.
+    ``overrides`` maps prefixed FQN patterns to the style to use instead of the translated one (``None``
+    leaves the pattern out); it is how a model the translation refuses gets a plan (docs/huggingface.md).
     """
     if not is_hf_model(model):
         raise ConfigError(f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no config.model_type)")
-    model_type = model.config.model_type
-    try:
-        plan = _derive_plan(model, dict(overrides or {}))
-    except ConfigError as err:
-        if model_type in SUPPORTED_MODEL_TYPES:
-            raise
-        raise ConfigError(f"Hugging Face model_type={model_type!r} is not a built-in family: {err}") from None
-    if model_type not in SUPPORTED_MODEL_TYPES and not untested:
-        raise ConfigError(
-            f"Hugging Face model_type={model_type!r} has no built-in tensor-parallel plan "
-            f"(built in: {list(SUPPORTED_MODEL_TYPES)}): the derived table is untested; {_custom_plan_hint(model)}"
-        )
-    return plan
+    return _derive_plan(model, dict(overrides or {}))
 
 
 def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -> dict[str, ParallelStyle]:
@@ -166,6 +332,14 @@ def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -
     dot = f"{prefix}." if prefix else ""
     layers_name, layers = _blocks(model)
     layers_pattern = f"{layers_name}.*"
+    if model.config.model_type in GLOBAL_HEAD_SPLIT and not overrides:
+        attn = next((n for n, _ in layers[0].named_children() if "attn" in n), "attn")
+        raise _unplaceable(
+            model,
+            f"{layers_pattern}.{attn}",
+            getattr(layers[0], attn, None),
+            "its attention splits q/k/v by the global head count, not the rank's heads (a shape error on tp 2)",
+        )
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
     embedding_fqn = _fqn(model, embedding)
     if embedding_fqn not in overrides:
@@ -174,10 +348,11 @@ def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -
     plan: dict[str, ParallelStyle | None] = {
         embedding_fqn: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     }
-    linear = _linear_entries(model, prefix, overrides)
+    ctx = _Context(model, layers_pattern, embedding_fqn, _fqn(model, output) if output is not None else None)
+    linear = _linear_entries(ctx, prefix, overrides)
     for name, child in layers[0].named_children():
         if _is_norm(child):
-            plan[f"{layers_pattern}.{name}"] = SequenceParallel()
+            plan[f"{layers_pattern}.{name}"] = SequenceParallel(use_local_output=True)  # before or after a sublayer
         elif any(p.startswith(f"{layers_pattern}.{name}.") for p in linear):
             plan[f"{layers_pattern}.{name}"] = GatherSequence()
     plan.update(linear)

@@ -1,0 +1,194 @@
+"""The generic Hugging Face family on many decoders: TP 2 (and FSDP 2 x TP 2) equal one process in float64.
+
+Each architecture is built tiny and random by :func:`ndparallel.hf.tiny_config` and trained 3 AdamW steps in
+float64 with the plan translated from its own ``base_model_tp_plan``: per-head q/k norms (Qwen3, Gemma 3),
+gathered projections with full-width q/k norms (OLMo 2), fused qkv / gate_up projections (Phi-3), embedding
+scaling and sandwich norms (Gemma 2/3), final-logit soft-capping (Gemma 2), attention / MLP biases and
+LayerNorm with bias (StarCoder 2), parallel residual blocks (Cohere), custom attention scaling (Granite).
+Losses, grad norms, step-1 gradients and the parameters after the last step are compared per architecture.
+One spawned group of 2 gloo ranks runs every architecture on tp 2; FSDP 2 x TP 2 (4 ranks) and a sweep of
+the rest of the translated catalogue are marked slow.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face tests need the hf extra: pip install 'ndparallel[hf]' (make test does)"
+)
+
+from ndparallel.testing import run_distributed  # noqa: E402
+from tests.models.test_hf import hf_loss  # noqa: E402
+from tests.parity import NO_CLIP, assert_parity, full_grads, make_batches  # noqa: E402
+
+STEPS, BATCH, SEQ, LR = 3, 4, 16, 1e-2
+# model_type -> tiny-config overrides (the rest comes from tiny_config)
+ARCHS = {
+    "llama": {},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {},  # per-head q_norm / k_norm: replicated_with_grad_allreduce
+    "gemma3_text": {"query_pre_attn_scalar": 16},  # per-head norms, scaled embedding, sandwich norms
+    "gemma2": {"final_logit_softcapping": 3.0, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 16},
+    "phi3": {},  # fused qkv_proj / gate_up_proj: colwise_gather_output + rowwise_split_input
+    "olmo2": {},  # full-width q_norm / k_norm after gathered q/k/v projections
+    "smollm3": {},
+    "granite": {"attention_multiplier": 0.5, "embedding_multiplier": 2.0, "logits_scaling": 2.0},
+    "starcoder2": {},  # biases, LayerNorm with bias
+    "cohere": {},  # parallel residual, LayerNorm
+    "mistral": {},
+}
+EAGER = ("gemma2",)  # no SDPA path in transformers (others found by build)
+# The rest of the catalogue's translated plans (tests/models/test_hf_catalogue.py), default tiny configs, in
+# a slow 2-rank sweep: tp 2, 2 steps, losses, grad norms and step-1 gradients.
+SWEEP = (
+    "arcee", "cohere2", "cwm", "ernie4_5", "exaone", "exaone4", "gemma", "glm", "glm4", "gpt_neox", "helium",
+    "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral3", "nanochat", "olmo", "olmo3", "phi",
+    "seed_oss", "vaultgemma",
+)  # fmt: skip
+LAYOUTS = {2: {"tp2": {"tp_size": 2}}, 4: {"dp2_tp2": {"dp_shard_size": 2, "tp_size": 2}}}  # by world size
+# FSDP 2 x TP 2 of Llama, Qwen2, Mistral and Qwen3 runs in tests/models/test_hf.py; the others here, slow
+FSDP_TP = tuple(a for a in ARCHS if a not in ("llama", "qwen2", "mistral", "qwen3"))
+# Gemma's and Cohere's norms (and Gemma 2's eager softmax) compute in float32 inside a float64 model: its own
+# floor (the same batch as two accumulated halves against one batch, measured by tolerance()) bounds what any
+# layout can reach; others are held to 1e-10.
+FP32_INSIDE = ("gemma2", "gemma3_text", "cohere", "cohere2", "gemma", "vaultgemma", "helium")
+
+
+def build(model_type: str, seed: int = 0):
+    from ndparallel.hf import tiny_config
+
+    config = tiny_config(model_type, **ARCHS.get(model_type, {}))
+    attn = "eager" if model_type in EAGER else "sdpa"
+    try:
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    except ValueError:  # no SDPA path (Gemma 2, VaultGemma): transformers' eager attention
+        attn = "eager"
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
+
+
+def train(model_type: str, parallel: dict | None, halves: bool = False, steps: int = STEPS) -> dict:
+    """``STEPS`` AdamW steps; ``parallel=None``: one process, plain HF model (``halves``: each batch as two
+    accumulated halves, the model's own round-off floor)."""
+    import ndparallel as ndp
+    from ndparallel.distributed.reduce import average_over
+    from ndparallel.parallel.clip import clip_grad_norm_
+
+    model, mesh, dp, dp_rank = build(model_type), None, 1, 0
+    if parallel is not None:
+        mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
+        model = ndp.parallelize(model, mesh.config, mesh)
+        dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    per_rank = BATCH // dp
+    result = {"losses": [], "grad_norms": [], "dtype": "float64"}
+    for step, (tokens, labels) in enumerate(make_batches(steps, BATCH, SEQ, model.config.vocab_size)):
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        parts = [slice(0, 2), slice(2, 4)] if halves else [rows]
+        loss_sum = 0.0
+        for part in parts:
+            loss = hf_loss(model, tokens[part], labels[part], mesh) / len(parts)
+            loss.backward()
+            loss_sum += loss.item() if mesh is None else average_over(mesh["dp_cp"], loss)
+        result["losses"].append(loss_sum)
+        if step == 0:
+            result["grads"] = full_grads(model)
+        result["grad_norms"].append(clip_grad_norm_(model.parameters(), NO_CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    result["params"] = {name: _full(p) for name, p in model.named_parameters()}
+    return result
+
+
+def _full(param) -> np.ndarray:
+    from torch.distributed.tensor import DTensor
+
+    full = param.full_tensor() if isinstance(param, DTensor) else param
+    return full.detach().numpy().copy()
+
+
+def run_group(layouts: dict, archs: tuple = tuple(ARCHS), steps: int = STEPS) -> dict:
+    """Every architecture on every layout of this world size, in one spawned group."""
+    out = {}
+    for model_type in archs:
+        for name, layout in layouts.items():
+            try:
+                out[(model_type, name)] = train(model_type, layout, steps=steps)
+            except Exception as err:  # reported per architecture by the test, not a crash of the group
+                out[(model_type, name)] = {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+@functools.cache
+def reference(model_type: str, halves: bool = False, steps: int = STEPS) -> dict:
+    return train(model_type, None, halves=halves, steps=steps)
+
+
+def tolerance(model_type: str, steps: int = STEPS) -> float:
+    """1e-10, or for a model computing in fp32 inside 10x its own floor: the largest difference (losses, grad
+    norms, step-1 gradients, final parameters) between one batch and the same batch as two accumulated halves."""
+    if model_type not in FP32_INSIDE:
+        return 1e-10
+    ref, halves = reference(model_type, steps=steps), reference(model_type, halves=True, steps=steps)
+    floor = max(abs(a - b) for a, b in zip(ref["losses"], halves["losses"], strict=True))
+    floor = max(floor, *(abs(a - b) / b for a, b in zip(ref["grad_norms"], halves["grad_norms"], strict=True)))
+    floor = max(floor, *(float(np.abs(ref["grads"][n] - halves["grads"][n]).max()) for n in ref["grads"]))
+    return max(10 * max(floor, max_param_diff(halves, ref)), 1e-10)
+
+
+@pytest.fixture(scope="module")
+def group():
+    return run_distributed(run_group, 2, LAYOUTS[2], timeout=900)
+
+
+def max_param_diff(got: dict, ref: dict) -> float:
+    return max(float(np.abs(got["params"][n] - ref["params"][n]).max()) for n in ref["params"])
+
+
+def check(model_type: str, results: list, layout: str, steps: int = STEPS) -> list[str]:
+    """The failures of one architecture on one layout, every rank (messages naming the architecture)."""
+    ref, tol = reference(model_type, steps=steps), tolerance(model_type, steps=steps)
+    failures = []
+    for rank, result in enumerate(results):
+        got, label = result[(model_type, layout)], f"{model_type} {layout} rank {rank}"
+        if "error" in got:
+            failures.append(f"{label}: {got['error']}")
+            continue
+        try:
+            assert_parity(got, ref, loss_tol=tol, norm_rtol=tol, grad_tol=tol, label=label)
+        except AssertionError as err:
+            failures.append(str(err))
+        diff = max_param_diff(got, ref)
+        if diff > tol:
+            failures.append(f"{label}: parameters after {steps} steps differ by {diff:.3g} (tol {tol:.3g})")
+    return failures
+
+
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_tp_equals_one_process(group, model_type):
+    ref = reference(model_type)
+    assert max(ref["losses"]) - min(ref["losses"]) > 1e-3, f"{model_type}: the reference does not train"
+    failures = check(model_type, group, "tp2")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_fsdp_tp_equals_one_process():
+    """FSDP 2 x TP 2 (4 ranks) of the architectures test_hf.py does not run there."""
+    results = run_distributed(run_group, 4, LAYOUTS[4], FSDP_TP, timeout=1500)
+    failures = [f for model_type in FSDP_TP for f in check(model_type, results, "dp2_tp2")]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_tp_sweep_of_the_translated_catalogue():
+    """Every other translated plan of the catalogue on tp 2 (2 steps): exact, or fails naming the model."""
+    results = run_distributed(run_group, 2, LAYOUTS[2], SWEEP, 2, timeout=1500)
+    failures = [f for model_type in SWEEP for f in check(model_type, results, "tp2", steps=2)]
+    assert not failures, "\n".join(failures)
