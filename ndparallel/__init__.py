@@ -11,7 +11,7 @@ from ndparallel.launch.notebook import notebook_launcher
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
 from ndparallel.parallel.grad_sync import no_sync
-from ndparallel.parallel.loss import cross_entropy_loss
+from ndparallel.parallel.loss import auxiliary_loss, cross_entropy_loss
 from ndparallel.parallel.parallelize import parallelize
 
 __version__ = "0.1.0"
@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "Mesh",
     "ParallelismConfig",
+    "auxiliary_loss",
     "average_over",
     "checkpoint",
     "clip_grad_norm_",

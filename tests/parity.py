@@ -149,6 +149,8 @@ def train_steps(
     loss_fn: Callable[..., torch.Tensor] = default_loss_fn,
     parallelize_kwargs: dict[str, Any] | None = None,
     dtype: str = "float32",
+    final_params: bool = False,
+    batch_order: list[int] | None = None,
 ) -> dict[str, Any]:
     """Train and report ``losses``, ``grad_norms`` (pre-clip, every step), ``grads`` (full, after step 1's
     backward), ``memory`` (this rank's bytes of params/grads/optimizer state after the last step),
@@ -158,7 +160,10 @@ def train_steps(
     ``parallel=None`` runs the plain model in this process with no process group (the reference).
     ``max_norm=None`` measures the norm without clipping. ``grad_accum`` splits each rank's slice
     into that many micro-batches (gradients synchronised only on the last one). ``dtype``: the
-    parameters' dtype (``float64`` for the exactness tables); ``result["dtype"]`` echoes it.
+    parameters' dtype (``float64`` for the exactness tables); ``result["dtype"]`` echoes it. ``final_params``:
+    also ``params``, every full parameter by FQN after the last step (a collective under DTensor). ``batch_order``:
+    the global batch's sequences in this order (a one-process reference whose micro-batches are the dp ranks'
+    micro-batches put together, for a per-micro-batch statistic such as an MoE router's token fractions).
     """
     torch.manual_seed(seed)
     net = build_model(model, seed, dtype)
@@ -179,6 +184,8 @@ def train_steps(
     micro = per_rank // grad_accum
     result: dict[str, Any] = {"losses": [], "grad_norms": [], "dtype": dtype}
     for step, (tokens, labels) in enumerate(batches):
+        if batch_order is not None:
+            tokens, labels = tokens[batch_order], labels[batch_order]
         tokens = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         labels = labels[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         step_loss = 0.0
@@ -200,6 +207,17 @@ def train_steps(
         if step == steps - 1:
             result["memory"] = _memory(net, optimizer)
         optimizer.zero_grad()
+    if final_params:
+        result["params"] = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().numpy().copy()
+            for name, p in net.named_parameters()
+        }
+    result["layouts"] = {  # how each parameter is held: mesh dims, placements, local shape
+        name: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)), tuple(p.to_local().shape))
+        if isinstance(p, DTensor)
+        else ((), (), tuple(p.shape))
+        for name, p in net.named_parameters()
+    }
     result["coordinate"] = mesh.coordinate if mesh else {}
     result["dtypes"] = {n: str(p.dtype) for n, p in net.named_parameters()}
     result["all_dtensor"] = all(isinstance(p, DTensor) for p in net.parameters())

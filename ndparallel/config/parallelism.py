@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from ndparallel.config.accelerate import AccelerateNames, accelerate_settings, is_accelerate_file
-from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS
+from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS, ep_mesh_problem
 from ndparallel.config.pipeline import check_pipeline_fields
 from ndparallel.config.sources import did_you_mean, load_yaml_mapping, parse_overrides, parse_scalar
 from ndparallel.errors import ConfigError, brief_repr
@@ -75,6 +75,10 @@ class ParallelismConfig(AccelerateNames):
     """Context-parallel size: the sequence is split this many ways (ring attention)."""
     tp_size: int = 1
     """Tensor-parallel size: weights of each layer are split this many ways (innermost, fastest links)."""
+    ep_size: int = 1
+    """Expert-parallel size: each rank owns ``n_experts / ep_size`` routed experts, tokens reach them by all-to-all.
+    Not a mesh dim of its own: ep borrows its ranks from dp_shard x cp (the inner ones), the experts' FSDP shards
+    over what remains (``ndparallel.config.dims.ep_mesh_problem``; docs/expert-parallel.md)."""
 
     mixed_precision: str = "no"
     """Compute/parameter dtype under FSDP: ``no`` (fp32), ``bf16`` or ``fp16``; gradients reduce in fp32."""
@@ -202,6 +206,9 @@ class ParallelismConfig(AccelerateNames):
             raise ConfigError(
                 f"only one size may be -1, got {' and '.join(autos)} = -1; set all but one of them explicitly"
             )
+        ep = self.ep_size
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ConfigError(f"ep_size={brief_repr(ep)} must be an integer >= 1 (ep borrows ranks; it is never -1)")
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
@@ -238,7 +245,7 @@ class ParallelismConfig(AccelerateNames):
                     f"which does not divide {world_size}{environment_note(SIZE_FIELDS, self)}. "
                     f"{_suggest(sizes, world_size)}"
                 )
-            return dataclasses.replace(self, **{auto[0]: world_size // fixed})
+            return dataclasses.replace(self, **{auto[0]: world_size // fixed})._check_ep()
         if fixed != world_size:
             desc = " x ".join(f"{d}_size={s}" for d, s in sizes.items() if s != 1) or "all sizes = 1"
             raise ConfigError(
@@ -246,12 +253,19 @@ class ParallelismConfig(AccelerateNames):
                 f"{environment_note(SIZE_FIELDS, self)}. "
                 f"{_suggest(sizes, world_size)}"
             )
-        return dataclasses.replace(self)
+        return dataclasses.replace(self)._check_ep()
+
+    def _check_ep(self) -> ParallelismConfig:
+        problem = ep_mesh_problem(self)
+        if problem:
+            raise ConfigError(problem)
+        return self
 
     def describe(self) -> str:
         """``pp=2 x dp_shard=2 x tp=2`` (sizes > 1 only)."""
         parts = [f"{d}={s}" for d, s in self.sizes.items() if s != 1]
-        return " x ".join(parts) or "single rank (all sizes 1)"
+        ep = f" (ep={self.ep_size})" if self.ep_size > 1 else ""
+        return (" x ".join(parts) or "single rank (all sizes 1)") + ep
 
 
 def _field_names() -> set[str]:

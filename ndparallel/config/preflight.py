@@ -29,7 +29,9 @@ __all__ = [
     "check_seq_fits",
     "check_tp_fields",
     "default_pipeline_microbatches",
+    "ep_problem",
     "job_problems",
+    "moe_problem",
     "split_batch",
     "tp_fields_problem",
 ]
@@ -44,6 +46,7 @@ class ModelShape:
     heads: tuple[str, int] | None = None  # the query heads' field and count (Ulysses splits them over cp)
     max_seq_len: int | None = None
     blocks_field: str = "model.n_layers"  # how a refusal names the block count
+    experts: tuple[str, int] | None = None  # the routed experts' field and count (ep splits them); None: dense
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,54 @@ def check_tp_fields(sizes: Mapping[str, int], tp_size: int) -> None:
     problem = tp_fields_problem(sizes, tp_size)
     if problem:
         raise ConfigError(problem)
+
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def moe_problem(n_experts: int, top_k: int, n_shared: int, router: str, prefix: str = "model.") -> str | None:
+    """Why a mixture-of-experts shape cannot route (top-k beyond the experts, an unknown router), or None.
+    ``n_experts`` 0 is a dense model (the other fields are then ignored)."""
+    for name, value in (("n_experts", n_experts), ("top_k", top_k), ("n_shared_experts", n_shared)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"{prefix}{name}={value!r} must be an integer >= 0"
+    if n_experts == 0:
+        return None
+    if router not in ROUTERS:
+        return f"{prefix}router={router!r} is not one of {list(ROUTERS)}"
+    if not 1 <= top_k <= n_experts:
+        return (
+            f"{prefix}top_k={top_k} must be between 1 and {prefix}n_experts={n_experts}: each token picks top_k "
+            "distinct experts; lower top_k or add experts"
+        )
+    return None
+
+
+def ep_problem(ep_size: int, experts: tuple[str, int] | None, p: ParallelismConfig | None = None) -> str | None:
+    """Why ``ep_size`` cannot split the routed experts (a dense model, or a count ep does not divide), or why the
+    knobs of ``p`` are not proved on a mixture of experts yet (compile, activation checkpointing), or None.
+    The rules on the mesh alone (ep fits dp_shard x cp) are :class:`ParallelismConfig`'s."""
+    if p is not None and experts is not None and experts[1]:
+        for knob in ("compile", "activation_checkpointing"):
+            if getattr(p, knob) != "none":
+                return (
+                    f"{knob}={getattr(p, knob)!r} on a mixture-of-experts model ({experts[0]}={experts[1]}) is not "
+                    f"proved against one process yet; use {knob}='none'"
+                )
+    if ep_size <= 1:
+        return None
+    if experts is None or experts[1] == 0:
+        return (
+            f"ep_size={ep_size} but the model is dense (no routed experts its family shards: Hugging Face MoE "
+            "models are not expert-parallel yet); use ep_size=1, or the reference MoE (model.preset: tiny-moe)"
+        )
+    name, count = experts
+    if count % ep_size:
+        return (
+            f"ep_size={ep_size} does not divide {name}={count}: every ep rank owns {name} / ep_size experts; "
+            "choose an ep_size that divides it"
+        )
+    return None
 
 
 def alltoall_heads_problem(heads: int, tp: int, cp: int, what: str = "n_heads") -> str | None:
@@ -200,6 +251,7 @@ def _rules(p: ParallelismConfig, job: JobShape, model: ModelShape) -> list[Calla
         lambda: raise_problem(sequence_problem(job.seq_len, p.cp_size, p.tp_size, p.cp_load_balance, "data.seq_len")),
         lambda: raise_problem(tp_fields_problem(model.tp_fields, p.tp_size)),
         lambda: raise_problem(heads and alltoall_heads_problem(heads[1], p.tp_size, p.cp_size, what=heads[0])),
+        lambda: raise_problem(ep_problem(p.ep_size, model.experts, p)),
         lambda: forward_autocast_dtype(p),  # refuses fp16 without FSDP
         batch,
     ]

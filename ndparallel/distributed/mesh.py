@@ -9,7 +9,12 @@ view           dims                            used for
 ``dp``         dp_replicate x dp_shard         data loading: ranks with equal dp index get equal batches
 ``dp_shard_cp``  dp_shard x cp                 FSDP sharding (cp ranks also shard parameters)
 ``dp_cp``      dp_replicate x dp_shard x cp    loss and gradient-norm averaging
+``ep``         inner ep_size of dp_shard x cp  expert parallel: all-to-all of routed tokens (ep_size > 1)
+``ep_fsdp``    the rest of dp_shard x cp       the experts' own FSDP (ep_size > 1)
 =============  ==============================  ==========================================
+
+Expert parallelism borrows its ranks: ``dp_shard_cp`` is split into ``(ep_fsdp, ep)``, ep inner, so the ranks of
+one ep group are neighbours in dp_shard x cp (with cp > 1, ep groups would take cp ranks first).
 
 ``mesh["pp"]`` is the 1-D pipeline mesh; ``mesh.without_pp()`` the same Mesh minus the pp dim (what each
 stage is parallelised over). ``rank_groups(cfg)`` computes every group's global ranks without starting processes (what
@@ -30,7 +35,7 @@ from ndparallel.config.dims import MESH_DIMS
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.errors import ConfigError
 
-__all__ = ["INNER_DIMS", "VIEWS", "Mesh", "format_rank_table", "flatten", "rank_groups"]
+__all__ = ["EP_VIEWS", "INNER_DIMS", "VIEWS", "Mesh", "format_rank_table", "flatten", "rank_groups"]
 
 INNER_DIMS: tuple[str, ...] = MESH_DIMS[1:]  # the dims of one pp slice, where every view lives
 
@@ -40,6 +45,12 @@ VIEWS: dict[str, tuple[str, ...]] = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+EP_VIEWS: tuple[str, ...] = ("ep", "ep_fsdp")  # split out of dp_shard_cp when ep_size > 1 (inner: ep)
+
+
+def _ep_sizes(cfg: ParallelismConfig) -> dict[str, int]:
+    """``{"ep": ep_size, "ep_fsdp": dp_shard x cp / ep_size}``: the two views expert parallelism cuts."""
+    return {"ep": cfg.ep_size, "ep_fsdp": cfg.dp_shard_size * cfg.cp_size // cfg.ep_size}
 
 
 def rank_groups(cfg: ParallelismConfig) -> dict[str, list[list[int]]]:
@@ -58,6 +69,10 @@ def rank_groups(cfg: ParallelismConfig) -> dict[str, list[list[int]]]:
         rest = [a for a in range(grid.ndim) if a not in axes]
         group_size = math.prod(sizes[d] for d in dims)
         groups[name] = np.transpose(grid, rest + axes).reshape(-1, group_size).tolist()
+    if cfg.ep_size > 1:
+        ep = cfg.ep_size
+        groups["ep"] = [g[i : i + ep] for g in groups["dp_shard_cp"] for i in range(0, len(g), ep)]
+        groups["ep_fsdp"] = [g[j::ep] for g in groups["dp_shard_cp"] for j in range(ep)]
     return groups
 
 
@@ -75,6 +90,8 @@ def format_rank_table(cfg: ParallelismConfig) -> str:
     for name, groups in rank_groups(cfg).items():
         dims = VIEWS.get(name, (name,))
         label = name if len(dims) == 1 else f"{name} ({' x '.join(dims)})"
+        if name in EP_VIEWS:
+            label = f"{name} ({'inner' if name == 'ep' else 'outer'} part of dp_shard_cp)"
         size = len(groups[0])
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
         lines.append(f"{label:<40} size {size:<4} groups: {shown}")
@@ -134,6 +151,15 @@ class Mesh:
         ``(dp_replicate, dp_shard_cp)`` mesh for HSDP; None when ``dp_shard x cp == 1`` (no FSDP: pure
         replicate, or no data parallelism). Built here, with the views, on every rank at once: HSDP with
         cp > 1 may need new process groups."""
+        self.experts = self._build_expert_mesh()
+        """ep_size > 1: the 2-D ``(ep_fsdp, ep)`` mesh split out of ``dp_shard_cp`` (new process groups, built on
+        every rank at once); None otherwise. ``mesh["ep"]`` and ``mesh["ep_fsdp"]`` are its dims."""
+
+    def _build_expert_mesh(self) -> DeviceMesh | None:
+        if self.config.ep_size == 1:
+            return None
+        sizes = _ep_sizes(self.config)
+        return _unflatten(self["dp_shard_cp"], (sizes["ep_fsdp"], sizes["ep"]), ("ep_fsdp", "ep"))
 
     def _build_fsdp_mesh(self) -> DeviceMesh | None:
         if self.size("dp_shard_cp") == 1:
@@ -161,6 +187,10 @@ class Mesh:
 
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         if isinstance(names, str):
+            if names in EP_VIEWS:
+                if self.experts is None:
+                    raise KeyError(f"this mesh has no {names!r} view: ep_size is 1")
+                return self.experts[names]
             if names in self._views:
                 return self._views[names]
             names = (names,)
@@ -176,6 +206,10 @@ class Mesh:
         """Size of one dim or view; the world size when ``name`` is None."""
         if name is None:
             return self.device_mesh.size()
+        if name in EP_VIEWS:  # ep 1: no expert split, the experts shard over all of dp_shard x cp
+            if self.config.ep_size == 1:
+                return 1 if name == "ep" else self.size("dp_shard_cp")
+            return _ep_sizes(self.config)[name]
         dims = VIEWS.get(name, (name,))
         return math.prod(self.config.sizes[d] for d in dims)
 
@@ -188,7 +222,8 @@ class Mesh:
     @property
     def coordinate(self) -> dict[str, int]:
         """This rank's index along every dim and view."""
-        return {name: self.local_rank(name) for name in (*MESH_DIMS, *VIEWS)}
+        ep = EP_VIEWS if self.config.ep_size > 1 else ()
+        return {name: self.local_rank(name) for name in (*MESH_DIMS, *VIEWS, *ep)}
 
     def rank_table(self) -> str:
         return format_rank_table(self.config)

@@ -2,7 +2,7 @@
 :class:`~ndparallel.parallel.family.ModelFamily`, never a model class (docs/architecture.md).
 
 ``family`` (the protocol a model family implements, and the lookup), ``parallelize`` (the one order:
-TP/SP -> CP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate), one module per planner
+TP/SP -> CP -> MoE/EP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate), one module per planner
 (``tensor_parallel``, ``context_parallel``, ``activation_checkpoint``, ``compile``, ``fully_shard``,
 ``replicate``), ``fqn`` (module-path patterns), ``grad_sync``, ``clip``, ``loss``, and ``pipeline/``.
 """

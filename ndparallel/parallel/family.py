@@ -7,6 +7,7 @@ this order, and never anything else about the model (it has no branch on a famil
     blocks(model)                      the transformer blocks: FSDP units, activation checkpointing, compile
     tp_plan(model)                     the TP + SP table {fqn_pattern: ParallelStyle}, when tp > 1
     check(model, cfg, mesh)            pre-flight refusals, raised before the model is touched
+    moe_modules / moe_layers(model)    mixture-of-experts modules: global router statistics, expert parallel
     split_fields, heads_field          model.config fields tp must divide; the query heads Ulysses splits over cp
     fsdp_groups(model)                 FSDP units besides the blocks, as lists of FQNs
     apply_attention(model, mesh, cfg)  after TP: how tp/cp reach the attention (by default: cp swaps the
@@ -35,6 +36,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.context_parallel import apply_context_parallel
+from ndparallel.parallel.fqn import fqn_matches
 
 __all__ = [
     "ModelFamily",
@@ -70,6 +72,9 @@ class ModelFamily:
     split_fields: tuple[str, ...] = ()  # model.config fields tp must divide (heads, kv heads, FFN width, vocab)
     heads_field: str | None = None  # model.config field with the query heads (Ulysses splits them over cp)
     cp_attention: tuple[type | str, ...] = ()  # classes or FQN patterns that cp replaces by ring attention
+    # Mixture-of-experts modules (classes or FQN patterns) following the contract of ndparallel/parallel/
+    # expert_parallel.py: router statistics over dp x cp, experts sharded over ep
+    moe_modules: tuple[type | str, ...] = ()
     positions_arg: str = "positions"  # the forward argument that takes each token's global position
     pipeline_cp: bool = True  # whether pipeline stages of this family run context parallel (tested)
     # ParallelismConfig fields this family's pipeline stages are untested with under pp_size > 1:
@@ -96,6 +101,15 @@ class ModelFamily:
 
     def check(self, model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> None:
         """Raise :class:`ConfigError` for what this family cannot do on ``mesh``, before the model is touched."""
+
+    def moe_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``model`` that ``moe_modules`` names, in ``named_modules`` order."""
+        return [
+            module
+            for name, module in model.named_modules()
+            if name
+            and any(isinstance(module, t) if isinstance(t, type) else fqn_matches(name, t) for t in self.moe_modules)
+        ]
 
     def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
         """FSDP units besides the blocks, as lists of FQNs (each list is one unit; the rest is the root unit)."""

@@ -157,10 +157,14 @@ def apply_fully_shard(
     cfg: ParallelismConfig,
     blocks: Sequence[nn.Module],
     groups: Sequence[Sequence[str]] | None = None,
+    experts: Sequence[nn.Module] = (),
+    experts_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP): each block, each group of child FQNs, the root.
 
-    ``groups`` default: :func:`default_shard_groups`. The last block keeps its parameters
+    ``groups`` default: :func:`default_shard_groups`. ``experts`` (expert parallel): the modules whose weights are
+    already sharded over ``ep``; each is its own unit first, sharded over ``experts_mesh`` (``mesh["ep_fsdp"]``,
+    the rest of dp_shard x cp), so no block unit holds them. The last block keeps its parameters
     gathered after forward: backward needs them at once, so freeing them would only add an all-gather.
     """
     policy = mixed_precision_policy(cfg.mixed_precision, _widest_float_dtype(model))
@@ -174,6 +178,8 @@ def apply_fully_shard(
         for group in (default_shard_groups(model) if groups is None else groups)
     ]
     odd = _odd_dtype_units(model, list(blocks), grouped)  # refusals first: nothing is sharded yet
+    for module in experts:
+        fully_shard(module, reshard_after_forward=reshard, **{**kwargs, "mesh": experts_mesh})
     for module in odd:  # its own dtype for compute and reduction: the model keeps it apart on purpose
         fully_shard(module, reshard_after_forward=reshard, **{**kwargs, "mp_policy": mixed_precision_policy("no")})
     for index, block in enumerate(blocks):

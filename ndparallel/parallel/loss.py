@@ -14,7 +14,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["cross_entropy_loss"]
+__all__ = ["auxiliary_loss", "cross_entropy_loss"]
+
+
+def auxiliary_loss(model: torch.nn.Module) -> torch.Tensor | None:
+    """The sum of the auxiliary losses ``model``'s last forward left (a mixture-of-experts router's load-balancing
+    and z-loss: any submodule with a tensor in ``aux_loss``), each taken once (reset to None); None if there are none.
+
+    Add it to the cross entropy before ``backward``: ``loss = cross_entropy_loss(logits, labels) +
+    auxiliary_loss(model)`` (what :class:`ndparallel.train.step.TrainStep` does). Each rank's term is built so that
+    its mean over the dp/cp ranks is the one-process value on the global batch (docs/expert-parallel.md).
+    """
+    total = None
+    for module in model.modules():
+        value = getattr(module, "aux_loss", None)
+        if isinstance(value, torch.Tensor):
+            total = value if total is None else total + value
+            module.aux_loss = None
+    return total
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -4,10 +4,11 @@ Order (each step sees the module tree the previous one left, FQNs never change):
 
     1. tensor / sequence parallel   mesh["tp"]          weights split inside each layer
     2. context parallel             mesh["cp"]          attention swapped for ring attention
-    3. activation checkpointing     per block           recompute block activations in backward
-    4. torch.compile                model or per block  graphs include the TP collectives
-    5. data parallel                FSDP2 on mesh["dp_shard_cp"], HSDP on (dp_replicate, dp_shard_cp),
-                                    or bucketed all-reduce on mesh["dp_replicate"]
+    3. mixture of experts           mesh["dp_cp"], ["ep"]  router counts of the global batch; experts over ep
+    4. activation checkpointing     per block           recompute block activations in backward
+    5. torch.compile                model or per block  graphs include the TP collectives
+    6. data parallel                FSDP2 on mesh["dp_shard_cp"], HSDP on (dp_replicate, dp_shard_cp),
+                                    or bucketed all-reduce on mesh["dp_replicate"]; experts on mesh["ep_fsdp"]
 
 Why this order: TP must see plain ``nn.Linear`` weights and produce DTensors that FSDP then
 shards on the outer dims (FSDP2 composes with a DTensor parameter, not the reverse);
@@ -27,12 +28,13 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.config.preflight import check_alltoall_heads
+from ndparallel.config.preflight import check_alltoall_heads, ep_problem
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.activation_checkpoint import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile, check_compile
+from ndparallel.parallel.expert_parallel import apply_expert_parallel, apply_router_statistics, expert_modules
 from ndparallel.parallel.family import ModelFamily, config_sizes, family_for
 from ndparallel.parallel.fully_shard import apply_fully_shard, fsdp_mesh
 from ndparallel.parallel.tensor_parallel import TPTable, apply_tensor_parallel, check_tp_divisibility
@@ -116,7 +118,7 @@ def parallelize(
     blocks: BlockSpec = None,
     fsdp_groups: Sequence[Sequence[str]] | None = None,
 ) -> nn.Module:
-    """Apply TP/SP -> CP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate to ``model`` in place.
+    """Apply TP/SP -> CP -> MoE/EP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate to ``model``.
 
     Args:
         model: the module to parallelise (on the target device, or meta for deferred init).
@@ -151,17 +153,26 @@ def parallelize(
         check_tp_divisibility(model, tp, tp_plan, fields=family.split_fields)
     if cp > 1 and cfg.cp_rotate_method == "alltoall":
         _check_alltoall_heads(model, family, tp, cp)
-    check_compile(cfg.compile, tp)  # every refusal happens before the model is touched
+    check_compile(cfg.compile, tp)
+    moe_layers = family.moe_layers(model)
+    experts = ("n_experts", moe_layers[0].experts.n_experts) if moe_layers else None
+    problem = ep_problem(mesh.size("ep"), experts, cfg)
+    if problem:
+        raise ConfigError(problem)  # every refusal happens before the model is touched
 
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
     model = family.apply_attention(model, mesh, cfg)  # tp/cp: attention seam, positions, input checks
+    apply_router_statistics(moe_layers, mesh)
+    apply_expert_parallel(moe_layers, mesh)
     apply_activation_checkpointing(block_list, cfg.activation_checkpointing)
     apply_compile(model, block_list, cfg.compile, tp)
 
     dp_mesh = fsdp_mesh(mesh)
     if dp_mesh is not None:
-        apply_fully_shard(model, dp_mesh, cfg, block_list, fsdp_groups)
+        ep = mesh.size("ep") > 1
+        experts_kwargs = dict(experts=expert_modules(moe_layers), experts_mesh=mesh["ep_fsdp"]) if ep else {}
+        apply_fully_shard(model, dp_mesh, cfg, block_list, fsdp_groups, **experts_kwargs)
     else:
         if cfg.mixed_precision != "no":
             warnings.warn(

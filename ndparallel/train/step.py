@@ -2,10 +2,10 @@
 
 :class:`TrainStep` runs one optimizer step on this rank's slice of the global batch: split it into
 micro-batches; for each, shard the sequence over ``cp``, forward (under autocast where FSDP does not
-cast), cross-entropy in fp32 or wider, divided by the micro-batch count, backward with the gradient
-communication :func:`ndparallel.parallel.grad_sync.micro_batch_sync` decides; then clip the global gradient norm,
-let every rank agree the loss and norm are finite (:class:`~ndparallel.train.nonfinite.NonFiniteGuard`),
-and step the optimizer only if they are.
+cast), cross-entropy in fp32 or wider plus any auxiliary loss (an MoE router's), divided by the micro-batch
+count, backward with the gradient communication :func:`ndparallel.parallel.grad_sync.micro_batch_sync`
+decides; then clip the global gradient norm, let every rank agree the loss and norm are finite
+(:class:`~ndparallel.train.nonfinite.NonFiniteGuard`), and step the optimizer only if they are.
 
 Mixed precision follows :mod:`ndparallel.config.precision`: with FSDP its policy casts; without
 FSDP the forward runs under ``torch.autocast(bf16)``. The loss is computed in fp32, or float64 for a float64
@@ -28,7 +28,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
 from ndparallel.parallel.grad_sync import micro_batch_sync
-from ndparallel.parallel.loss import cross_entropy_loss
+from ndparallel.parallel.loss import auxiliary_loss, cross_entropy_loss
 from ndparallel.parallel.pipeline import Pipeline
 from ndparallel.train.nonfinite import NonFiniteGuard
 
@@ -118,7 +118,9 @@ class TrainStep:
             ):
                 with self._autocast():
                     logits = self.model(x, positions)
-                loss = cross_entropy_loss(logits, y) / len(micro_batches)  # fp32 or wider (float64 stays)
+                loss = cross_entropy_loss(logits, y)  # fp32 or wider (float64 stays)
+                aux = auxiliary_loss(self.model)  # an MoE router's balancing and z-loss, on the global micro-batch
+                loss = (loss if aux is None else loss + aux) / len(micro_batches)
                 loss.backward()
             loss_sum = loss_sum + loss.detach()  # out of place: a float64 loss is not rounded to fp32
         self._phase(f"step {step}: gradient clipping and optimizer step")

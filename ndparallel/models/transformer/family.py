@@ -39,8 +39,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.models.transformer.model import CoreAttention, Transformer
+from ndparallel.models.transformer.moe import MoE
 from ndparallel.models.transformer.presets import TP_SPLIT_FIELDS
 from ndparallel.models.transformer.stage import TransformerStage
 from ndparallel.parallel.family import ModelFamily
@@ -85,6 +88,7 @@ class TransformerFamily(ModelFamily):
     split_fields = TP_SPLIT_FIELDS
     heads_field = "n_heads"
     cp_attention = (CoreAttention,)
+    moe_modules = (MoE,)
     positions_arg = "positions"
 
     def matches(self, model: nn.Module) -> bool:
@@ -92,6 +96,15 @@ class TransformerFamily(ModelFamily):
 
     def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         return transformer_tp_plan()
+
+    def check(self, model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> None:
+        """A mixture-of-experts Transformer has no tensor-parallel table for its experts yet: tp > 1 is refused."""
+        if mesh.size("tp") > 1 and self.moe_layers(model):
+            raise ConfigError(
+                f"tp_size={mesh.size('tp')} on a mixture-of-experts Transformer (model.n_experts="
+                f"{model.config.n_experts}): the experts have no tensor-parallel table yet; use tp_size=1 "
+                "(spread the experts with ep_size)"
+            )
 
     def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
         """``[[tok_embeddings], [norm, output]]``, each where the model has it (FSDP's default units)."""
@@ -104,6 +117,11 @@ class TransformerFamily(ModelFamily):
                 f"pp_size > 1 cannot find the blocks of {type(model).__name__}: pipeline stages are built for "
                 "ndparallel.models.Transformer and the Hugging Face families; register a ModelFamily with "
                 "pipeline_stage for another model, or use pp_size=1"
+            )
+        if model.config.is_moe:
+            raise ConfigError(
+                f"pp_size > 1 on a mixture-of-experts Transformer (model.n_experts={model.config.n_experts}): the "
+                "pipeline's loss does not carry the router's auxiliary loss yet; use pp_size=1"
             )
         return TransformerStage(model, block_ids, first, last)
 

@@ -10,6 +10,7 @@ context parallel address modules by these names (``*`` = layer index)::
     layers.*.attention.wo               nn.Linear(heads * head_dim, dim)
     layers.*.ffn_norm                   nn.RMSNorm(dim)
     layers.*.feed_forward.w1 / w3 / w2  SwiGLU: w2(silu(w1 x) * w3 x)
+    layers.*.feed_forward               MoE instead when n_experts > 0 (router, experts, shared_experts: moe.py)
     norm                                nn.RMSNorm(dim)
     output                              nn.Linear(dim, vocab)
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndparallel.models.seed import name_seed
+from ndparallel.models.transformer.moe import MoE, Router
 from ndparallel.models.transformer.presets import TransformerConfig
 
 __all__ = ["CoreAttention", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
@@ -68,7 +70,7 @@ def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None 
             param.fill_(1.0)
             continue
         generator = torch.Generator(device=param.device).manual_seed(name_seed(seed, name))
-        std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
         param.normal_(0.0, std, generator=generator)
 
 
@@ -127,7 +129,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.is_moe else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -171,6 +173,9 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         init_parameters(self, cfg, seed)
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:

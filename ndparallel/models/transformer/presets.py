@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ndparallel.config.precision import DTYPES
-from ndparallel.config.preflight import ModelShape
+from ndparallel.config.preflight import ModelShape, moe_problem
 from ndparallel.config.sources import coerce_fields
 from ndparallel.errors import ConfigError, brief_repr
 
@@ -32,6 +32,23 @@ class TransformerConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    n_experts: int = 0
+    """Routed experts per block; 0: a dense model (every block a SwiGLU MLP). > 0: every block's feed-forward is a
+    mixture of experts (:class:`ndparallel.models.transformer.moe.MoE`), dropless."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    n_shared_experts: int = 0
+    """Experts every token passes through besides its routed ones (DeepSeek's shared experts), as one SwiGLU MLP."""
+    expert_ffn_dim: int | None = None
+    """Hidden width of one expert (and of each shared expert); None: ``ffn_dim``."""
+    router: str = "softmax"
+    """``softmax``: top-k of the softmax, renormalised over the chosen k (Mixtral). ``sigmoid``: top-k of
+    sigmoid scores plus a per-expert bias used only for the choice (DeepSeek-V3's auxiliary-loss-free
+    balancing, the bias moved by :func:`ndparallel.models.transformer.moe.update_router_biases`)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss ``n_experts * sum_e f_e * P_e`` (token fractions of the global batch)."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss, the mean of ``logsumexp(router logits)^2``."""
     seed: int = 0
     dtype: str | None = None
     """Parameter dtype: ``float32``, or ``float64`` (the exactness proof of the parity tests; bf16/fp16
@@ -51,6 +68,15 @@ class TransformerConfig:
             raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} (dim / n_heads) must be even for rotary embeddings")
+        if self.expert_ffn_dim is None:
+            self.expert_ffn_dim = self.ffn_dim
+        problem = moe_problem(self.n_experts, self.top_k, self.n_shared_experts, self.router)
+        if problem:
+            raise ConfigError(problem)
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"model.{name}={brief_repr(value)} must be a finite number >= 0")
         if self.dtype is None:
             self.dtype = _param_dtype_name(torch.get_default_dtype())
         if self.dtype not in PARAM_DTYPES:
@@ -62,6 +88,10 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -86,19 +116,29 @@ class TransformerConfig:
         """What the job pre-flight checks (:mod:`ndparallel.config.preflight`): blocks, the fields TP splits
         (the reference table shards heads, FFN width and vocabulary), the query heads and the position table."""
         split = {f"model.{name}": getattr(self, name) for name in TP_SPLIT_FIELDS}
-        return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads), self.max_seq_len)
+        experts = ("model.n_experts", self.n_experts) if self.is_moe else None
+        return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads), self.max_seq_len, experts=experts)
 
     def num_params(self) -> int:
         """Parameter count (untied embedding and output)."""
         kv_dim = self.n_kv_heads * self.head_dim
         attention = self.dim * self.dim * 2 + self.dim * kv_dim * 2
-        mlp = 3 * self.dim * self.ffn_dim
+        mlp = self._mlp_params(self.n_experts)
         per_layer = attention + mlp + 2 * self.dim
         return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
 
+    def _mlp_params(self, experts: int) -> int:
+        """One block's feed-forward parameters with ``experts`` routed experts (dense: the SwiGLU MLP)."""
+        if not self.is_moe:
+            return 3 * self.dim * self.ffn_dim
+        expert = 3 * self.dim * self.expert_ffn_dim
+        return (experts + self.n_shared_experts) * expert + self.dim * self.n_experts
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6 x matmul params + causal attention."""
-        matmul_params = self.num_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
+        """Training FLOPs per token (forward + backward): 6 x matmul params + causal attention; an MoE counts the
+        ``top_k`` experts a token runs through (its active parameters)."""
+        inactive = self.n_layers * (self._mlp_params(self.n_experts) - self._mlp_params(self.top_k))
+        matmul_params = self.num_params() - inactive - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
         attention = 6 * self.n_layers * self.dim * seq_len  # 12*L*d*s, halved for the causal mask
         return 6 * matmul_params + attention
 
@@ -119,6 +159,19 @@ def _param_dtype_name(dtype: torch.dtype) -> str:
 # public Llama-3 shapes.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192, max_seq_len=256),
+    "tiny-moe": dict(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=192,
+        max_seq_len=256,
+        n_experts=4,
+        top_k=2,
+        n_shared_experts=1,
+        expert_ffn_dim=32,
+    ),
     "small": dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704, max_seq_len=1024),
     "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, ffn_dim=2048, max_seq_len=2048),
     "1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=4096),

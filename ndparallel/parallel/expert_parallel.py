@@ -1,0 +1,145 @@
+"""Mixture of experts on a mesh: global router statistics over dp/cp, and expert parallelism over ``ep``.
+
+A family declares its MoE modules (``ModelFamily.moe_modules``); each follows the contract of the reference
+:class:`ndparallel.models.transformer.moe.MoE` (this planner never imports it):
+
+- a ``reduce_counts`` attribute, the seam for the tokens per expert of the global batch;
+- an ``experts`` submodule with stacked weights ``w1, w3, w2`` (expert on dim 0), ``n_experts``, a static
+  ``compute(x, counts, w1, w3, w2)`` and a ``dispatcher`` seam.
+
+:func:`apply_router_statistics` (dp x cp > 1): ``reduce_counts`` all-reduces the counts over ``dp_cp``, so the
+load-balancing loss uses the token fractions of the global batch, as one process does.
+
+:func:`apply_expert_parallel` (``ep_size > 1``): each expert weight becomes a DTensor sharded on dim 0 over
+``mesh["ep"]`` (rank ``r`` owns experts ``[r E/ep, (r+1) E/ep)``; no rank holds another's), and the dispatcher
+sends each routed row by all-to-all to the owner of its expert, runs the local experts there and sends the
+outputs back, in the router's order. The experts' FSDP (``mesh["ep_fsdp"]``) then shards what each rank owns.
+
+Gradients. An expert's gradient on its owner is the sum of the contributions of all ep ranks (the all-to-all's
+backward brings them); one process's gradient is the mean over the dp_shard x cp ranks' local losses. The
+local weights' gradient is scaled by ``1 / ep`` here and FSDP averages over ``ep_fsdp``: together ``1 / (dp_shard
+x cp)``, the mean every other parameter gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.errors import ConfigError
+
+__all__ = ["ExpertDispatcher", "all_to_all", "apply_expert_parallel", "apply_router_statistics", "expert_modules"]
+
+_EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def expert_modules(moe_layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """The ``experts`` submodule of each MoE module (the experts' own FSDP units under ep)."""
+    return [layer.experts for layer in moe_layers]
+
+
+class _SumOver:
+    """``reduce_counts``: the counts summed over a process group (no gradient: counts come from a top-k)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.group)
+        return counts
+
+
+def apply_router_statistics(moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
+    """Make every MoE module count its tokens per expert over ``mesh["dp_cp"]`` (the global batch)."""
+    if mesh.size("dp_cp") == 1:
+        return
+    reducer = _SumOver(mesh["dp_cp"].get_group())
+    for layer in moe_layers:
+        layer.reduce_counts = reducer
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``send[i]`` to rank ``i`` and ``recv[i]`` from it; the gradient goes back the inverse way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable uneven all-to-all of the rows of ``x`` (``send[i]`` rows to rank ``i``, ``recv[i]`` from it)."""
+    return _AllToAll.apply(x, send, recv, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class ExpertDispatcher:
+    """The ``dispatcher`` of an experts module under ep: all-to-all out, local experts, all-to-all back."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, n_experts: int):
+        self.group, self.ep, self.local = group, ep, n_experts // ep
+
+    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ep, local = self.ep, self.local
+        sent = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, local)  # [owner, its expert]
+        received = torch.empty_like(sent)  # [source rank, my expert]
+        dist.all_to_all_single(received, sent, group=self.group)
+        send_rows, recv_rows = sent.sum(1).tolist(), received.sum(1).tolist()
+        rows = all_to_all(x, send_rows, recv_rows, self.group)  # grouped by source, then by expert
+        sizes = received.flatten().tolist()
+        by_expert = [s * local + e for e in range(local) for s in range(ep)]
+        chunks = rows.split(sizes)
+        rows = torch.cat([chunks[i] for i in by_expert])
+        weights = [_ScaleGrad.apply(getattr(experts, name).to_local(), 1.0 / ep) for name in _EXPERT_WEIGHTS]
+        out = experts.compute(rows, received.sum(0).tolist(), *weights)
+        out_chunks = out.split([sizes[i] for i in by_expert])
+        back = [out_chunks[e * ep + s] for s in range(ep) for e in range(local)]
+        return all_to_all(torch.cat(back), recv_rows, send_rows, self.group)
+
+
+def apply_expert_parallel(moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
+    """Shard every MoE module's experts over ``mesh["ep"]`` (dim 0) and route its tokens by all-to-all."""
+    ep = mesh.size("ep")
+    if ep == 1:
+        return
+    ep_mesh = mesh["ep"]
+    rank = ep_mesh.get_local_rank()
+    for layer in moe_layers:
+        experts = layer.experts
+        n_experts = experts.n_experts
+        if n_experts % ep:
+            raise ConfigError(f"ep_size={ep} does not divide the {n_experts} experts of {type(layer).__name__}")
+        local = n_experts // ep
+        for name in _EXPERT_WEIGHTS:
+            full = getattr(experts, name)
+            if full.device.type == "meta":
+                raise ConfigError(
+                    "ep_size > 1 needs the experts' weights materialised before parallelize (they are sliced per "
+                    "rank from the seeded full weights); build the model on a real device"
+                )
+            shard = full.detach()[rank * local : (rank + 1) * local].clone()
+            dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+            setattr(experts, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
+        experts.dispatcher = ExpertDispatcher(ep_mesh.get_group(), ep, n_experts)

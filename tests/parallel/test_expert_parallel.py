@@ -1,0 +1,74 @@
+"""Expert parallel on 4 ranks, float64, against one process: ep 2 with the experts' FSDP over the other 2 ranks of
+dp_shard (ep_fsdp 2), and ep 4 (each rank owns one expert) with the sigmoid router. Plus the mesh's ep views
+and the ep rules.
+
+Each rank must hold only its own experts (n_experts / ep of them, never a replica), and the loss, grad norm
+(clipped), step-1 gradients and parameters after 5 AdamW steps equal one process to 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.mesh import format_rank_table, rank_groups
+from ndparallel.errors import ConfigError
+from tests.parallel.test_moe_parity import COMMON, MODEL, SIGMOID, _reference, moe_loss_fn, param_error
+from tests.parity import FLOAT64_TOL, assert_parity, run_cached
+
+LAYOUTS = {
+    "ep2 x ep_fsdp2": ({"dp_shard_size": 4, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
+    "ep4 sigmoid": ({"dp_shard_size": 4, "ep_size": 4}, dict(model=SIGMOID, loss_fn=moe_loss_fn)),
+}
+RUNS = [(parallel, {**COMMON, **kwargs}) for parallel, kwargs in LAYOUTS.values()]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cached(4, RUNS)
+
+
+def test_expert_parallel_four_ranks_equals_one_process(results):
+    for index, (label, (parallel, kwargs)) in enumerate(LAYOUTS.items()):
+        ref = _reference({**COMMON, **kwargs})
+        ep = parallel["ep_size"]
+        for rank, per_rank in enumerate(results):
+            got = per_rank[index]
+            assert_parity(got, ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"])
+            assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
+            assert got["coordinate"]["ep"] == rank % ep, label
+            dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
+            assert dims == ("ep_fsdp", "ep") and "Replicate()" not in placements, (label, dims, placements)
+            assert placements[-1] == "S(0)" and local == (1, 32, 64), (label, placements, local)
+
+
+def test_mesh_ep_views():
+    cfg = ParallelismConfig(dp_shard_size=4, ep_size=2).resolve(4)
+    groups = rank_groups(cfg)
+    assert groups["ep"] == [[0, 1], [2, 3]]
+    assert groups["ep_fsdp"] == [[0, 2], [1, 3]]
+    table = format_rank_table(cfg)
+    assert "ep (inner part of dp_shard_cp)" in table and "ep_fsdp (outer part of dp_shard_cp)" in table
+    assert "(ep=2)" in cfg.describe()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"dp_shard_size": 4, "ep_size": 3}, "ep_size=3 does not divide dp_shard_size x cp_size = 4"),
+        ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, "ep_size=2 with tp_size=2 is not proved"),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}, "with dp_replicate_size=2"),
+        ({"dp_shard_size": 2, "cp_size": 2, "ep_size": 2}, "with cp_size=2"),
+    ],
+)
+def test_ep_mesh_rules(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelismConfig(**fields).resolve(4)
+
+
+def test_ep_size_from_sources():
+    cfg = ParallelismConfig.from_sources({"parallelism": {"dp_shard_size": -1}}, {"NDP_EP_SIZE": "2"}, [])
+    assert cfg.ep_size == 2 and cfg.resolve(4).dp_shard_size == 4
+    assert ParallelismConfig.from_sources({}, {}, ["ep_size=4", "dp_shard_size=4"]).ep_size == 4
+    with pytest.raises(ConfigError, match="ep_size=0 must be an integer >= 1"):
+        ParallelismConfig(ep_size=0)
