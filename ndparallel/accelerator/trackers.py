@@ -15,10 +15,9 @@ import json
 import math
 import numbers
 import os
+import warnings
 from pathlib import Path
 from typing import Any
-
-import warnings
 
 import torch
 
