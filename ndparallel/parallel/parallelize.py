@@ -35,6 +35,7 @@ from ndparallel.parallel.activation_checkpoint import apply_activation_checkpoin
 from ndparallel.parallel.compile import apply_compile, check_compile
 from ndparallel.parallel.family import ModelFamily, config_sizes, family_for
 from ndparallel.parallel.fully_shard import apply_fully_shard, fsdp_mesh
+from ndparallel.parallel.master_weights import apply_master_weights
 from ndparallel.parallel.tensor_parallel import TPTable, apply_tensor_parallel, check_tp_divisibility
 
 __all__ = ["find_blocks", "parallelize"]
@@ -152,6 +153,8 @@ def parallelize(
     if cp > 1 and cfg.cp_rotate_method == "alltoall":
         _check_alltoall_heads(model, family, tp, cp)
     check_compile(cfg.compile, tp)  # every refusal happens before the model is touched
+
+    apply_master_weights(model, cfg)  # fp32 master weights where FSDP casts (Accelerate's rule)
 
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
