@@ -147,6 +147,8 @@ def test_accelerate_keywords(single_process, tmp_path):
         ({"mixed_precision": "fp16"}, ConfigError, "loss scaler"),  # no FSDP on one process: autocast fp16
         ({"split_batches": True}, ConfigError, "split_batches=True"),
         ({"dynamo_backend": "inductor"}, ConfigError, "compile="),
+        ({"dispatch_batches": True}, ConfigError, "dispatch_batches=True\\) is not supported"),
+        ({"deepspeed_plugin": object()}, ConfigError, "DeepSpeed has no ndparallel equivalent"),
         ({"fsdp_plugin": "x", "no_such_keyword": 1}, TypeError, "no_such_keyword"),
         ({"gradient_accumulation_steps": 0}, ConfigError, "gradient_accumulation_steps"),
         (
@@ -355,3 +357,20 @@ def test_accelerate_import_paths():
 
     assert ParallelismConfig is ndp.ParallelismConfig and set_seed is ndp.set_seed
     assert Plugin is FullyShardedDataParallelPlugin
+
+
+def test_from_pretrained_tp_keywords_for_an_ndparallel_mesh_are_served_or_refused_by_name(single_process):
+    # from_pretrained(tp_plan="auto", tp_size=, device_mesh=accelerator.torch_device_mesh): prepare() applies the plan
+    from ndparallel.accelerator.hf_load import strip_tp_kwargs
+
+    acc = Accelerator(device_type="cpu")
+    mesh = acc.torch_device_mesh
+    kept = strip_tp_kwargs({"tp_plan": "auto", "tp_size": 1, "device_mesh": mesh, "use_cache": False})
+    assert kept == {"use_cache": False}
+    for kwargs, message in (
+        ({"tp_plan": {"x": "colwise"}}, "prepare\\(\\) applies ndparallel's plan"),
+        ({"tp_plan": "auto", "tp_size": 2}, "tp_size=2.*mesh has tp_size=1"),
+        ({"distributed_config": object()}, "drop distributed_config"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            strip_tp_kwargs({**kwargs, "device_mesh": mesh})
