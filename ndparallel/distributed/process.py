@@ -173,18 +173,12 @@ def _clear_sharding_cache() -> None:
     """Forget DTensor's cached sharding propagation (Python and C++ fast path) and redistribute plans. Their keys
     compare DeviceMeshes by layout, not by process group, so after a new group a cached result hands a later
     model of the same layout a mesh whose groups were destroyed: "Could not resolve the process group", or
-    under a reused group name the wrong group. Private torch API: there is no public way to clear them
-    (torch 2.13); each is looked up by name and skipped if absent."""
-    from torch.distributed.tensor import DTensor, _redistribute
+    under a reused group name the wrong group. Private torch API (torch 2.13): the propagation caches through
+    torch's own debug helper, the redistribute caches by name, each skipped if absent."""
+    from torch.distributed.tensor import _redistribute, debug
 
-    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    clears = [getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)]
-    for cached in (
-        getattr(propagator, "propagate_op_sharding", None),
-        getattr(propagator, "_propagate_tensor_meta_cached", None),
-        getattr(_redistribute, "_gen_transform_infos", None),
-    ):
-        clears.append(getattr(cached, "cache_clear", None))
+    clears = [getattr(debug, "_clear_sharding_prop_cache", None)]
+    clears.append(getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None))
     clears.append(getattr(getattr(_redistribute, "_planner_cache", None), "clear", None))
     for clear in clears:
         if callable(clear):
