@@ -31,11 +31,11 @@ FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("launch", ("launch",), "the ndparallel command, torchrun underneath, worker guard, notebook launcher"),
     (
         "api",
-        ("__init__", "__main__", "hf", "testing"),
-        "the public face: ndp.X, python -m, ndparallel.hf, ndparallel.testing",
+        ("__init__", "__main__", "hf", "parallelism_config", "testing", "utils"),
+        "the public face: ndp.X, python -m, ndparallel.hf, ndparallel.testing; Accelerate's import paths",
     ),
 )
-ROOT_MODULES = ("__init__", "__main__", "errors", "testing")
+ROOT_MODULES = ("__init__", "__main__", "errors", "parallelism_config", "testing", "utils")
 
 
 def floor_of(unit: str) -> int:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from ndparallel import checkpoint
 from ndparallel.accelerator import data, precision, saving, stepping, trackers
+from ndparallel.accelerator.hf_load import serve_tp_plan_loads
 from ndparallel.accelerator.options import (
     FullyShardedDataParallelPlugin,
     apply_settings,
@@ -110,6 +111,7 @@ class Accelerator:
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._schedulers: list[Any] = []
+        serve_tp_plan_loads()  # from_pretrained(tp_plan="auto", device_mesh=self.torch_device_mesh) -> prepare()
 
     # ------------------------------------------------------------------ where am I
     @property
@@ -123,7 +125,9 @@ class Accelerator:
 
     @property
     def torch_device_mesh(self) -> Mesh:
-        """The named mesh: ``["dp_cp"]``, ``["tp"]``... are torch DeviceMeshes (every dim, also of size 1)."""
+        """The named mesh: ``["dp_cp"]``, ``["tp"]``... are torch DeviceMeshes (every dim, also of size 1). Passed
+        as ``from_pretrained(tp_plan="auto", device_mesh=...)``, the load is left to ``prepare()`` (hf_load.py)."""
+        serve_tp_plan_loads()  # transformers may have been imported after the Accelerator was made
         return self.mesh
 
     @property
@@ -218,8 +222,8 @@ class Accelerator:
     def _prepare_model(self, model: nn.Module) -> nn.Module | PipelineModel:
         if any(isinstance(p, DTensor) for p in model.parameters()):
             raise ConfigError(
-                f"{type(model).__name__} is already sharded (DTensor parameters, e.g. from_pretrained(tp_plan=...)): "
-                "load it unsharded and let prepare() apply the parallelism_config, or use ndparallel.hf.load_pretrained"
+                f"{type(model).__name__} is already sharded (DTensor parameters, e.g. transformers' tp_plan): pass "
+                "device_mesh=accelerator.torch_device_mesh to from_pretrained; prepare() then applies ndparallel's plan"
             )
         if self._pp:  # this rank's stages behind one call that runs the pipeline step (pipeline.py)
             return prepare_pipeline(model, self._config, self.mesh)

@@ -43,6 +43,7 @@ ACCELERATE_DEFAULTS: dict[str, tuple[Any, str]] = {
     "dynamo_plugin": (None, "use ParallelismConfig(compile='model') or compile='blocks'"),
     "project_config": (None, "pass project_dir= (logging_dir is project_dir)"),
     "gradient_accumulation_plugin": (None, "pass gradient_accumulation_steps="),
+    "dispatch_batches": (None, "prepare() gives each dp rank its own batches from its own loader (no dispatch)"),
     "dataloader_config": (None, "prepare() shards loaders over the dp view; see docs/accelerate-migration.md"),
     "kwargs_handlers": (None, "handlers are Accelerate classes; see docs/accelerate-migration.md for each setting"),
     "rng_types": (None, "seed every rank alike with ndparallel.set_seed"),

@@ -1,5 +1,8 @@
 """Experiment trackers for ``Accelerator(log_with=...)``: JSONL built in, TensorBoard through the optional
 ``tensorboard`` package, or any object with Accelerate's tracker methods. Trackers run on the main process.
+As in Accelerate, a tracker whose package is missing is skipped with a warning (Accelerate's other
+integrations, ``wandb``..., have no ndparallel tracker: always skipped, with a warning); a name that is no
+tracker at all raises.
 
 Files go to ``<project_dir>/<project_name>/``: ``metrics.jsonl`` (one ``{"step": s, ...values}`` line per
 ``log`` call) and ``config.json`` for the JSONL tracker; TensorBoard event files for ``tensorboard``.
@@ -7,10 +10,12 @@ Files go to ``<project_dir>/<project_name>/``: ``metrics.jsonl`` (one ``{"step":
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import numbers
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -139,21 +144,34 @@ def tracker_names(log_with: Any, logging_dir: str | os.PathLike | None) -> list[
     entries = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
     if "all" in entries:
         entries = [e for e in entries if e != "all"] + [n for n in BUILT_IN if n not in entries]
+    kept = []
     for entry in entries:
         if isinstance(entry, str):
             name = entry.lower()
-            if name in _ACCELERATE_ONLY:
-                raise ConfigError(
-                    f"log_with={entry!r} is not built into ndparallel: use 'jsonl' or 'tensorboard', or pass your "
-                    f"own tracker object (with {', '.join(_TRACKER_METHODS)})"
-                )
+            skipped = _skip_reason(name)
+            if skipped is not None:
+                warnings.warn(f"Accelerator(log_with={entry!r}): {skipped}; this tracker is skipped", stacklevel=3)
+                continue
             if name not in BUILT_IN:
                 raise ConfigError(f"log_with={entry!r} is not a tracker; ndparallel has {list(BUILT_IN)}")
             if logging_dir is None:
                 raise ConfigError(f"log_with={entry!r} writes files: pass Accelerator(project_dir=...)")
         elif not all(callable(getattr(entry, m, None)) for m in _TRACKER_METHODS):
             raise ConfigError(f"log_with entry {entry!r} is not a tracker: it needs {', '.join(_TRACKER_METHODS)}")
-    return [e.lower() if isinstance(e, str) else e for e in entries]
+        kept.append(entry.lower() if isinstance(entry, str) else entry)
+    return kept
+
+
+def _skip_reason(name: str) -> str | None:
+    """Why the tracker ``name`` is skipped (Accelerate skips a tracker whose package is absent), or None."""
+    if name in _ACCELERATE_ONLY:
+        return (
+            f"ndparallel has no {name} tracker (use 'jsonl' or 'tensorboard', or pass your own tracker object "
+            f"with {', '.join(_TRACKER_METHODS)})"
+        )
+    if name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        return "the tensorboard package is not installed (pip install 'ndparallel[tensorboard]')"
+    return None
 
 
 def check_logging_dir(entries: list[Any], logging_dir: str | os.PathLike | None) -> None:

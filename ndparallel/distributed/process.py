@@ -166,3 +166,20 @@ def destroy_distributed() -> None:
         dist.barrier()
         Watchdog.stop_current()
         dist.destroy_process_group()
+        _clear_sharding_cache()
+
+
+def _clear_sharding_cache() -> None:
+    """Forget DTensor's cached sharding propagation (Python and C++ fast path) and redistribute plans. Their keys
+    compare DeviceMeshes by layout, not by process group, so after a new group a cached result hands a later
+    model of the same layout a mesh whose groups were destroyed: "Could not resolve the process group", or
+    under a reused group name the wrong group. Private torch API (torch 2.13): the propagation caches through
+    torch's own debug helper, the redistribute caches by name, each skipped if absent."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    clears = [getattr(debug, "_clear_sharding_prop_cache", None)]
+    clears.append(getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None))
+    clears.append(getattr(getattr(_redistribute, "_planner_cache", None), "clear", None))
+    for clear in clears:
+        if callable(clear):
+            clear()

@@ -37,6 +37,7 @@ from ndparallel.parallel.compile import apply_compile, check_compile
 from ndparallel.parallel.expert_parallel import apply_expert_parallel, apply_router_statistics, expert_modules
 from ndparallel.parallel.family import ModelFamily, config_sizes, family_for
 from ndparallel.parallel.fully_shard import apply_fully_shard, fsdp_mesh
+from ndparallel.parallel.master_weights import apply_master_weights
 from ndparallel.parallel.tensor_parallel import TPTable, apply_tensor_parallel, check_tp_divisibility
 
 __all__ = ["find_blocks", "parallelize"]
@@ -159,6 +160,8 @@ def parallelize(
     problem = ep_problem(mesh.size("ep"), experts, cfg)
     if problem:
         raise ConfigError(problem)  # every refusal happens before the model is touched
+
+    apply_master_weights(model, cfg)  # fp32 master weights where FSDP casts (Accelerate's rule)
 
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)

@@ -141,13 +141,14 @@ def test_accelerate_keywords(single_process, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"log_with": "wandb"}, ConfigError, "'wandb' is not built into ndparallel: use 'jsonl' or 'tensorboard'"),
         ({"log_with": "nonsense"}, ConfigError, "not a tracker"),
         ({"log_with": "jsonl"}, ConfigError, "project_dir"),
         ({"mixed_precision": "fp8"}, ConfigError, "fp8"),
         ({"mixed_precision": "fp16"}, ConfigError, "loss scaler"),  # no FSDP on one process: autocast fp16
         ({"split_batches": True}, ConfigError, "split_batches=True"),
         ({"dynamo_backend": "inductor"}, ConfigError, "compile="),
+        ({"dispatch_batches": True}, ConfigError, "dispatch_batches=True\\) is not supported"),
+        ({"deepspeed_plugin": object()}, ConfigError, "DeepSpeed has no ndparallel equivalent"),
         ({"fsdp_plugin": "x", "no_such_keyword": 1}, TypeError, "no_such_keyword"),
         ({"gradient_accumulation_steps": 0}, ConfigError, "gradient_accumulation_steps"),
         (
@@ -280,6 +281,19 @@ def test_jsonl_and_tensorboard_trackers(single_process, tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("loss")][0] == (3, 1.5)
 
 
+def test_trackers_without_ndparallel_integration_are_skipped_with_a_warning(single_process):
+    # Accelerate skips a tracker whose package is absent; ndparallel has no wandb/mlflow/... tracker at all.
+    tracker = _ListTracker()
+    with pytest.warns(UserWarning, match="this tracker is skipped") as caught:
+        acc = Accelerator(log_with=["wandb", tracker, "MLflow"], device_type="cpu")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "log_with='wandb'): ndparallel has no wandb tracker" in messages[0]
+    assert "no mlflow tracker" in messages[1]
+    acc.init_trackers("run")
+    acc.log({"x": 1.0})
+    assert acc.trackers == [tracker] and tracker.records == [(None, {"x": 1.0})]
+
+
 class _ListTracker:
     name = "list"
 
@@ -333,3 +347,30 @@ def test_save_model_shards_and_hf_save_pretrained(single_process, tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in hf.state_dict().items())
     with pytest.raises(ConfigError, match="ndparallel.hf.save_pretrained"):
         hf.save_pretrained(tmp_path / "hf2", state_dict={})
+
+
+def test_accelerate_import_paths():
+    # `from accelerate.utils import ...` / `from accelerate.parallelism_config import ...` change their package only.
+    from ndparallel.parallelism_config import ParallelismConfig
+    from ndparallel.utils import FullyShardedDataParallelPlugin as Plugin
+    from ndparallel.utils import set_seed
+
+    assert ParallelismConfig is ndp.ParallelismConfig and set_seed is ndp.set_seed
+    assert Plugin is FullyShardedDataParallelPlugin
+
+
+def test_from_pretrained_tp_keywords_for_an_ndparallel_mesh_are_served_or_refused_by_name(single_process):
+    # from_pretrained(tp_plan="auto", tp_size=, device_mesh=accelerator.torch_device_mesh): prepare() applies the plan
+    from ndparallel.accelerator.hf_load import strip_tp_kwargs
+
+    acc = Accelerator(device_type="cpu")
+    mesh = acc.torch_device_mesh
+    kept = strip_tp_kwargs({"tp_plan": "auto", "tp_size": 1, "device_mesh": mesh, "use_cache": False})
+    assert kept == {"use_cache": False}
+    for kwargs, message in (
+        ({"tp_plan": {"x": "colwise"}}, "prepare\\(\\) applies ndparallel's plan"),
+        ({"tp_plan": "auto", "tp_size": 2}, "tp_size=2.*mesh has tp_size=1"),
+        ({"distributed_config": object()}, "drop distributed_config"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            strip_tp_kwargs({**kwargs, "device_mesh": mesh})
