@@ -6,7 +6,8 @@ gathered projections with full-width q/k norms (OLMo 2), fused qkv / gate_up pro
 scaling and sandwich norms (Gemma 2/3), final-logit soft-capping (Gemma 2), attention / MLP biases and
 LayerNorm with bias (StarCoder 2), parallel residual blocks (Cohere), custom attention scaling (Granite).
 Losses, grad norms, step-1 gradients and the parameters after the last step are compared per architecture.
-One spawned group of 2 gloo ranks runs every architecture on tp 2; FSDP 2 x TP 2 (4 ranks) is marked slow; the
+One spawned group of 2 gloo ranks runs every architecture on tp 2 and, 2 steps each, on dp_shard 2, cp 2 (ring)
+and pp 2: exact, or the one-line ConfigError ``REFUSED`` pins. FSDP 2 x TP 2 (4 ranks) is marked slow; the
 sweep of the rest of the translated catalogue is marked extended (make test-extended).
 """
 
