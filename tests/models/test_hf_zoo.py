@@ -1,4 +1,4 @@
-"""The generic Hugging Face family on many decoders: TP 2 (and FSDP 2 x TP 2) equal one process in float64.
+"""The generic Hugging Face family on many decoders: TP, FSDP, CP and PP 2 equal one process in float64, or refuse.
 
 Each architecture is built tiny and random by :func:`ndparallel.hf.tiny_config` and trained 3 AdamW steps in
 float64 with the plan translated from its own ``base_model_tp_plan``: per-head q/k norms (Qwen3, Gemma 3),
