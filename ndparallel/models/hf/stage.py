@@ -1,4 +1,4 @@
-"""A pipeline stage of a Hugging Face causal LM (Llama, Qwen2, Mistral), under the unsplit model's names.
+"""A pipeline stage of a Hugging Face causal LM (``PIPELINE_MODEL_TYPES``), under the unsplit model's names.
 
 ``model.embed_tokens`` (first stage), ``model.layers.<i>`` (an ``nn.ModuleDict`` keyed by the original
 index), ``model.norm`` and ``lm_head`` (last stage); ``model.rotary_emb`` on every stage. The stage builds
@@ -23,6 +23,11 @@ from ndparallel.models.hf.init import init_buffers, seeded_init
 
 __all__ = ["LOAD_MARKER", "HFCausalLMStage"]
 
+# model_types whose *ForCausalLM forward is only embed -> layers -> norm -> lm_head, so that a stage computes the
+# same: measured exact on pp 2 (tests/models/test_hf_zoo.py, test_pipeline_hf.py). Others (Granite's embedding
+# and logit multipliers, Gemma's soft-capping and per-layer rotary, Cohere's logit_scale, ...) would train
+# something else silently, so they are refused until a stage reproduces their forward and a test measures it.
+PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"})
 # Set on a meta model by load_pretrained_pipeline: its stages' parameters come from a checkpoint after
 # parallelize, so init_weights leaves them (only the rotary tables are computed).
 LOAD_MARKER = "_ndparallel_weights_from_checkpoint"
@@ -39,6 +44,13 @@ class HFCausalLMStage(nn.Module):
 
     def __init__(self, full: nn.Module, block_ids: Sequence[int], first: bool, last: bool):
         super().__init__()
+        model_type = getattr(full.config, "model_type", None)
+        if model_type not in PIPELINE_MODEL_TYPES:
+            raise ConfigError(
+                f"pp_size > 1 is not supported for model_type={model_type!r} ({type(full).__name__}): a pipeline "
+                "stage runs only embed_tokens -> layers -> norm -> lm_head and is measured exact for "
+                f"{', '.join(sorted(PIPELINE_MODEL_TYPES))}; use pp_size=1"
+            )
         base = getattr(full, "model", None)
         parts = ("embed_tokens", "layers", "norm", "rotary_emb")
         if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(full, "lm_head"):
