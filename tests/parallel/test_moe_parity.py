@@ -77,6 +77,7 @@ _REFERENCES: dict[str, dict] = {}
 # update_router_biases after each optimizer step. 0.01 changes the routing within the 5 steps.
 BIAS_RATE = 0.01
 BIAS_RUN = {**COMMON, "model": SIGMOID, "router_bias_rate": BIAS_RATE}
+BIAS_LAYOUTS = {"fsdp2": {"dp_shard_size": 2}, "ep2": {"dp_shard_size": 2, "ep_size": 2}}
 
 
 def train_step_run(parallel: dict, *, model, steps, global_batch, seq_len, dtype, max_norm, router_bias_rate,
@@ -117,6 +118,7 @@ def _loop_config(rate: float, metrics: str) -> dict:
         "model": {**SIGMOID, "max_seq_len": 16, "dtype": "float64"},
         "data": {"seq_len": 16, "max_bytes": 20_000},
         "train": {"steps": 2, "global_batch": 4, "warmup_steps": 0, "log_every": 1, "router_bias_rate": rate,
+                  "peak_tflops": 1.0,  # not the CPU matmul measurement (seconds)
                   "metrics_file": metrics},
     }  # fmt: skip
 
@@ -136,7 +138,7 @@ def _group(runs: list, tmp: str) -> dict:
     """The one spawned group: the layouts, the TrainStep bias run, two loop runs (rate 0.05 and 0: off)."""
     return {
         "runs": run_many(runs),
-        "bias": train_step_run({"dp_shard_size": 2}, **BIAS_RUN),
+        "bias": {label: train_step_run(parallel, **BIAS_RUN) for label, parallel in BIAS_LAYOUTS.items()},
         "loop": loop_run(0.05, f"{tmp}/on.jsonl"),
         "loop_off": loop_run(0.0, f"{tmp}/off.jsonl"),
     }
@@ -194,15 +196,15 @@ def test_aux_loss_is_counted():
 
 
 def test_train_step_moves_router_bias_as_one_process(group):
-    """FSDP 2 through TrainStep equals one process calling update_router_biases: losses, norms, the global tokens
-    per expert of every step (exact integers), params after 5 steps and the biases (exact sums of +-rate)."""
+    """FSDP 2 and ep 2 through TrainStep equal one process calling update_router_biases: losses, norms, the global
+    tokens per expert of every step (exact integers), params after 5 steps and the biases (exact sums of +-rate)."""
     ref = train_steps(None, **BIAS_RUN, loss_fn=moe_loss_fn)
     still = _reference({**COMMON, "model": SIGMOID})  # the same run with the bias left at 0
     assert param_error(ref, still) > 1e-6, "the bias must change the routing, or this test cannot fail"
     assert any(np.abs(b).max() > 0 for b in ref["biases"].values())
-    for rank, per_rank in enumerate(group[0]):
-        got = per_rank["bias"]
-        label = f"TrainStep fsdp2 bias rank {rank}"
+    for rank, layout in ((r, layout) for r in range(2) for layout in BIAS_LAYOUTS):
+        got = group[0][rank]["bias"][layout]
+        label = f"TrainStep {layout} bias rank {rank}"
         dloss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
         dnorm = max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True))
         assert dloss <= FLOAT64_TOL["loss_tol"] and dnorm <= FLOAT64_TOL["norm_rtol"], (label, dloss, dnorm)
