@@ -151,6 +151,7 @@ def train_steps(
     dtype: str = "float32",
     final_params: bool = False,
     batch_order: list[int] | None = None,
+    router_bias_rate: float = 0.0,
 ) -> dict[str, Any]:
     """Train and report ``losses``, ``grad_norms`` (pre-clip, every step), ``grads`` (full, after step 1's
     backward), ``memory`` (this rank's bytes of params/grads/optimizer state after the last step),
@@ -164,7 +165,12 @@ def train_steps(
     also ``params``, every full parameter by FQN after the last step (a collective under DTensor). ``batch_order``:
     the global batch's sequences in this order (a one-process reference whose micro-batches are the dp ranks'
     micro-batches put together, for a per-micro-batch statistic such as an MoE router's token fractions).
+    ``router_bias_rate``: after each optimizer step, ``update_router_biases(model, rate)`` (an MoE model's
+    sigmoid routers); ``result["router_loads"]`` holds each step's tokens per expert by router, and with
+    ``final_params`` ``result["biases"]`` every ``expert_bias`` buffer by FQN.
     """
+    from ndparallel.models.transformer.moe import router_loads, update_router_biases
+
     torch.manual_seed(seed)
     net = build_model(model, seed, dtype)
     mesh = None
@@ -204,6 +210,8 @@ def train_steps(
         if max_norm is not None:  # what clipping left: min(norm, max_norm) when it works on every mesh
             result.setdefault("clipped_norms", []).append(total_grad_norm(net.parameters()).item())
         optimizer.step()
+        result.setdefault("router_loads", []).append([load.numpy() for load in router_loads(net)])
+        update_router_biases(net, router_bias_rate)
         if step == steps - 1:
             result["memory"] = _memory(net, optimizer)
         optimizer.zero_grad()
@@ -212,6 +220,7 @@ def train_steps(
             name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().numpy().copy()
             for name, p in net.named_parameters()
         }
+        result["biases"] = {n: b.cpu().numpy().copy() for n, b in net.named_buffers() if n.endswith("expert_bias")}
     result["layouts"] = {  # how each parameter is held: mesh dims, placements, local shape
         name: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)), tuple(p.to_local().shape))
         if isinstance(p, DTensor)

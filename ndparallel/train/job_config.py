@@ -58,6 +58,10 @@ class LoopConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0
     """0 disables clipping."""
+    router_bias_rate: float = 0.001
+    """A sigmoid router's balancing bias (``model.router: sigmoid``) moves this much per optimizer step towards
+    its under-loaded experts, from the step's global tokens per expert (DeepSeek-V3's auxiliary-loss-free
+    balancing, whose rate this default is); 0: the bias stays. No effect on other routers."""
     seed: int = 0
     log_every: int = 10
     metrics_file: str | None = None
@@ -175,6 +179,7 @@ class TrainConfig:
             ("train.weight_decay", t.weight_decay >= 0, "must be >= 0"),
             ("train.betas", all(0 <= b < 1 for b in t.betas), "must be two numbers in [0, 1)"),
             ("train.max_grad_norm", t.max_grad_norm >= 0, "must be >= 0 (0 disables clipping)"),
+            ("train.router_bias_rate", 0 <= t.router_bias_rate < math.inf, "must be a finite number >= 0 (0: off)"),
             ("train.device", t.device in (None, "cpu", "cuda"), "must be cpu, cuda or null"),
             ("train.peak_tflops", t.peak_tflops is None or t.peak_tflops > 0, "must be > 0 (or null)"),
             ("train.timeout_s", math.isfinite(t.timeout_s) and t.timeout_s > 0, "must be a number of seconds > 0"),

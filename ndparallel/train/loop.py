@@ -36,7 +36,7 @@ from ndparallel.parallel.pipeline import Pipeline, build_pipeline
 from ndparallel.train.checkpoint_folder import hold_checkpoint_dir
 from ndparallel.train.data import BatchLoader, ByteCorpus
 from ndparallel.train.job_config import TrainConfig, job_device
-from ndparallel.train.progress import Progress, format_duration, format_rate
+from ndparallel.train.progress import Progress, format_duration, format_rate, format_router_health, router_health
 from ndparallel.train.step import TrainStep
 
 __all__ = ["TrainResult", "job_peak_flops", "lr_at", "train"]
@@ -219,6 +219,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     train_step = TrainStep(
         model, optimizer, mesh, max_grad_norm=t.max_grad_norm, defer_grad_sync=bool(t.defer_grad_sync),
         max_nonfinite_steps=t.max_nonfinite_steps, verbose=rank0, phase=watchdog.phase,
+        router_bias_rate=t.router_bias_rate,
     )  # fmt: skip
 
     result = TrainResult()
@@ -249,7 +250,9 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
             step += 1
             loader.step = step
             watchdog.phase(f"step {step}: loss average and stop agreement")
-            log.record(step, average_over(mesh["dp_cp"], done.loss), done.grad_norm, lr)
+            log.record(
+                step, average_over(mesh["dp_cp"], done.loss), done.grad_norm, lr, router_health(done.router_loads)
+            )
             signalled = stop.agreed()
             every = cfg.checkpoint.every
             if cfg.checkpoint.dir and done.applied and (step == t.steps or signalled is not None or
@@ -281,7 +284,7 @@ class _StepLog:
         self.peak = job_peak_flops(cfg, mesh)
         self.start = time.perf_counter()
 
-    def record(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+    def record(self, step: int, loss: float, grad_norm: float, lr: float, router: dict | None = None) -> None:
         self.result.losses.append(loss)
         self.result.grad_norms.append(grad_norm)
         rate = self.tokens_per_step * (step - self.result.start_step) / (time.perf_counter() - self.start)
@@ -289,9 +292,13 @@ class _StepLog:
         mfu = self.flops_per_token * rate / self.peak if self.peak else None
         if mfu is not None:
             fields["mfu"] = f"{100 * mfu:.1f}%"
+        if router is not None:  # an MoE model: the worst router's tokens per expert, max / mean, global
+            fields["experts"] = format_router_health(router)
         self.progress.update(step, **fields)
         if self.metrics_file:
             record = dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens_per_s=rate, mfu=mfu)
+            if router is not None:
+                record.update(expert_imbalance=router["imbalance"], dropped_tokens=router["dropped"])
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
 

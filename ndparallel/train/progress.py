@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["Progress", "format_duration", "format_rate"]
+import torch
+
+__all__ = ["Progress", "format_duration", "format_rate", "format_router_health", "router_health"]
 
 
 def format_duration(seconds: float) -> str:
@@ -22,8 +24,24 @@ def format_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.0f}"
 
 
+def router_health(loads: list[torch.Tensor]) -> dict[str, float | int] | None:
+    """An MoE step's router health from each router's global tokens per expert: ``imbalance``, the worst
+    router's max / mean tokens per expert (1.0: perfectly balanced), and ``dropped`` tokens (the reference MoE
+    is dropless: 0). None without routers."""
+    if not loads:
+        return None
+    worst = max(float(load.max() / load.mean()) if load.sum() > 0 else 1.0 for load in loads)
+    return {"imbalance": worst, "dropped": 0}
+
+
+def format_router_health(health: dict[str, float | int]) -> str:
+    """``1.23 max/mean, 0 dropped``: the progress line's ``experts`` field."""
+    return f"{health['imbalance']:.2f} max/mean, {health['dropped']} dropped"
+
+
 class Progress:
-    """``step 40/200 [#####.....] loss 2.31 | 14.2k tok/s | lr 2.9e-03 | eta 0m41s`` on rank 0 only.
+    """``step 40/200 [#####.....] loss 2.31 | 14.2k tok/s | lr 2.9e-03 | eta 0m41s`` on rank 0 only (an MoE
+    model adds ``experts 1.23 max/mean, 0 dropped``: :func:`router_health`).
 
     On a terminal the line redraws in place; otherwise one line is printed every ``every`` steps.
     """

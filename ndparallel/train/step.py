@@ -5,7 +5,9 @@ micro-batches; for each, shard the sequence over ``cp``, forward (under autocast
 cast), cross-entropy in fp32 or wider plus any auxiliary loss (an MoE router's), divided by the micro-batch
 count, backward with the gradient communication :func:`ndparallel.parallel.grad_sync.micro_batch_sync`
 decides; then clip the global gradient norm, let every rank agree the loss and norm are finite
-(:class:`~ndparallel.train.nonfinite.NonFiniteGuard`), and step the optimizer only if they are.
+(:class:`~ndparallel.train.nonfinite.NonFiniteGuard`), and step the optimizer only if they are. After it, an
+MoE model's routers report the step's global tokens per expert, and a sigmoid router's balancing bias moves
+by ``router_bias_rate`` (:func:`ndparallel.models.transformer.moe.update_router_biases`).
 
 Mixed precision follows :mod:`ndparallel.config.precision`: with FSDP its policy casts; without
 FSDP the forward runs under ``torch.autocast(bf16)``. The loss is computed in fp32, or float64 for a float64
@@ -17,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +27,7 @@ from torch import nn
 from ndparallel.config.precision import forward_autocast_dtype
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
+from ndparallel.models.transformer.moe import router_loads, update_router_biases
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
 from ndparallel.parallel.grad_sync import micro_batch_sync
@@ -43,6 +46,9 @@ class StepResult:
     """The global gradient norm before clipping."""
     applied: bool
     """False when the loss or the norm was NaN/inf on some rank: the optimizer did not step."""
+    router_loads: list[torch.Tensor] = field(default_factory=list)
+    """Each MoE router's tokens per expert over this step's micro-batches, of the global batch (the same on
+    every rank); empty for a dense model (and for Hugging Face MoE models, whose routers keep no counts)."""
 
 
 class TrainStep:
@@ -56,6 +62,8 @@ class TrainStep:
     (the watchdog's heartbeat). ``around()`` is entered around each micro-batch's forward/backward and around
     the clipping and optimizer step: the bench counts collectives with it (torch's ``CommDebugMode`` cannot
     span two forward/backward passes: its module tracker fails with an IndexError, torch 2.13).
+    ``router_bias_rate``: how far a sigmoid router's balancing bias moves after each applied step (0: it stays;
+    ``train.router_bias_rate``).
 
     Pipeline parallel (``model`` a :class:`~ndparallel.parallel.pipeline.Pipeline`, ``optimizer`` one per stage module):
     the pipeline's micro-batches are the accumulation (fixed when it was built), clipping spans every stage.
@@ -74,6 +82,7 @@ class TrainStep:
         verbose: bool = False,
         phase: Callable[[str], None] | None = None,
         around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        router_bias_rate: float = 0.0,
     ) -> None:
         self.model, self.mesh = model, mesh
         self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
@@ -85,6 +94,7 @@ class TrainStep:
         self.guard = NonFiniteGuard(max_nonfinite_steps, verbose=verbose) if check_finite else None
         self._phase = phase or (lambda name: None)
         self.around = around
+        self.router_bias_rate = router_bias_rate
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -144,4 +154,14 @@ class TrainStep:
             if applied:  # a NaN/inf never reaches the weights
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, grad_norm, applied)
+        loads = self._end_routing(applied)
+        return StepResult(loss, grad_norm, applied, loads)
+
+    def _end_routing(self, applied: bool) -> list[torch.Tensor]:
+        """The routers' global tokens per expert of this step; then move the balancing biases (an applied step
+        only) and reset the counts for the next."""
+        modules = self.model.stages if isinstance(self.model, Pipeline) else [self.model]
+        loads = [load for module in modules for load in router_loads(module)]
+        for module in modules:
+            update_router_biases(module, self.router_bias_rate if applied else 0.0)
+        return loads

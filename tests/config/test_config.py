@@ -103,6 +103,11 @@ BAD_CONFIGS = [
         lambda tmp: TrainConfig.from_dict({"train": {"max_grad_norm": -1}}),
         "train.max_grad_norm=-1.0 must be >= 0",
     ),
+    (
+        "train negative router bias rate",
+        lambda tmp: TrainConfig.from_dict({"train": {"router_bias_rate": -0.1}}),
+        "train.router_bias_rate=-0.1 must be a finite number >= 0 (0: off)",
+    ),
     ("train lr ratio", lambda tmp: TrainConfig.from_dict({"train": {"min_lr_ratio": 2}}), "must be between 0 and 1"),
     (
         "data seq text",

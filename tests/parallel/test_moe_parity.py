@@ -1,5 +1,7 @@
 """Mixture of experts on 2 ranks, float64, against one process: FSDP 2, DDP 2, CP 2, expert parallel 2
-(the sigmoid router runs in tests/parallel/test_expert_parallel.py).
+(the sigmoid router runs in tests/parallel/test_expert_parallel.py), and the training step's router work:
+``TrainStep`` moving a sigmoid router's balancing bias on FSDP 2 and reporting the step's global tokens per
+expert, and ``ndparallel train``'s progress line showing them, in the same spawned group.
 
 The router's load-balancing loss uses the token fractions of the global batch (counts all-reduced over dp x cp),
 so every layout equals one process on the same global batch: loss (cross entropy + auxiliary losses), grad norm
@@ -9,10 +11,24 @@ left local) is the classic MoE bug: the last run shows it differs, so these chec
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import re
+
 import numpy as np
 import pytest
 
-from tests.parity import FLOAT64_TOL, assert_parity, context_parallel_loss_fn, default_loss_fn, run_cached, train_steps
+from tests.parity import (
+    FLOAT64_TOL,
+    assert_parity,
+    build_model,
+    context_parallel_loss_fn,
+    default_loss_fn,
+    make_batches,
+    run_many,
+    train_steps,
+)
 
 MODEL = {"preset": "tiny-moe", "aux_loss_coef": 0.1, "z_loss_coef": 0.01}
 SIGMOID = {**MODEL, "router": "sigmoid"}
@@ -57,6 +73,76 @@ ACCUM_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
 
 _REFERENCES: dict[str, dict] = {}
 
+# TrainStep (what `ndparallel train` runs) with the balancing bias moving, against train_steps' plain loop calling
+# update_router_biases after each optimizer step. 0.01 changes the routing within the 5 steps.
+BIAS_RATE = 0.01
+BIAS_RUN = {**COMMON, "model": SIGMOID, "router_bias_rate": BIAS_RATE}
+BIAS_LAYOUTS = {"fsdp2": {"dp_shard_size": 2}, "ep2": {"dp_shard_size": 2, "ep_size": 2}}
+
+
+def train_step_run(parallel: dict, *, model, steps, global_batch, seq_len, dtype, max_norm, router_bias_rate,
+                   final_params=True) -> dict:  # fmt: skip
+    """On every rank: ``steps`` steps of :class:`~ndparallel.train.step.TrainStep` on this rank's dp slice of
+    train_steps' batches (same model, seed, AdamW): losses, norms, each step's router loads, params, biases."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import ndparallel as ndp
+    from ndparallel.distributed.reduce import average_over
+    from ndparallel.parallel.parallelize import parallelize
+    from ndparallel.train.step import TrainStep
+
+    torch.manual_seed(0)
+    net = build_model(model, 0, dtype)
+    mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
+    net = parallelize(net, mesh.config, mesh)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+    step = TrainStep(net, optimizer, mesh, max_grad_norm=max_norm, router_bias_rate=router_bias_rate)
+    per_rank, dp_rank = global_batch // mesh.size("dp"), mesh.local_rank("dp")
+    out: dict = {"losses": [], "grad_norms": [], "router_loads": []}
+    for index, (tokens, labels) in enumerate(make_batches(steps, global_batch, seq_len, net.config.vocab_size)):
+        mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        done = step(tokens[mine], labels[mine], 1, index + 1)
+        out["losses"].append(average_over(mesh["dp_cp"], done.loss))
+        out["grad_norms"].append(done.grad_norm)
+        out["router_loads"].append([load.numpy() for load in done.router_loads])
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in net.named_parameters()}
+    out["params"] = {n: p.detach().numpy().copy() for n, p in full.items()}
+    out["biases"] = {n: b.numpy().copy() for n, b in net.named_buffers() if n.endswith("expert_bias")}
+    return out
+
+
+def _loop_config(rate: float, metrics: str) -> dict:
+    return {
+        "parallelism": {"dp_shard_size": 2},
+        "model": {**SIGMOID, "max_seq_len": 16, "dtype": "float64"},
+        "data": {"seq_len": 16, "max_bytes": 20_000},
+        "train": {"steps": 2, "global_batch": 4, "warmup_steps": 0, "log_every": 1, "router_bias_rate": rate,
+                  "peak_tflops": 1.0,  # not the CPU matmul measurement (seconds)
+                  "metrics_file": metrics},
+    }  # fmt: skip
+
+
+def loop_run(rate: float, metrics: str) -> dict:
+    """``ndparallel train``'s loop on tiny-moe (sigmoid router): rank 0's stdout and the losses."""
+    from ndparallel.train import train
+    from ndparallel.train.job_config import TrainConfig
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        result = train(TrainConfig.from_dict(_loop_config(rate, metrics)))
+    return {"stdout": stdout.getvalue(), "losses": result.losses}
+
+
+def _group(runs: list, tmp: str) -> dict:
+    """The one spawned group: the layouts, the TrainStep bias run, two loop runs (rate 0.05 and 0: off)."""
+    return {
+        "runs": run_many(runs),
+        "bias": {label: train_step_run(parallel, **BIAS_RUN) for label, parallel in BIAS_LAYOUTS.items()},
+        "loop": loop_run(0.05, f"{tmp}/on.jsonl"),
+        "loop_off": loop_run(0.0, f"{tmp}/off.jsonl"),
+    }
+
 
 def _reference(kwargs: dict) -> dict:
     """The one-process run for ``kwargs`` (with the aux loss), once per pytest process."""
@@ -73,11 +159,15 @@ def param_error(got: dict, ref: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_cached(2, RUNS)
+def group(tmp_path_factory):
+    from ndparallel.testing import run_distributed
+
+    tmp = tmp_path_factory.mktemp("moe")
+    return run_distributed(_group, 2, RUNS, str(tmp), timeout=600), tmp
 
 
-def test_moe_layouts_equal_one_process(results):
+def test_moe_layouts_equal_one_process(group):
+    results = [per_rank["runs"] for per_rank in group[0]]
     for index, (label, (_, kwargs)) in enumerate(LAYOUTS.items()):
         ref = _reference({**COMMON, **kwargs})
         for rank, per_rank in enumerate(results):
@@ -103,3 +193,52 @@ def test_aux_loss_is_counted():
     with_aux = _reference({**COMMON, "model": MODEL})
     without = train_steps(None, **{**COMMON, "steps": 1, "model": MODEL, "loss_fn": default_loss_fn})
     assert abs(with_aux["losses"][0] - without["losses"][0]) > 1e-3
+
+
+def test_train_step_moves_router_bias_as_one_process(group):
+    """FSDP 2 and ep 2 through TrainStep equal one process calling update_router_biases: losses, norms, the global
+    tokens per expert of every step (exact integers), params after 5 steps and the biases (exact sums of +-rate)."""
+    ref = train_steps(None, **BIAS_RUN, loss_fn=moe_loss_fn)
+    still = _reference({**COMMON, "model": SIGMOID})  # the same run with the bias left at 0
+    assert param_error(ref, still) > 1e-6, "the bias must change the routing, or this test cannot fail"
+    assert any(np.abs(b).max() > 0 for b in ref["biases"].values())
+    for rank, layout in ((r, layout) for r in range(2) for layout in BIAS_LAYOUTS):
+        got = group[0][rank]["bias"][layout]
+        label = f"TrainStep {layout} bias rank {rank}"
+        dloss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+        dnorm = max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True))
+        assert dloss <= FLOAT64_TOL["loss_tol"] and dnorm <= FLOAT64_TOL["norm_rtol"], (label, dloss, dnorm)
+        for step, (a, b) in enumerate(zip(got["router_loads"], ref["router_loads"], strict=True)):
+            assert len(a) == len(b) == 2 and all((x == y).all() for x, y in zip(a, b, strict=True)), (label, step)
+        assert got["biases"].keys() == ref["biases"].keys()
+        for name, bias in ref["biases"].items():
+            assert (got["biases"][name] == bias).all(), f"{label}: {name} {got['biases'][name]} vs {bias}"
+        assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
+
+
+def test_router_health_formatting():
+    import torch
+
+    from ndparallel.train.progress import format_router_health, router_health
+
+    loads = [torch.tensor([2.0, 2.0, 2.0, 2.0]), torch.tensor([1.0, 5.0, 1.0, 1.0])]
+    assert router_health(loads) == {"imbalance": 2.5, "dropped": 0}  # the worst router: 5 / 2
+    assert router_health([]) is None
+    assert format_router_health({"imbalance": 2.5, "dropped": 0}) == "2.50 max/mean, 0 dropped"
+
+
+def test_train_progress_shows_router_health_and_rate_moves_training(group):
+    """The progress line's ``experts`` field (and the metrics file's) is the step's global imbalance; a rate of 0
+    is off: the first step is the same, the second (routed with the moved bias) differs."""
+    results, tmp = group
+    rank0 = results[0]["loop"]
+    lines = [line for line in rank0["stdout"].splitlines() if line.startswith("step ")]
+    shown = [re.search(r"experts (\d+\.\d\d) max/mean, 0 dropped", line) for line in lines]
+    assert len(lines) == 2 and all(shown), rank0["stdout"]
+    metrics = [json.loads(line) for line in (tmp / "on.jsonl").read_text().splitlines()]
+    for match, record in zip(shown, metrics, strict=True):
+        assert record["dropped_tokens"] == 0 and record["expert_imbalance"] >= 1.0
+        assert float(match.group(1)) == pytest.approx(record["expert_imbalance"], abs=0.005)
+    assert results[1]["loop"]["stdout"] == "", "rank 0 only"
+    on, off = rank0["losses"], results[0]["loop_off"]["losses"]
+    assert on[0] == off[0] and abs(on[1] - off[1]) > 1e-8, (on, off)

@@ -4,6 +4,8 @@ Module names (under ``layers.*.feed_forward`` of an MoE :class:`~ndparallel.mode
 
     router.gate                      nn.Linear(dim, n_experts): one logit per expert
     router.expert_bias               buffer [n_experts] (sigmoid router only): added to the scores for the choice
+    router.tokens_per_expert         non-persistent buffer [n_experts]: global tokens per expert since the last
+                                     :func:`update_router_biases` (training forwards only; :func:`router_loads`)
     experts.w1 / w3                  [n_experts, expert_ffn_dim, dim]   stacked SwiGLU weights, expert on dim 0
     experts.w2                       [n_experts, dim, expert_ffn_dim]
     shared_experts.w1 / w3 / w2      nn.Linear: one SwiGLU MLP of width n_shared_experts x expert_ffn_dim
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedExperts", "MoE", "Router", "update_router_biases"]
+__all__ = ["GroupedExperts", "MoE", "Router", "router_loads", "update_router_biases"]
 
 
 class Router(nn.Module):
@@ -43,12 +45,12 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, n_experts, bias=False, dtype=dtype)
         if kind == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=dtype))
-            self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float64), persistent=False)
 
     def reset_buffers(self) -> None:
         if self.kind == "sigmoid":
             self.expert_bias.zero_()
-            self.tokens_per_expert.zero_()
+        self.tokens_per_expert.zero_()
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [N, E], indices [N, k], weights [N, k])`` from router logits (fp32 or wider); ``probs`` are the
@@ -131,7 +133,7 @@ class MoE(nn.Module):
         counts = local_counts.to(torch.float64)
         if self.reduce_counts is not None:
             counts = self.reduce_counts(counts)
-        if self.router.kind == "sigmoid" and self.training:
+        if self.training:  # the balancing bias and the progress line's imbalance read them after the step
             self.router.tokens_per_expert += counts
         self.aux_loss = self._aux_loss(logits, probs, counts)
         order = indices.flatten().argsort(stable=True)  # slots sorted by expert, the router's order within one
@@ -153,13 +155,22 @@ class MoE(nn.Module):
         return loss
 
 
+def router_loads(model: nn.Module) -> list[torch.Tensor]:
+    """Each router's tokens per expert (float64 copies, in module order) counted by the training forwards since
+    the last :func:`update_router_biases`: of the global batch (the counts are reduced over dp x cp, as the
+    balancing loss's are), so every rank holds the same numbers. Empty for a model without routers."""
+    return [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, Router)]
+
+
 @torch.no_grad()
 def update_router_biases(model: nn.Module, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing: after an optimizer step, move each sigmoid router's
     ``expert_bias`` by ``rate`` towards its under-loaded experts (``+rate`` below the mean load, ``-rate`` above),
-    from the global tokens per expert counted since the last call, then reset the counts."""
+    from the global tokens per expert counted since the last call; then reset every router's counts (``rate``
+    0: only the reset). Every rank moves its replica of the bias by the same global counts."""
     for module in model.modules():
-        if isinstance(module, Router) and module.kind == "sigmoid":
+        if isinstance(module, Router):
             load = module.tokens_per_expert
-            module.expert_bias += (rate * torch.sign(load.mean() - load)).to(module.expert_bias.dtype)
+            if module.kind == "sigmoid" and rate:
+                module.expert_bias += (rate * torch.sign(load.mean() - load)).to(module.expert_bias.dtype)
             load.zero_()
