@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
 
-.PHONY: demo test test-fast test-extended bench lint format clean
+.PHONY: demo test test-fast zoo bench lint format clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,18 +24,18 @@ demo: $(STAMP)
 # Inductor gets its own cache there: torch 2.13 reuses C++ kernels cached under another capability
 # and fails to build them ("'at::vec' has not been declared").
 test: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m "not extended"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m "not zoo"
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
 
 # The inner loop: everything but the jobs (torchrun launches, CLI processes, notebooks, signals: marker
 # `jobs`) and the few tests over a minute (marker `slow`).
 test-fast: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m "not jobs and not slow and not extended"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m "not jobs and not slow and not zoo"
 
-# Breadth sweeps that add no code path of their own (marker `extended`: every translated Hugging Face plan
+# Breadth sweeps that add no code path of their own (marker `zoo`: every translated Hugging Face plan
 # of the catalogue on tp 2); docs/models.md records their last result.
-test-extended: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m extended
+zoo: $(STAMP)
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m zoo
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml

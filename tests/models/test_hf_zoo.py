@@ -8,7 +8,7 @@ LayerNorm with bias (StarCoder 2), parallel residual blocks (Cohere), custom att
 Losses, grad norms, step-1 gradients and the parameters after the last step are compared per architecture.
 One spawned group of 2 gloo ranks runs every architecture on tp 2 and, 2 steps each, on dp_shard 2, cp 2 (ring)
 and pp 2: exact, or the one-line ConfigError ``REFUSED`` pins. FSDP 2 x TP 2 (4 ranks) is marked slow; the
-sweep of the rest of the translated catalogue is marked extended (make test-extended).
+sweep of the rest of the translated catalogue is marked zoo (make zoo).
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def test_fsdp_tp_equals_one_process():
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.extended  # breadth, not a new code path: make test-extended (docs/models.md has its last result)
+@pytest.mark.zoo  # breadth, not a new code path: make zoo (docs/models.md has its last result)
 def test_tp_sweep_of_the_translated_catalogue():
     """Every other translated plan of the catalogue on tp 2 (2 steps): exact, or fails naming the model."""
     results = run_distributed(run_group, 2, {"tp2": LAYOUTS[2]["tp2"]}, SWEEP, 2, timeout=1500)
