@@ -157,21 +157,10 @@ def _param_dtype_name(dtype: torch.dtype) -> str:
 # Shapes: tiny/small are for tests and CPU demos; 1b is the 953M-parameter model of the one-GPU
 # baseline (docs/benchmarks.md, "One GPU: ndparallel vs plain PyTorch"); 8b and 70b follow the
 # public Llama-3 shapes.
+_TINY: dict[str, Any] = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192, max_seq_len=256)
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192, max_seq_len=256),
-    "tiny-moe": dict(
-        vocab_size=256,
-        dim=64,
-        n_layers=2,
-        n_heads=8,
-        n_kv_heads=4,
-        ffn_dim=192,
-        max_seq_len=256,
-        n_experts=4,
-        top_k=2,
-        n_shared_experts=1,
-        expert_ffn_dim=32,
-    ),
+    "tiny": _TINY,
+    "tiny-moe": dict(_TINY, n_experts=4, top_k=2, n_shared_experts=1, expert_ffn_dim=32),  # tiny, with experts
     "small": dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704, max_seq_len=1024),
     "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, ffn_dim=2048, max_seq_len=2048),
     "1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=4096),
