@@ -223,8 +223,10 @@ def test_a_model_too_big_for_this_machine_is_refused_then_runs_shrunk():
     with pytest.raises(ConfigError, match="more than this machine's 0 GiB"):
         check_fits_in_memory(model_spec("tiny"), 2, memory=1000)
     lines: list[str] = []
-    table = verify("70b", "tp=2", cpu_ranks=2, steps=1, shrink=True, progress=lines.append)
+    table = verify("70b", "tp=2", cpu_ranks=2, steps=2, shrink=True, reshard="pp=2>tp=2", progress=lines.append)
     assert table.ok and table.shrunk["n_layers"] == [80, 2] and table.shrunk["dim"] == [8192, 64]
+    assert [row.layout for row in table.rows] == ["tp=2", "pp=2", "pp=2>tp=2"]  # A joins the layouts
+    assert max(table.rows[2].errors.values()) < 1e-12  # saved from pipeline stages, loaded under tp
     assert "rope_theta" not in table.shrunk  # the architecture's other fields are kept
     assert any(line.startswith("verify: --shrink: the same architecture at tiny sizes: ") for line in lines)
     assert "shrunk (--shrink; the architecture kept, not the job's sizes): vocab_size 128256 -> 256" in table.format()
