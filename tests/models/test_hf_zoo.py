@@ -43,6 +43,18 @@ ARCHS = {
     "cohere": {},  # parallel residual, LayerNorm
     "mistral": {},
 }
+# pp2 only, and its reference: untied (a tied lm_head is refused under pp, qwen2 pins that) and sliding windows
+# shorter than SEQ, so each layer's mask kind matters (Gemma 3: local and global rope; SmolLM3: a no-rope layer)
+WINDOW = {"sliding_window": 6}
+LOCAL_GLOBAL = {**WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+PP_OVERRIDES = {
+    "gemma3_text": {"tie_word_embeddings": False, **LOCAL_GLOBAL},
+    "gemma2": {"tie_word_embeddings": False, **WINDOW},
+    "smollm3": {"tie_word_embeddings": False, "use_sliding_window": True, "no_rope_layers": [1, 0], **LOCAL_GLOBAL},
+    "starcoder2": {"tie_word_embeddings": False, **WINDOW},
+    "cohere": {"tie_word_embeddings": False},
+    "mistral": WINDOW,
+}
 EAGER = ("gemma2",)  # no SDPA path in transformers (others found by build)
 # The rest of the catalogue's translated plans (tests/models/test_hf_catalogue.py), default tiny configs, in
 # a slow 2-rank sweep: tp 2, 2 steps, losses, grad norms and step-1 gradients.
@@ -62,17 +74,6 @@ EXTRA_STEPS = 2  # dp2, cp2, pp2: fewer steps keep the group short (tp2 keeps ST
 REFUSED = {
     ("gemma2", "cp2"): ("attn_logit_softcapping", "ring attention does not implement logit soft-capping"),
     ("qwen2", "pp2"): ("tie_word_embeddings=True", "tied embedding and lm_head would sit on different stages"),
-    **{
-        (a, "pp2"): (f"pp_size > 1 is not supported for model_type={a!r}", why)
-        for a, why in {
-            "gemma3_text": "per-layer-type rotary and a tied lm_head: not a plain stage",
-            "gemma2": "final-logit soft-capping and embedding scaling are outside the layers",
-            "granite": "embedding_multiplier and logits_scaling are outside the layers (pp2 was 0.15 off in loss)",
-            "cohere": "logit_scale is outside the layers",
-            "smollm3": "not measured untied (its tiny config ties the embeddings)",
-            "starcoder2": "not measured untied (its tiny config ties the embeddings)",
-        }.items()
-    },
 }
 # FSDP 2 x TP 2 of Llama, Qwen2, Mistral and Qwen3 runs in tests/models/test_hf.py; the others here, slow
 FSDP_TP = tuple(a for a in ARCHS if a not in ("llama", "qwen2", "mistral", "qwen3"))
@@ -82,10 +83,11 @@ FSDP_TP = tuple(a for a in ARCHS if a not in ("llama", "qwen2", "mistral", "qwen
 FP32_INSIDE = ("gemma2", "gemma3_text", "cohere", "cohere2", "gemma", "vaultgemma", "helium")
 
 
-def build(model_type: str, seed: int = 0):
+def build(model_type: str, seed: int = 0, pp: bool = False):
+    """The tiny model (``pp``: with its ``PP_OVERRIDES``)."""
     from ndparallel.hf import tiny_config
 
-    config = tiny_config(model_type, **ARCHS.get(model_type, {}))
+    config = tiny_config(model_type, **ARCHS.get(model_type, {}), **(PP_OVERRIDES.get(model_type, {}) if pp else {}))
     attn = "eager" if model_type in EAGER else "sdpa"
     try:
         with torch.device("meta"):
@@ -96,16 +98,16 @@ def build(model_type: str, seed: int = 0):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
 
 
-def train(model_type: str, parallel: dict | None, halves: bool = False, steps: int = STEPS) -> dict:
+def train(model_type: str, parallel: dict | None, halves: bool = False, steps: int = STEPS, pp: bool = False) -> dict:
     """``STEPS`` AdamW steps; ``parallel=None``: one process, plain HF model (``halves``: each batch as two
-    accumulated halves, the model's own round-off floor)."""
+    accumulated halves, the model's own round-off floor; ``pp``: the pp2 configs, ``PP_OVERRIDES``)."""
     import ndparallel as ndp
     from ndparallel.distributed.reduce import average_over
     from ndparallel.parallel.clip import clip_grad_norm_
 
-    model, mesh, dp, dp_rank = build(model_type), None, 1, 0
     if parallel is not None and parallel.get("pp_size", 1) > 1:
-        return _train_pipeline(model, parallel, steps)
+        return _train_pipeline(build(model_type, pp=True), parallel, steps)
+    model, mesh, dp, dp_rank = build(model_type, pp=pp), None, 1, 0
     if parallel is not None:
         mesh = _mesh(parallel)
         model = ndp.parallelize(model, mesh.config, mesh)
@@ -187,16 +189,16 @@ def run_group(layouts: dict, archs: tuple = tuple(ARCHS), steps: int = STEPS) ->
 
 
 @functools.cache
-def reference(model_type: str, halves: bool = False, steps: int = STEPS) -> dict:
-    return train(model_type, None, halves=halves, steps=steps)
+def reference(model_type: str, halves: bool = False, steps: int = STEPS, pp: bool = False) -> dict:
+    return train(model_type, None, halves=halves, steps=steps, pp=pp)
 
 
-def tolerance(model_type: str, steps: int = STEPS) -> float:
+def tolerance(model_type: str, steps: int = STEPS, pp: bool = False) -> float:
     """1e-10, or for a model computing in fp32 inside 10x its own floor: the largest difference (losses, grad
     norms, step-1 gradients, final parameters) between one batch and the same batch as two accumulated halves."""
     if model_type not in FP32_INSIDE:
         return 1e-10
-    ref, halves = reference(model_type, steps=steps), reference(model_type, halves=True, steps=steps)
+    ref, halves = reference(model_type, steps=steps, pp=pp), reference(model_type, halves=True, steps=steps, pp=pp)
     floor = max(abs(a - b) for a, b in zip(ref["losses"], halves["losses"], strict=True))
     floor = max(floor, *(abs(a - b) / b for a, b in zip(ref["grad_norms"], halves["grad_norms"], strict=True)))
     floor = max(floor, *(float(np.abs(ref["grads"][n] - halves["grads"][n]).max()) for n in ref["grads"]))
@@ -227,7 +229,8 @@ def check(model_type: str, results: list, layout: str, steps: int = STEPS) -> li
                     f" ({refused[1]}), got {error or 'a run'}"
                 )
         return failures
-    ref, tol = reference(model_type, steps=steps), tolerance(model_type, steps=steps)
+    pp = layout == "pp2"
+    ref, tol = reference(model_type, steps=steps, pp=pp), tolerance(model_type, steps=steps, pp=pp)
     joined = {"grads": {}, "params": {}}
     for result in results:
         for key in joined:
