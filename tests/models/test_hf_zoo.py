@@ -7,7 +7,8 @@ scaling and sandwich norms (Gemma 2/3), final-logit soft-capping (Gemma 2), atte
 LayerNorm with bias (StarCoder 2), parallel residual blocks (Cohere), custom attention scaling (Granite).
 Losses, grad norms, step-1 gradients and the parameters after the last step are compared per architecture.
 One spawned group of 2 gloo ranks runs every architecture on tp 2 and, 2 steps each, on dp_shard 2, cp 2 (ring)
-and pp 2: exact, or the one-line ConfigError ``REFUSED`` pins. FSDP 2 x TP 2 (4 ranks) is marked slow; the
+and pp 2 (untied, sliding windows shorter than the sequence: ``PP_OVERRIDES``): exact, or the one-line
+ConfigError ``REFUSED`` pins. FSDP 2 x TP 2 (4 ranks) is marked slow; the
 sweep of the rest of the translated catalogue is marked zoo (make zoo).
 """
 
@@ -280,3 +281,33 @@ def test_tp_sweep_of_the_translated_catalogue():
     results = run_distributed(run_group, 2, {"tp2": LAYOUTS[2]["tp2"]}, SWEEP, 2, timeout=1500)
     failures = [f for model_type in SWEEP for f in check(model_type, results, "tp2", steps=2)]
     assert not failures, "\n".join(failures)
+
+
+def _print_pp2_table() -> None:
+    """``python -m tests.models.test_hf_zoo``: the pp 2 row of docs/models.md, per architecture the worst
+    of loss, relative grad norm, step-1 gradient and final-parameter differences against one process."""
+    results = run_distributed(run_group, 2, {"pp2": LAYOUTS[2]["pp2"]}, tuple(ARCHS), timeout=900)
+    for model_type in ARCHS:
+        got = results[0][(model_type, "pp2")]
+        if "error" in got:
+            print(f"{model_type:12s} refused: {got['error'][:100]}")
+            continue
+        ref, tol = reference(model_type, steps=EXTRA_STEPS, pp=True), tolerance(model_type, EXTRA_STEPS, pp=True)
+        joined = {"grads": {}, "params": {}}
+        for result in results:
+            for key in joined:
+                joined[key].update(result[(model_type, "pp2")][key])
+        diffs = {
+            "loss": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
+            "norm": max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)),
+            "grads": max(float(np.abs(joined["grads"][n] - ref["grads"][n]).max()) for n in ref["grads"]),
+            "params": max_param_diff(joined, ref),
+        }
+        print(
+            f"{model_type:12s} worst {max(diffs.values()):.1e} (tol {tol:.1e})",
+            *(f"{k} {v:.1e}" for k, v in diffs.items()),
+        )
+
+
+if __name__ == "__main__":
+    _print_pp2_table()
