@@ -13,7 +13,10 @@ current frame (where in the code, and which ``torch.distributed`` call, if any, 
   frozen, or its node lost), a rank still in an earlier phase, or - all in one phase - a rank that is
   not in the collective its peers wait in. The verdict goes to the store (the first one wins), is printed
   on this rank, and the process ends with exit status 124.
-- A rank that finds a verdict in the store prints it and ends too, so every rank reports.
+- A rank that finds a verdict in the store prints it and ends too, so every rank reports. Each rank that
+  printed says so in the store (``told/<rank>``), and no rank exits before every live peer has (at most
+  :data:`_TELL_PEERS_S`): the first exit makes torchrun SIGTERM the rest, and a hung rank cannot print
+  from a signal handler (its main thread is blocked in C; only its watchdog thread can speak).
 - When a collective fails (a peer died: "Connection reset by peer"), :meth:`Watchdog.explain`
   watches the heartbeats for a few intervals and names the ranks - or the whole node - that went
   silent, instead of the gloo message that blames nobody.
@@ -33,6 +36,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import FrameType
 
@@ -64,6 +68,13 @@ _VERDICT = "verdict"
 _LEAVING = "exiting:"  # the phase of a rank that has explained its failure and is about to exit
 _SILENT_AFTER = 3  # intervals without a new heartbeat before a rank counts as silent
 _PHASE_POST_GAP = 0.02  # seconds between two heartbeats posted for new phases: at most 50 a second
+_TOLD = "told/"  # + rank: this rank has printed the verdict
+_TELL_PEERS_S = 10.0
+"""The longest a rank that printed the verdict waits for its peers to print it too before it exits (in
+seconds, on a loaded machine too: not scaled with the heartbeat interval)."""
+_GONE_AFTER_S = 5.0
+"""A peer whose heartbeat has not moved for this long while a rank waits for it to print is not waited for
+(dead or frozen: it cannot print)."""
 
 
 def job_timeout(timeout_s: float | None = None) -> float:
@@ -434,7 +445,8 @@ class Watchdog:
                 if self._waiting() and time.monotonic() - since >= self.timeout_s:
                     self._end(
                         f"{self._store_lost(err)}, and rank {self.rank} has been{_in(phase) or ' waiting'} for "
-                        f"{time.monotonic() - since:.0f}s"
+                        f"{time.monotonic() - since:.0f}s",
+                        tell=False,
                     )
 
     def _where(self) -> tuple[int, str, float]:
@@ -491,13 +503,41 @@ class Watchdog:
         host = self._store_host or "the node that hosted it"
         return f"lost {host}, which hosted the job's rendezvous store at {address} ({str(err).strip()[:100]})"
 
-    def _end(self, verdict: str) -> None:
-        self._exit(EXIT_HUNG, f"the job hung: {verdict}", record=verdict)
+    def _end(self, verdict: str, tell: bool = True) -> None:
+        """Print ``verdict`` and exit 124; with ``tell`` (the store answers), after the peers printed it too."""
+        self._exit(
+            EXIT_HUNG, f"the job hung: {verdict}", record=verdict, before_exit=self._wait_for_peers if tell else None
+        )
+
+    def _wait_for_peers(self) -> None:
+        """Mark this rank as told, then wait (bounded) until every peer that still beats has printed the verdict.
+
+        Without this, the first rank to exit makes torchrun (or ``notebook_launcher``) SIGTERM the others,
+        often the hung rank, before its watchdog thread read the verdict and printed it."""
+        try:
+            self.store.set(f"{_TOLD}{self.rank}", "1")
+            seen: dict[int, tuple[int, float]] = {}
+            pending = [r for r in range(self.world_size) if r != self.rank]
+            start = time.monotonic()
+            while time.monotonic() < start + _TELL_PEERS_S:
+                now = time.monotonic()
+                if not pending or self.store.check([f"{_TOLD}{r}" for r in pending]):
+                    return  # every peer has printed it
+                pending = [r for r in pending if not self.store.check([f"{_TOLD}{r}"])]
+                beats = self._read_beats()
+                gone = _silence(beats, seen, now, _GONE_AFTER_S, self.rank)
+                if all(r in gone or (r not in beats and now - start >= _GONE_AFTER_S) for r in pending):
+                    return
+                time.sleep(min(0.5, self.interval / 2))
+        except Exception:  # the store went away: nobody is left to wait for
+            return
 
     @staticmethod
-    def _exit(code: int, message: str, record: str | None = None) -> None:
-        """Print ``message``, leave it in torchrun's error file for the launcher's report, and end the
-        process now: the main thread may be blocked in a collective that will never return."""
+    def _exit(
+        code: int, message: str, record: str | None = None, before_exit: Callable[[], None] | None = None
+    ) -> None:
+        """Print ``message``, leave it in torchrun's error file for the launcher's report, call ``before_exit``,
+        and end the process: the main thread may be blocked in a collective that will never return."""
         print(f"ndparallel: error: {message}", file=sys.stderr, flush=True)
         path = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if path:
@@ -509,6 +549,8 @@ class Watchdog:
             except OSError:
                 pass
         sys.stdout.flush()
+        if before_exit is not None:
+            before_exit()
         os._exit(code)
 
 

@@ -101,13 +101,31 @@ def _watched(function: Callable[..., Any], args: tuple, timeout: float) -> Any:
 
 
 def _who_is_behind(store_path: str, world_size: int, timeout: float) -> str:
-    """In the launcher, when time ran out: the ranks' heartbeats' verdict on who kept the others waiting."""
+    """In the launcher, when time ran out: the ranks' heartbeats' verdict on who kept the others waiting.
+
+    A rank without a heartbeat had not reached the function (its start took ``timeout``: a loaded machine).
+    Less than three heartbeats in one place is too short to tell a hang from a slow step: when the ranks beat
+    but have not waited that long yet, they get that long, at most four heartbeat intervals more, before they
+    are killed (a heartbeat is up to one interval old when read)."""
+    import time
+
     from ndparallel.distributed.process import file_job_store
     from ndparallel.distributed.watchdog import heartbeat_interval, judge_at_deadline, read_beats
 
+    interval = heartbeat_interval(timeout)
+    give_up = time.monotonic() + 4 * interval
     try:
-        beats = read_beats(file_job_store(store_path), world_size)
-    except Exception:  # no heartbeats yet (a rank that never started): the plain timeout message
+        store = file_job_store(store_path)
+        while True:
+            beats = read_beats(store, world_size)
+            missing = [r for r in range(world_size) if r not in beats]
+            if missing:
+                ranks = ", ".join(map(str, missing))
+                who = "no rank had" if len(missing) == world_size else f"rank(s) {ranks} had not"
+                return f"{who} reached the function yet: starting the ranks took the whole timeout; raise timeout"
+            verdict = judge_at_deadline(beats, 3 * interval)
+            if verdict or time.monotonic() >= give_up:
+                return verdict or ""
+            time.sleep(interval / 2)
+    except Exception:  # the store cannot be read: the plain timeout message
         return ""
-    # Less than three heartbeats in one place is too short to tell a hang from a slow step.
-    return judge_at_deadline(beats, 3 * heartbeat_interval(timeout)) or ""

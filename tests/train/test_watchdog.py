@@ -6,6 +6,8 @@ tests/train/test_job_faults.py; here each rule of :func:`judge` is pinned down o
 
 from __future__ import annotations
 
+import time
+
 from ndparallel.distributed.watchdog import Beat, describe, heartbeat_interval, judge, process_group_timeout
 from ndparallel.testing import run_distributed
 
@@ -86,3 +88,46 @@ def test_heartbeats_travel_through_the_job_store_on_real_ranks():
     assert all(b["phase"] == "step 1: forward/backward" and b["seq"] == 1 and b["count"] >= 3 for b in beats)
     assert beats[0]["collective"] == "" and "_heartbeats_on_two_ranks" in beats[0]["where"]
     assert beats[1]["collective"] == "barrier" and "_heartbeats_on_two_ranks" in beats[1]["where"]
+
+
+def _a_hung_rank_slow_to_read_the_verdict(folder: str) -> None:
+    """Rank 0 waits in a barrier that rank 1 never enters; rank 1's watchdog thread, as on a loaded machine,
+    takes 3 s between finding the verdict in the store and printing it. Each rank's stderr goes to
+    ``folder/rank-R.err`` (the ranks come from a forkserver that pytest's capture cannot reach)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from ndparallel.distributed.watchdog import Watchdog
+
+    with open(f"{folder}/rank-{dist.get_rank()}.err", "w") as err:
+        os.dup2(err.fileno(), 2)
+    watchdog = Watchdog.for_job(timeout_s=2)
+    if dist.get_rank() == 1:
+        read_verdict = watchdog._end_if_judged  # noqa: SLF001
+
+        def starved() -> None:
+            if watchdog.store.check(["verdict"]):
+                time.sleep(3)
+            read_verdict()
+
+        watchdog._end_if_judged = starved  # noqa: SLF001
+        time.sleep(3600)  # behind: never enters the barrier
+    dist.barrier()
+
+
+def test_the_rank_that_judges_waits_until_every_rank_printed_the_verdict(tmp_path):
+    # Without the wait, rank 0 exits at its verdict, the launcher kills rank 1 (as torchrun SIGTERMs it),
+    # and the hung rank never says why the job ended.
+    import pytest
+
+    from ndparallel.testing import DistributedError
+
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match="exited with code 124"):
+        run_distributed(_a_hung_rank_slow_to_read_the_verdict, 2, str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        err = (tmp_path / f"rank-{rank}.err").read_text()
+        assert err.startswith("ndparallel: error: the job hung: rank 1 did not reach the collective within 2s"), err
+    assert time.monotonic() - started < 90
