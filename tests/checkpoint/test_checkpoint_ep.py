@@ -147,8 +147,10 @@ def test_checkpoint_reshards_across_expert_parallel(tmp_path):
         dims, placements = per_rank["saved"]["ep2"]["experts"]  # ep_fsdp: a strided shard of what ep leaves
         assert dims == ("ep_fsdp", "ep") and placements[-1] == "S(0)" and "Replicate()" not in placements
         assert per_rank["saved"]["fsdp4"]["experts"] == (("dp_shard_cp",), ("S(0)",))
-        for label, (_, _, load_optimizer) in RESUMES.items():
+        for label, (_, parallel, load_optimizer) in RESUMES.items():
             got = per_rank["resumed"][label]
+            dims = ("ep_fsdp", "ep") if "ep_size" in parallel else ("dp_shard_cp",)
+            assert got["experts"][0] == dims, (label, got["experts"])  # loaded on the layout it names
             if load_optimizer:
                 _exact(got, ref, f"{label}, rank {rank}", SAVED_AT)
             else:  # a fresh AdamW (step 1, zero moments) is another trajectory: the checks above can fail
