@@ -12,11 +12,13 @@ any pp size. The values differ from ``LlamaForCausalLM(config)``'s (same distrib
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from ndparallel.errors import ConfigError
 from ndparallel.models.seed import name_seed
 
 __all__ = ["init_buffers", "seeded_init"]
@@ -46,16 +48,70 @@ def seeded_init(model: nn.Module, seed: int = 0, init_module: Callable[[nn.Modul
 
 
 @torch.no_grad()
-def init_buffers(
-    model: nn.Module, init_module: Callable[[nn.Module], None] | None = None, redraw_params: bool = False
-) -> None:
-    """Recompute the buffers of modules that hold buffers and no parameters (rotary ``inv_freq``, which
-    ``to_empty`` leaves uninitialised) with HF's ``init_module`` (default ``model._init_weights``).
-    ``redraw_params``: also every module with a non-persistent buffer beside its parameters (Gemma's
-    ``embed_scale``), whose parameters the init redraws: plain tensors a checkpoint read overwrites."""
+def init_buffers(model: nn.Module, init_module: Callable[[nn.Module], None] | None = None) -> None:
+    """Recompute every non-persistent buffer of ``model`` (rotary ``inv_freq``, Gemma's ``embed_scale``) with HF's
+    per-module ``init_module`` (default ``model._init_weights``); parameters are left as they are.
+
+    Why: a model built on the meta device and ``to_empty``'d holds uninitialised memory in every tensor, and a
+    checkpoint never stores non-persistent buffers. transformers' own ``from_pretrained`` relies on the same rule
+    (``_init_weights`` sets them). One rule for ``load_pretrained`` and a checkpoint's pipeline stages. A buffer
+    the init leaves unset (it is filled with NaN, or the dtype's max, first) is refused by name: ConfigError.
+    """
     init_module = init_module or model._init_weights
-    for module in model.modules():
-        has_buffers = next(module.buffers(recurse=False), None) is not None
-        no_params = next(module.parameters(recurse=False), None) is None
-        if (has_buffers and no_params) or (redraw_params and module._non_persistent_buffers_set):
-            init_module(module)  # HF's per-module init recomputes the rotary frequencies from the config
+    unset = []
+    for prefix, module in model.named_modules():
+        names = sorted(n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None)
+        if not names:
+            continue
+        for name in names:
+            _fill_sentinel(module._buffers[name])
+        with _parameters_kept(module):
+            init_module(module)
+        unset += [f"{prefix}.{n}" if prefix else n for n in names if _is_sentinel(module._buffers[n])]
+    if unset:
+        raise ConfigError(
+            f"{type(model).__name__}: the non-persistent buffers {unset[:4]} are in no checkpoint and its "
+            "_init_weights does not recompute them after a meta-device build; load the model with "
+            "from_pretrained and pass it to ndparallel.parallelize"
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _sentinel(tensor: torch.Tensor) -> float | int | None:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return float("nan")
+    if tensor.dtype == torch.bool:
+        return None  # no value marks a bool as unset
+    return torch.iinfo(tensor.dtype).max
+
+
+def _fill_sentinel(tensor: torch.Tensor) -> None:
+    value = _sentinel(tensor)
+    if value is not None:
+        _local(tensor).fill_(value)
+    if hasattr(tensor, "_is_hf_initialized"):  # transformers' init.* skips a tensor flagged initialised
+        del tensor._is_hf_initialized
+
+
+def _is_sentinel(tensor: torch.Tensor) -> bool:
+    local, value = _local(tensor), _sentinel(tensor)
+    if value is None or not local.numel():
+        return False
+    return bool(torch.isnan(local).all()) if value != value else bool((local == value).all())
+
+
+@contextlib.contextmanager
+def _parameters_kept(module: nn.Module) -> Iterator[None]:
+    """transformers' ``init.*`` functions skip a tensor flagged ``_is_hf_initialized``: flag ``module``'s own
+    parameters for the call (a full redraw of a sharded embedding costs time and its values are discarded)."""
+    params = [p for p in module.parameters(recurse=False) if not getattr(p, "_is_hf_initialized", False)]
+    for param in params:
+        param._is_hf_initialized = True
+    try:
+        yield
+    finally:
+        for param in params:
+            del param._is_hf_initialized

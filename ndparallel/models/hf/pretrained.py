@@ -125,7 +125,9 @@ def _weight_files(path: Path) -> dict[str, Path]:
 @torch.no_grad()
 def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
     wanted = dict(model.named_parameters())
-    wanted.update((n, b) for n, b in model.named_buffers() if n in files)
+    # persistent buffers come from the checkpoint (init_buffers recomputes only the non-persistent ones)
+    non_persistent = _non_persistent(model)
+    wanted.update((n, b) for n, b in model.named_buffers() if n in files or n not in non_persistent)
     missing = sorted(set(wanted) - set(files))
     if missing:
         raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; is it the same model?")
@@ -200,7 +202,7 @@ def load_pretrained_pipeline(
 
     mesh = mesh or init_distributed(cfg or ParallelismConfig())
     model, files = _meta_model(path, model_class, dtype, mesh)
-    setattr(model, LOAD_MARKER, True)  # stages compute only their rotary tables; parameters come from files
+    setattr(model, LOAD_MARKER, True)  # stages compute only their non-persistent buffers; parameters: files
     pipe = build_pipeline(model, cfg, mesh, microbatches=microbatches)
     failure = None
     try:

@@ -42,7 +42,7 @@ PIPELINE_MODEL_TYPES = frozenset(
 # config.layer_types entries a stage builds a mask for (create_causal_mask / create_sliding_window_causal_mask)
 _MASK_KINDS = ("full_attention", "sliding_attention")
 # Set on a meta model by load_pretrained_pipeline: its stages' parameters come from a checkpoint after
-# parallelize, so init_weights leaves them (only the rotary tables are computed).
+# parallelize, so init_weights leaves them (only the non-persistent buffers are computed).
 LOAD_MARKER = "_ndparallel_weights_from_checkpoint"
 
 
@@ -104,14 +104,15 @@ class HFCausalLMStage(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """What :func:`ndparallel.models.hf.init.seeded_init` gives the whole model from ``seed`` (default 0), for this
-        stage's modules; the rotary tables. A stage of a checkpoint being loaded: the rotary tables only."""
+        stage's modules; the rotary tables. A stage of a checkpoint being loaded: its non-persistent buffers
+        only (:func:`ndparallel.models.hf.init.init_buffers`)."""
         if self._init_module is None:
             raise ConfigError(
                 f"{type(self).__name__} was built from a materialised model, whose weights it already holds: "
                 "init_weights needs the model built on the meta device"
             )
         if self._params_from_checkpoint:
-            init_buffers(self, self._init_module, redraw_params=True)  # rotary inv_freq, Gemma's embed_scale
+            init_buffers(self, self._init_module)  # non-persistent buffers: rotary inv_freq, Gemma's embed_scale
             return
         seeded_init(self, 0 if seed is None else seed, self._init_module)
 
