@@ -15,6 +15,16 @@ See docs/verify.md.
 
 from ndparallel.verify.api import verify
 from ndparallel.verify.compare import Row, Tolerance, VerifyTable
-from ndparallel.verify.layouts import Layout, auto_layouts, fold, parse_layouts
+from ndparallel.verify.layouts import Layout, auto_layouts, fold, parse_layouts, parse_reshards
 
-__all__ = ["Layout", "Row", "Tolerance", "VerifyTable", "auto_layouts", "fold", "parse_layouts", "verify"]
+__all__ = [
+    "Layout",
+    "Row",
+    "Tolerance",
+    "VerifyTable",
+    "auto_layouts",
+    "fold",
+    "parse_layouts",
+    "parse_reshards",
+    "verify",
+]

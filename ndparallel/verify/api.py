@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 
 from torch import nn
 
 from ndparallel.errors import ConfigError
-from ndparallel.verify.compare import VerifyTable, compare, errors, float64_tolerance, tolerance_for
-from ndparallel.verify.layouts import Layout, parse_layouts
+from ndparallel.verify.compare import (
+    Row,
+    VerifyTable,
+    compare,
+    describe_shrink,
+    errors,
+    float64_tolerance,
+    tolerance_for,
+)
+from ndparallel.verify.layouts import Layout, parse_layouts, parse_reshards
 from ndparallel.verify.localize import first_nondeterministic, localize
 from ndparallel.verify.model import ModelSpec, check_fits_in_memory, model_spec
-from ndparallel.verify.run import Settings, reference, run_layouts
+from ndparallel.verify.run import Settings, Trace, reference, resume_step, run_layouts, run_resumes
 
 __all__ = ["verify"]
 
@@ -27,27 +37,43 @@ def verify(
     batch: int = 4,
     cpu_ranks: int = 4,
     localize_failures: bool = False,
+    shrink: bool = False,
+    reshard: str | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> VerifyTable:
     """Train ``model`` (a preset, an HF config.json / folder, ``module:factory`` or a module-level factory) for
     ``steps`` AdamW steps (clipping at 1.0) in one process and on each layout (gloo ranks, at most
     ``cpu_ranks``), from the same seed on the same global batches; the table of differences and verdicts.
+    ``shrink``: a preset or HF config at its architecture's tiny sizes (2 layers, a small width), said in the
+    progress, the table and the JSON (``VerifyTable.shrunk``). ``reshard``: ``"A>B;..."`` layout pairs, each
+    trained on A, saved after ``steps // 2`` steps (DCP), loaded on B and trained on: a row ``A>B`` each.
 
     Raises :class:`~ndparallel.errors.ConfigError` for bad input and for a model that is not deterministic.
     """
-    spec = model_spec(model, dtype, tp_plan)
+    spec = model_spec(model, dtype, tp_plan, shrink=shrink)
     chosen = _layouts(layouts, cpu_ranks)
     settings = Settings(steps=steps, seq=seq, batch=batch)
     _check_settings(settings)
-    check_fits_in_memory(spec, max(layout.ranks for layout in chosen))
+    pairs = parse_reshards(reshard, cpu_ranks) if reshard is not None else []
+    if pairs and steps < 2:
+        raise ConfigError(f"--reshard with --steps {steps}: it saves after steps // 2 and resumes; use --steps >= 2")
+    chosen += [a for a in dict.fromkeys(a for a, _ in pairs) if a not in chosen]  # A trains, and saves
+    check_fits_in_memory(spec, max(layout.ranks for layout in [*chosen, *(b for _, b in pairs)]))
+    shrunk = spec.shrunk()
     progress(f"verify: {spec.name} in {dtype}, {steps} steps, batch {batch} x {seq} tokens")
+    if shrink:
+        progress(f"verify: --shrink: the same architecture at tiny sizes: {describe_shrink(shrunk)}")
     _check_deterministic(spec, settings)
     progress("verify: reference (one process)")
     ref = reference(spec, settings)
     notes, f64 = [], None
     if dtype == "float64":
         f64 = _float64_tolerance(spec, settings, ref, notes, progress)
-    traces = run_layouts(spec, chosen, settings, progress)
+    with tempfile.TemporaryDirectory(prefix="ndp-verify-") as tmp:
+        saves = {a: os.path.join(tmp, f"ckpt-{i}") for i, a in enumerate(dict.fromkeys(a for a, _ in pairs))}
+        traces = run_layouts(spec, chosen, settings, progress, saves)
+        ready = [(a, b, saves[a]) for a, b in pairs if not (traces[a].refused or traces[a].error)]
+        resumed = run_resumes(spec, ready, settings, progress) if ready else {}
     rows = []
     for layout in chosen:
         row = compare(layout, traces[layout], ref, tolerance_for(dtype, layout, f64))
@@ -55,7 +81,28 @@ def verify(
         if row.verdict == "FAIL" and localize_failures:
             row.localized = _localize(spec, layout, settings, row.tolerance["grad"] or 1e-6, progress)
         rows.append(row)
-    return VerifyTable(spec.name, dtype, steps, rows, notes)
+    for a, b in pairs:
+        row = _reshard_row(a, b, traces[a], resumed.get((a, b)), ref, settings, tolerance_for(dtype, b, f64))
+        progress(f"verify: {row.layout}: {row.verdict}{f' ({row.message})' if row.message else ''}")
+        rows.append(row)
+    return VerifyTable(
+        spec.name, dtype, steps, rows, notes, {k: list(v) for k, v in shrunk.items()} if shrink else None
+    )
+
+
+def _reshard_row(a: Layout, b: Layout, saved: Trace, resumed: Trace | None, ref: Trace, settings, tol) -> Row:
+    """The ``A>B`` row: A's first steps then B's after the checkpoint, against the uninterrupted reference."""
+    name = f"{a.name}>{b.name}"
+    if resumed is None:  # A was refused or failed: nothing was saved
+        verdict = "refused" if saved.refused else "error"
+        return Row(name, b.ranks, verdict, message=f"not run: {a.name} {verdict}: {saved.refused or saved.error}")
+    k = resume_step(settings)
+    if not (resumed.refused or resumed.error):
+        losses, norms = saved.losses[:k] + resumed.losses, saved.grad_norms[:k] + resumed.grad_norms
+        resumed = Trace(losses, norms, saved.grads, resumed.params)  # step-1 gradients: A's
+    row = compare(b, resumed, ref, tol)
+    row.layout = name
+    return row
 
 
 def _layouts(layouts: str | Sequence[str | Layout], cpu_ranks: int) -> list[Layout]:

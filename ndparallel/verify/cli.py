@@ -23,6 +23,17 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=4, help="global batch, sequences")
     p.add_argument("--cpu-ranks", type=int, default=4, help="the most gloo ranks a layout may use")
     p.add_argument("--localize", action="store_true", help="name the first module where a failing layout differs")
+    p.add_argument(
+        "--shrink",
+        action="store_true",
+        help="a preset or HF config at its architecture's tiny sizes (2 layers, small width), said in the output",
+    )
+    p.add_argument(
+        "--reshard",
+        default=None,
+        metavar="A>B[;C>D]",
+        help="save a checkpoint on layout A after steps // 2, load it on B, train on: must equal the reference",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write every number to FILE")
     p.set_defaults(func=_cmd_verify)
 
@@ -41,6 +52,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         batch=args.batch,
         cpu_ranks=args.cpu_ranks,
         localize_failures=args.localize,
+        shrink=args.shrink,
+        reshard=args.reshard,
         progress=_progress,
     )
     print(table.format())

@@ -25,7 +25,16 @@ import numpy as np
 from ndparallel.verify.layouts import Layout
 from ndparallel.verify.run import Trace
 
-__all__ = ["METRICS", "Row", "Tolerance", "VerifyTable", "compare", "float64_tolerance", "tolerance_for"]
+__all__ = [
+    "METRICS",
+    "Row",
+    "Tolerance",
+    "VerifyTable",
+    "compare",
+    "describe_shrink",
+    "float64_tolerance",
+    "tolerance_for",
+]
 
 METRICS = ("loss", "grad_norm", "grad", "param")
 FLOAT64_BOUND = 1e-10
@@ -136,6 +145,7 @@ class VerifyTable:
     steps: int
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
+    shrunk: dict[str, list[Any]] | None = None  # --shrink: {field: [from, to]}; None: the model as given
 
     @property
     def ok(self) -> bool:
@@ -159,6 +169,10 @@ class VerifyTable:
                 lines.append(f"    first divergence: {row.localized['summary']}")
         sources = dict.fromkeys(r.tolerance["source"] for r in self.rows if r.tolerance)
         lines += [f"tolerance: {s}" for s in sources] + self.notes
+        if self.shrunk is not None:
+            lines.append(
+                f"shrunk (--shrink; the architecture kept, not the job's sizes): {describe_shrink(self.shrunk)}"
+            )
         all_refused = bool(self.rows) and all(r.verdict == "refused" for r in self.rows)
         lines.append(
             f"verdict: {'PASS' if self.ok else 'FAIL'}" + (" (every layout was refused)" if all_refused else "")
@@ -171,6 +185,17 @@ class VerifyTable:
     def write_json(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2, default=str)
+
+
+def describe_shrink(changes: dict[str, Any]) -> str:
+    """``num_hidden_layers 80 -> 2, hidden_size 8192 -> 32, ...``; a list as its length."""
+
+    def show(value: Any) -> str:
+        return f"[{len(value)} entries]" if isinstance(value, (list, tuple)) else str(value)
+
+    if not changes:
+        return "nothing changed (already at tiny sizes)"
+    return ", ".join(f"{name} {show(old)} -> {show(new)}" for name, (old, new) in changes.items())
 
 
 def _num(value: float) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["DIMS", "Layout", "auto_layouts", "fold", "parse_layouts"]
+__all__ = ["DIMS", "Layout", "auto_layouts", "fold", "parse_layouts", "parse_reshards"]
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outer -> inner, as the mesh orders them
 AUTO_SINGLES = ("dp_shard", "dp_replicate", "tp", "cp", "pp")
@@ -80,6 +80,25 @@ def parse_layouts(text: str, cpu_ranks: int) -> list[Layout]:
     if not layouts:
         raise ConfigError(f"--layouts {text!r} names no layout; e.g. --layouts 'dp_shard=2;tp=2' or auto")
     return list(dict.fromkeys(layouts))
+
+
+def parse_reshards(text: str, cpu_ranks: int) -> list[tuple[Layout, Layout]]:
+    """``--reshard "dp_shard=2>tp=2;tp=2>pp=2"``: (save on, load on) layout pairs, each side as in
+    :func:`parse_layouts` (one layout)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        sides = item.split(">")
+        if len(sides) != 2 or not all(side.strip() for side in sides):
+            raise ConfigError(f"--reshard {item!r}: expected A>B (save on layout A, load on B), e.g. dp_shard=2>tp=2")
+        a, b = (parse_layouts(side, cpu_ranks) for side in sides)
+        if len(a) != 1 or len(b) != 1:
+            raise ConfigError(f"--reshard {item!r}: each side is one layout (dims joined by ','), e.g. dp_shard=2>tp=2")
+        if a == b:
+            raise ConfigError(f"--reshard {item!r}: the same layout on both sides reshards nothing")
+        pairs.append((a[0], b[0]))
+    if not pairs:
+        raise ConfigError(f"--reshard {text!r} names no layout pair; e.g. dp_shard=2>tp=2")
+    return pairs
 
 
 def auto_layouts(cpu_ranks: int) -> list[Layout]:

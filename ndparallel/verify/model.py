@@ -33,13 +33,15 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bf16": torch.floa
 @dataclass(frozen=True)
 class ModelSpec:
     """``kind`` is ``preset`` (a TransformerConfig preset name), ``hf`` (a config.json file or folder) or
-    ``factory`` (``module:callable`` returning an ``nn.Module``); ``tp_plan`` an optional ``module:attr``."""
+    ``factory`` (``module:callable`` returning an ``nn.Module``); ``tp_plan`` an optional ``module:attr``;
+    ``shrink``: a preset or HF config at the tiny sizes of its architecture (:meth:`shrunk`)."""
 
     kind: str
     source: str
     dtype: str = "float64"
     tp_plan_ref: str | None = None
     seed: int = 0
+    shrink: bool = False
 
     @property
     def name(self) -> str:
@@ -49,9 +51,9 @@ class ModelSpec:
         """The model with its seeded weights, parameters in the verify dtype, in train mode."""
         torch.manual_seed(self.seed)
         if self.kind == "preset":
-            model = _preset(self.source, self.dtype, self.seed)
+            model = _preset(self.source, self.dtype, self.seed, self.shrink)
         elif self.kind == "hf":
-            model = _hf_model(self.source)
+            model = _hf_model(self.source, self.shrink)
         else:
             model = _call_factory(self.source)
         model = model.to(DTYPES[self.dtype]).train()
@@ -61,6 +63,17 @@ class ModelSpec:
                 "shard and checkpoint per block; keep the blocks in an nn.ModuleList"
             )
         return model
+
+    def shrunk(self) -> dict[str, tuple[Any, Any]]:
+        """What ``--shrink`` changed, ``{field: (from, to)}`` ({} without it): the rule of
+        :func:`ndparallel.hf.tiny_config` for an HF config, the ``tiny`` preset's sizes for a preset."""
+        if not self.shrink:
+            return {}
+        if self.kind == "hf":
+            return _shrunk_hf(self.source)[1]
+        from ndparallel.models.transformer.presets import shrink_preset
+
+        return shrink_preset(self.source, dtype=_param_dtype(self.dtype), seed=self.seed)[1]
 
     def tp_plan(self, model: nn.Module) -> Mapping[str, Any] | None:
         """The ``--tp-plan`` table (an attribute, or a callable given the model), or None: the family's."""
@@ -97,10 +110,17 @@ def check_fits_in_memory(spec: ModelSpec, ranks: int, memory: int | None = None)
     need = (ranks + 1) * 4 * params * DTYPES[spec.dtype].itemsize
     if memory and need > memory:
         gib = 2**30
+        if spec.kind == "factory" or spec.shrink:
+            fix = "verify a shrunk config of the same architecture (fewer layers, a smaller hidden size)"
+        else:
+            fix = (
+                "verify a shrunk config of the same architecture: add --shrink (shrink=True), which keeps the "
+                "architecture at 2 layers and a small width and says so in the output"
+            )
         raise ConfigError(
             f"{spec.name}: {params / 1e6:.0f}M parameters need ~{need / gib:.0f} GiB here (the reference and {ranks} "
             f"ranks each hold the model, its gradients and AdamW state), more than this machine's {memory / gib:.0f} "
-            "GiB: verify a shrunk config of the same architecture (fewer layers, a smaller hidden size)"
+            f"GiB: {fix}"
         )
 
 
@@ -121,10 +141,15 @@ def vocab_size(model: nn.Module) -> int:
 
 
 def model_spec(
-    model: str | Callable[[], nn.Module], dtype: str = "float64", tp_plan: str | None = None, seed: int = 0
+    model: str | Callable[[], nn.Module],
+    dtype: str = "float64",
+    tp_plan: str | None = None,
+    seed: int = 0,
+    shrink: bool = False,
 ) -> ModelSpec:
     """``--model`` as a spec: a preset name, a config.json / folder, ``module:factory``, or a module-level
-    factory function (named by its module and name: the ranks import it)."""
+    factory function (named by its module and name: the ranks import it). ``shrink`` (a preset or HF config
+    only) is checked here, before any rank starts."""
     if callable(model):
         model = f"{model.__module__}:{model.__qualname__}"
     if dtype not in DTYPES:
@@ -132,12 +157,19 @@ def model_spec(
     from ndparallel.models import PRESETS
 
     if model in PRESETS:
-        return ModelSpec("preset", model, dtype, tp_plan, seed)
+        return ModelSpec("preset", model, dtype, tp_plan, seed, shrink)
     path = Path(model)
     if path.is_dir() or path.suffix == ".json":
         _hf_config(model)  # refused here, before any rank starts
-        return ModelSpec("hf", str(path.resolve()), dtype, tp_plan, seed)
+        spec = ModelSpec("hf", str(path.resolve()), dtype, tp_plan, seed, shrink)
+        spec.shrunk()  # an architecture that cannot take the tiny sizes: refused here too
+        return spec
     if ":" in model:
+        if shrink:
+            raise ConfigError(
+                f"--shrink applies to a preset or a Hugging Face config, not to --model {model!r} (your factory "
+                "chooses its own sizes): make the factory build a smaller model of the same architecture"
+            )
         return ModelSpec("factory", model, dtype, tp_plan, seed)
     raise ConfigError(
         f"--model {model!r} is no preset ({', '.join(sorted(PRESETS))}), no config.json or folder, and no "
@@ -145,11 +177,17 @@ def model_spec(
     )
 
 
-def _preset(name: str, dtype: str, seed: int) -> nn.Module:
-    from ndparallel.models import Transformer, TransformerConfig
+def _param_dtype(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
 
-    param_dtype = "float64" if dtype == "float64" else "float32"
-    return Transformer(TransformerConfig.from_dict({"preset": name, "dtype": param_dtype, "seed": seed}))
+
+def _preset(name: str, dtype: str, seed: int, shrink: bool = False) -> nn.Module:
+    from ndparallel.models import Transformer, TransformerConfig
+    from ndparallel.models.transformer.presets import shrink_preset
+
+    if shrink:
+        return Transformer(shrink_preset(name, dtype=_param_dtype(dtype), seed=seed)[0])
+    return Transformer(TransformerConfig.from_dict({"preset": name, "dtype": _param_dtype(dtype), "seed": seed}))
 
 
 def _hf_config(source: str):
@@ -176,10 +214,25 @@ def _hf_config(source: str):
         raise ConfigError(f"--model {source}: transformers cannot read {file}: {err}") from None
 
 
-def _hf_model(source: str) -> nn.Module:
-    import transformers
+def _shrunk_hf(source: str) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+    """The HF config of ``source`` shrunk by :func:`ndparallel.hf.tiny_config`'s rule, and what changed."""
+    from ndparallel.models.hf.tiny import shrink_config
 
     config = _hf_config(source)
+    try:
+        return shrink_config(config)
+    except Exception as err:  # transformers' validators raise several kinds
+        cause = " ".join(str(err).split())[:300]
+        raise ConfigError(
+            f"--shrink: {config.model_type} does not take the tiny sizes of ndparallel.hf.tiny_config ({cause}): "
+            "write a small config.json of the architecture by hand (2 layers, a small hidden size)"
+        ) from None
+
+
+def _hf_model(source: str, shrink: bool = False) -> nn.Module:
+    import transformers
+
+    config = _shrunk_hf(source)[0] if shrink else _hf_config(source)
     try:
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     except (ValueError, KeyError) as err:

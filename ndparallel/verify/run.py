@@ -6,6 +6,11 @@ the full step-1 gradients and the full parameters after the last step (``DTensor
 each rank gives its stages' and the parent merges them). Layouts of one world size share ONE spawned group
 (:func:`run_layouts`): the ranks train them in turn. A layout the model cannot take (``ConfigError`` on
 every rank, e.g. tp not dividing the heads) comes back as its refusal message.
+
+``--reshard A>B``: layout A's run (in its group) also saves a DCP checkpoint (model and AdamW state,
+:func:`ndparallel.checkpoint.save`) after step ``k = steps // 2``; :func:`run_resumes` loads it on layout B
+(one spawned group per B world size) and trains steps ``k+1..steps``. The pair's trace is A's first ``k``
+steps then B's: the uninterrupted reference is what it must reproduce.
 """
 
 from __future__ import annotations
@@ -24,7 +29,17 @@ from ndparallel.errors import ConfigError
 from ndparallel.verify.layouts import Layout
 from ndparallel.verify.model import ModelSpec, vocab_size
 
-__all__ = ["Settings", "Trace", "build_runner", "full_arrays", "make_batches", "reference", "run_layouts"]
+__all__ = [
+    "Settings",
+    "Trace",
+    "build_runner",
+    "full_arrays",
+    "make_batches",
+    "reference",
+    "resume_step",
+    "run_layouts",
+    "run_resumes",
+]
 
 
 @dataclass(frozen=True)
@@ -75,22 +90,56 @@ def reference(spec: ModelSpec, settings: Settings) -> Trace:
     return _train(spec, None, settings)
 
 
-def run_layouts(spec: ModelSpec, layouts: Sequence[Layout], settings: Settings, progress=print) -> dict[Layout, Trace]:
-    """Every layout's trace; one spawned group of gloo ranks per world size."""
+def resume_step(settings: Settings) -> int:
+    """The step after which ``--reshard`` saves on layout A and resumes on B."""
+    return settings.steps // 2
+
+
+def run_layouts(
+    spec: ModelSpec,
+    layouts: Sequence[Layout],
+    settings: Settings,
+    progress=print,
+    saves: dict[Layout, str] | None = None,
+) -> dict[Layout, Trace]:
+    """Every layout's trace; one spawned group of gloo ranks per world size. A layout in ``saves`` also writes
+    a checkpoint there after :func:`resume_step`."""
+    groups = [[layout for layout in layouts if layout.ranks == world] for world in sorted({x.ranks for x in layouts})]
+    jobs = [[(layout, None, (saves or {}).get(layout)) for layout in group] for group in groups]
+    return _run_groups(spec, jobs, settings, progress, "")
+
+
+def run_resumes(
+    spec: ModelSpec, pairs: Sequence[tuple[Layout, Layout, str]], settings: Settings, progress=print
+) -> dict[tuple[Layout, Layout], Trace]:
+    """Layout B's steps after :func:`resume_step`, from the checkpoint layout A saved, for each ``(A, B,
+    path)``; one spawned group per world size of B."""
+    worlds = sorted({b.ranks for _, b, _ in pairs})
+    jobs = [[(b, path, None) for _, b, path in pairs if b.ranks == world] for world in worlds]
+    traces = _run_groups(spec, jobs, settings, progress, " (resumed from a checkpoint)")
+    ordered = [pair for world in worlds for pair in pairs if pair[1].ranks == world]
+    return {(a, b): traces[index] for index, (a, b, _) in enumerate(ordered)}
+
+
+def _run_groups(spec: ModelSpec, jobs, settings: Settings, progress, what: str) -> dict:
+    """Each group of ``(layout, load_from, save_to)`` jobs on one spawned group of ranks; traces by layout
+    (:func:`run_layouts`) or by position (:func:`run_resumes`)."""
     from ndparallel.distributed.spawn import DistributedError, run_distributed
 
-    traces: dict[Layout, Trace] = {}
-    for world in sorted({layout.ranks for layout in layouts}):
-        group = [layout for layout in layouts if layout.ranks == world]
-        progress(f"verify: {world} ranks: {', '.join(layout.name for layout in group)}")
+    traces: dict = {}
+    position = 0
+    for group in jobs:
+        world = group[0][0].ranks
+        progress(f"verify: {world} ranks{what}: {', '.join(layout.name for layout, _, _ in group)}")
         try:
             per_rank = run_distributed(_train_group, world, spec, group, settings, timeout=settings.timeout)
+            merged = [_merge([rank[index] for rank in per_rank]) for index in range(len(group))]
         except DistributedError as err:
             message = _last_line(err.remote_traceback) or str(err).splitlines()[0]
-            traces.update({layout: Trace(error=message) for layout in group})
-            continue
-        for index, layout in enumerate(group):
-            traces[layout] = _merge([rank[index] for rank in per_rank])
+            merged = [Trace(error=message) for _ in group]
+        for (layout, load_from, _), trace in zip(group, merged, strict=True):
+            traces[position if load_from else layout] = trace
+            position += 1
     return traces
 
 
@@ -99,14 +148,16 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def _train_group(spec: ModelSpec, layouts: Sequence[Layout], settings: Settings) -> list[Trace]:
-    """On every rank: each layout in turn, sharing the process group. A refusal (ConfigError, raised by every
-    rank before any collective) moves on to the next layout; any other error may have left a collective half
-    done, so the group stops there and the layouts after it are reported as not run."""
+def _train_group(spec: ModelSpec, jobs: Sequence[tuple[Layout, str | None, str | None]], settings: Settings):
+    """On every rank: each ``(layout, load_from, save_to)`` in turn, sharing the process group. A refusal
+    (ConfigError, raised by every rank before any collective) moves on to the next layout; any other error may
+    have left a collective half done, so the group stops there and the layouts after it are reported as not
+    run."""
     traces = []
-    for index, layout in enumerate(layouts):
+    layouts = [layout for layout, _, _ in jobs]
+    for index, (layout, load_from, save_to) in enumerate(jobs):
         try:
-            traces.append(_train(spec, layout, settings))
+            traces.append(_train(spec, layout, settings, load_from, save_to))
         except ConfigError as err:
             traces.append(Trace(refused=str(err)))
         except Exception as err:
@@ -137,22 +188,36 @@ class _Runner:
     clip: Callable[[float], torch.Tensor]
     named_parameters: Callable[[], list[tuple[str, nn.Parameter]]]
     optimizers: list[torch.optim.Optimizer]
+    modules: list[nn.Module]  # what a checkpoint holds: the model, or this rank's pipeline stages
     module: nn.Module | None = None  # the parallelised model (None under pp: the stages are the modules)
     mesh: Any = None
     dp_size: int = 1
     dp_rank: int = 0
 
 
-def _train(spec: ModelSpec, layout: Layout | None, settings: Settings) -> Trace:
+def _train(
+    spec: ModelSpec, layout: Layout | None, settings: Settings, load_from: str | None = None, save_to: str | None = None
+) -> Trace:
+    """Train ``settings.steps`` steps; with ``load_from``, resume from that checkpoint after
+    :func:`resume_step` (the trace then holds the steps after it); with ``save_to``, save there after it."""
+    from ndparallel import checkpoint
+
     model = spec.build()
     vocab = vocab_size(model)
     runner = build_runner(spec, model, layout, settings)
-    torch.manual_seed(settings.runtime_seed)
     if settings.batch % runner.dp_size:
         raise ConfigError(f"--batch {settings.batch} does not divide by the layout's dp size {runner.dp_size}")
+    k = resume_step(settings)
+    if load_from:
+        checkpoint.load(load_from, *_checkpointed(runner), restore_rng=False)
+    torch.manual_seed(settings.runtime_seed)
     rows = settings.batch // runner.dp_size
     trace = Trace()
     for step, (tokens, labels) in enumerate(make_batches(settings, vocab)):
+        if load_from and step < k:
+            continue
+        if save_to and step == k:
+            checkpoint.save(save_to, *_checkpointed(runner), save_rng=False, step=k)
         part = slice(runner.dp_rank * rows, (runner.dp_rank + 1) * rows)
         trace.losses.append(float(runner.step(tokens[part], labels[part])))
         if step == 0:
@@ -163,6 +228,13 @@ def _train(spec: ModelSpec, layout: Layout | None, settings: Settings) -> Trace:
             optimizer.zero_grad(set_to_none=True)
     trace.params = full_arrays(runner.named_parameters())
     return trace
+
+
+def _checkpointed(runner: _Runner) -> tuple[Any, Any]:
+    """The model (or the list of this rank's pipeline stages) and its optimizer(s), as checkpoint.save takes them."""
+    if runner.module is not None:
+        return runner.modules[0], runner.optimizers[0]
+    return runner.modules, runner.optimizers
 
 
 def _adamw(params, settings: Settings) -> torch.optim.Optimizer:
@@ -176,7 +248,7 @@ def build_runner(spec: ModelSpec, model: nn.Module, layout: Layout | None, setti
         step = _plain_step(spec, model, None, settings.accumulation, None)
         clip = lambda norm: clip_grad_norm_(model.parameters(), norm)  # noqa: E731
         optimizers = [_adamw(model.parameters(), settings)]
-        return _Runner(step, clip, lambda: list(model.named_parameters()), optimizers, model)
+        return _Runner(step, clip, lambda: list(model.named_parameters()), optimizers, [model], model)
     from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.config.precision import forward_autocast_dtype, parallelize_config
     from ndparallel.distributed.process import init_distributed
@@ -198,7 +270,9 @@ def build_runner(spec: ModelSpec, model: nn.Module, layout: Layout | None, setti
     step = _plain_step(spec, model, mesh, 1, forward_autocast_dtype(mesh.config))
     clip = lambda norm: clip_grad_norm_(model.parameters(), norm)  # noqa: E731
     optimizers = [_adamw(model.parameters(), settings)]
-    return _Runner(step, clip, lambda: list(model.named_parameters()), optimizers, model, mesh, dp_size, dp_rank)
+    return _Runner(
+        step, clip, lambda: list(model.named_parameters()), optimizers, [model], model, mesh, dp_size, dp_rank
+    )
 
 
 def _plain_step(spec: ModelSpec, model: nn.Module, mesh, accumulation: int, autocast: torch.dtype | None):
@@ -236,4 +310,5 @@ def _pipeline_runner(model: nn.Module, mesh, settings: Settings, dp_size: int, d
         return [item for stage in pipeline.stages for item in stage.named_parameters()]
 
     optimizers = [_adamw(stage.parameters(), settings) for stage in pipeline.stages]
-    return _Runner(pipeline.step, pipeline.clip_grad_norm_, named, optimizers, None, mesh, dp_size, dp_rank)
+    stages = list(pipeline.stages)
+    return _Runner(pipeline.step, pipeline.clip_grad_norm_, named, optimizers, stages, None, mesh, dp_size, dp_rank)

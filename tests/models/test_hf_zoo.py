@@ -7,7 +7,8 @@ scaling and sandwich norms (Gemma 2/3), final-logit soft-capping (Gemma 2), atte
 LayerNorm with bias (StarCoder 2), parallel residual blocks (Cohere), custom attention scaling (Granite).
 Losses, grad norms, step-1 gradients and the parameters after the last step are compared per architecture.
 One spawned group of 2 gloo ranks runs every architecture on tp 2 and, 2 steps each, on dp_shard 2, cp 2 (ring)
-and pp 2: exact, or the one-line ConfigError ``REFUSED`` pins. FSDP 2 x TP 2 (4 ranks) is marked slow; the
+and pp 2 (untied, sliding windows shorter than the sequence: ``PP_OVERRIDES``): exact, or the one-line
+ConfigError ``REFUSED`` pins. FSDP 2 x TP 2 (4 ranks) is marked slow; the
 sweep of the rest of the translated catalogue is marked zoo (make zoo).
 """
 
@@ -43,6 +44,18 @@ ARCHS = {
     "cohere": {},  # parallel residual, LayerNorm
     "mistral": {},
 }
+# pp2 only, and its reference: untied (a tied lm_head is refused under pp, qwen2 pins that) and sliding windows
+# shorter than SEQ, so each layer's mask kind matters (Gemma 3: local and global rope; SmolLM3: a no-rope layer)
+WINDOW = {"sliding_window": 6}
+LOCAL_GLOBAL = {**WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+PP_OVERRIDES = {
+    "gemma3_text": {"tie_word_embeddings": False, **LOCAL_GLOBAL},
+    "gemma2": {"tie_word_embeddings": False, **WINDOW},
+    "smollm3": {"tie_word_embeddings": False, "use_sliding_window": True, "no_rope_layers": [1, 0], **LOCAL_GLOBAL},
+    "starcoder2": {"tie_word_embeddings": False, **WINDOW},
+    "cohere": {"tie_word_embeddings": False},
+    "mistral": WINDOW,
+}
 EAGER = ("gemma2",)  # no SDPA path in transformers (others found by build)
 # The rest of the catalogue's translated plans (tests/models/test_hf_catalogue.py), default tiny configs, in
 # a slow 2-rank sweep: tp 2, 2 steps, losses, grad norms and step-1 gradients.
@@ -62,17 +75,6 @@ EXTRA_STEPS = 2  # dp2, cp2, pp2: fewer steps keep the group short (tp2 keeps ST
 REFUSED = {
     ("gemma2", "cp2"): ("attn_logit_softcapping", "ring attention does not implement logit soft-capping"),
     ("qwen2", "pp2"): ("tie_word_embeddings=True", "tied embedding and lm_head would sit on different stages"),
-    **{
-        (a, "pp2"): (f"pp_size > 1 is not supported for model_type={a!r}", why)
-        for a, why in {
-            "gemma3_text": "per-layer-type rotary and a tied lm_head: not a plain stage",
-            "gemma2": "final-logit soft-capping and embedding scaling are outside the layers",
-            "granite": "embedding_multiplier and logits_scaling are outside the layers (pp2 was 0.15 off in loss)",
-            "cohere": "logit_scale is outside the layers",
-            "smollm3": "not measured untied (its tiny config ties the embeddings)",
-            "starcoder2": "not measured untied (its tiny config ties the embeddings)",
-        }.items()
-    },
 }
 # FSDP 2 x TP 2 of Llama, Qwen2, Mistral and Qwen3 runs in tests/models/test_hf.py; the others here, slow
 FSDP_TP = tuple(a for a in ARCHS if a not in ("llama", "qwen2", "mistral", "qwen3"))
@@ -82,10 +84,11 @@ FSDP_TP = tuple(a for a in ARCHS if a not in ("llama", "qwen2", "mistral", "qwen
 FP32_INSIDE = ("gemma2", "gemma3_text", "cohere", "cohere2", "gemma", "vaultgemma", "helium")
 
 
-def build(model_type: str, seed: int = 0):
+def build(model_type: str, seed: int = 0, pp: bool = False):
+    """The tiny model (``pp``: with its ``PP_OVERRIDES``)."""
     from ndparallel.hf import tiny_config
 
-    config = tiny_config(model_type, **ARCHS.get(model_type, {}))
+    config = tiny_config(model_type, **ARCHS.get(model_type, {}), **(PP_OVERRIDES.get(model_type, {}) if pp else {}))
     attn = "eager" if model_type in EAGER else "sdpa"
     try:
         with torch.device("meta"):
@@ -96,16 +99,16 @@ def build(model_type: str, seed: int = 0):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
 
 
-def train(model_type: str, parallel: dict | None, halves: bool = False, steps: int = STEPS) -> dict:
+def train(model_type: str, parallel: dict | None, halves: bool = False, steps: int = STEPS, pp: bool = False) -> dict:
     """``STEPS`` AdamW steps; ``parallel=None``: one process, plain HF model (``halves``: each batch as two
-    accumulated halves, the model's own round-off floor)."""
+    accumulated halves, the model's own round-off floor; ``pp``: the pp2 configs, ``PP_OVERRIDES``)."""
     import ndparallel as ndp
     from ndparallel.distributed.reduce import average_over
     from ndparallel.parallel.clip import clip_grad_norm_
 
-    model, mesh, dp, dp_rank = build(model_type), None, 1, 0
     if parallel is not None and parallel.get("pp_size", 1) > 1:
-        return _train_pipeline(model, parallel, steps)
+        return _train_pipeline(build(model_type, pp=True), parallel, steps)
+    model, mesh, dp, dp_rank = build(model_type, pp=pp), None, 1, 0
     if parallel is not None:
         mesh = _mesh(parallel)
         model = ndp.parallelize(model, mesh.config, mesh)
@@ -187,16 +190,16 @@ def run_group(layouts: dict, archs: tuple = tuple(ARCHS), steps: int = STEPS) ->
 
 
 @functools.cache
-def reference(model_type: str, halves: bool = False, steps: int = STEPS) -> dict:
-    return train(model_type, None, halves=halves, steps=steps)
+def reference(model_type: str, halves: bool = False, steps: int = STEPS, pp: bool = False) -> dict:
+    return train(model_type, None, halves=halves, steps=steps, pp=pp)
 
 
-def tolerance(model_type: str, steps: int = STEPS) -> float:
+def tolerance(model_type: str, steps: int = STEPS, pp: bool = False) -> float:
     """1e-10, or for a model computing in fp32 inside 10x its own floor: the largest difference (losses, grad
     norms, step-1 gradients, final parameters) between one batch and the same batch as two accumulated halves."""
     if model_type not in FP32_INSIDE:
         return 1e-10
-    ref, halves = reference(model_type, steps=steps), reference(model_type, halves=True, steps=steps)
+    ref, halves = reference(model_type, steps=steps, pp=pp), reference(model_type, halves=True, steps=steps, pp=pp)
     floor = max(abs(a - b) for a, b in zip(ref["losses"], halves["losses"], strict=True))
     floor = max(floor, *(abs(a - b) / b for a, b in zip(ref["grad_norms"], halves["grad_norms"], strict=True)))
     floor = max(floor, *(float(np.abs(ref["grads"][n] - halves["grads"][n]).max()) for n in ref["grads"]))
@@ -227,7 +230,8 @@ def check(model_type: str, results: list, layout: str, steps: int = STEPS) -> li
                     f" ({refused[1]}), got {error or 'a run'}"
                 )
         return failures
-    ref, tol = reference(model_type, steps=steps), tolerance(model_type, steps=steps)
+    pp = layout == "pp2"
+    ref, tol = reference(model_type, steps=steps, pp=pp), tolerance(model_type, steps=steps, pp=pp)
     joined = {"grads": {}, "params": {}}
     for result in results:
         for key in joined:
@@ -277,3 +281,33 @@ def test_tp_sweep_of_the_translated_catalogue():
     results = run_distributed(run_group, 2, {"tp2": LAYOUTS[2]["tp2"]}, SWEEP, 2, timeout=1500)
     failures = [f for model_type in SWEEP for f in check(model_type, results, "tp2", steps=2)]
     assert not failures, "\n".join(failures)
+
+
+def _print_pp2_table() -> None:
+    """``python -m tests.models.test_hf_zoo``: the pp 2 row of docs/models.md, per architecture the worst
+    of loss, relative grad norm, step-1 gradient and final-parameter differences against one process."""
+    results = run_distributed(run_group, 2, {"pp2": LAYOUTS[2]["pp2"]}, tuple(ARCHS), timeout=900)
+    for model_type in ARCHS:
+        got = results[0][(model_type, "pp2")]
+        if "error" in got:
+            print(f"{model_type:12s} refused: {got['error'][:100]}")
+            continue
+        ref, tol = reference(model_type, steps=EXTRA_STEPS, pp=True), tolerance(model_type, EXTRA_STEPS, pp=True)
+        joined = {"grads": {}, "params": {}}
+        for result in results:
+            for key in joined:
+                joined[key].update(result[(model_type, "pp2")][key])
+        diffs = {
+            "loss": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
+            "norm": max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)),
+            "grads": max(float(np.abs(joined["grads"][n] - ref["grads"][n]).max()) for n in ref["grads"]),
+            "params": max_param_diff(joined, ref),
+        }
+        print(
+            f"{model_type:12s} worst {max(diffs.values()):.1e} (tol {tol:.1e})",
+            *(f"{k} {v:.1e}" for k, v in diffs.items()),
+        )
+
+
+if __name__ == "__main__":
+    _print_pp2_table()

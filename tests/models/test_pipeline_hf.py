@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -355,3 +356,47 @@ def test_stage_of_a_materialised_model_keeps_only_its_own_blocks():
     assert inside() is stage.model.layers["0"]
     with pytest.raises(ConfigError, match="init_weights needs the model built on the meta device"):
         stage.init_weights(7)
+
+
+def _meta_tiny(model_type: str, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.hf import tiny_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+
+
+def test_gemma_embed_scale_is_recomputed_on_both_stage_init_paths():
+    """Gemma's sqrt(hidden_size) embedding scale is a non-persistent buffer beside the embedding weight: the
+    checkpoint path (rotary tables only before) must recompute it too, or the first stage scales by garbage."""
+    from ndparallel.models.hf.stage import LOAD_MARKER
+    from ndparallel.parallel.family import family_for
+
+    for from_checkpoint in (False, True):
+        model = _meta_tiny("gemma3_text", tie_word_embeddings=False)
+        if from_checkpoint:
+            setattr(model, LOAD_MARKER, True)
+        stage = family_for(model).pipeline_stage(model, [0], True, False)
+        stage.to_empty(device="cpu")
+        stage.model.embed_tokens.embed_scale.fill_(float("nan"))
+        stage.init_weights(7)
+        assert stage.model.embed_tokens.embed_scale.item() == torch.tensor(model.config.hidden_size**0.5).item(), (
+            from_checkpoint
+        )
+
+
+def test_what_a_stage_does_not_reproduce_is_refused_by_name():
+    """Outside PIPELINE_MODEL_TYPES, bidirectional masks and unknown layer types: one-line ConfigErrors."""
+    from ndparallel.parallel.family import family_for
+
+    cases = [
+        (_meta_tiny("helium"), "pp_size > 1 is not supported for model_type='helium'"),
+        (_meta_tiny("gemma3_text", tie_word_embeddings=False, use_bidirectional_attention=True), "bidirectional"),
+    ]
+    odd = _meta_tiny("qwen3")
+    odd.config.layer_types = ["full_attention", "chunked_attention"]
+    cases.append((odd, "cannot build the 'chunked_attention' mask of layer 1"))
+    for model, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            family_for(model).pipeline_stage(model, [1], False, True)

@@ -1,8 +1,10 @@
-"""ndparallel.verify: layouts, bad input, tolerances, the verdict table, and planted faults it must name.
+"""ndparallel.verify: layouts, bad input, tolerances, the verdict table, --shrink, and planted faults it must name.
 
-Two spawned groups of 2 gloo ranks (plus the --localize re-runs): a correct user model with its TP plan
-passes in float64 at 1e-10 and pp is refused by name; the same model with two planted faults (a per-rank
-mean, a TP plan entry that leaves partial sums un-reduced) fails, and --localize names each planted module.
+Spawned groups of 2 gloo ranks (plus the --localize re-runs): a correct user model with its TP plan passes in
+float64 at 1e-10 and pp is refused by name; the same model with two planted faults (a per-rank mean, a TP plan
+entry that leaves partial sums un-reduced) fails, and --localize names each planted module; an attention model
+with the other two (a norm left replicated on a tp-sharded activation, a rotary that ignores the positions
+under cp) likewise; the 70b preset, refused as too big, runs with --shrink and says so.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from ndparallel.errors import ConfigError
 from ndparallel.verify import Layout, Row, VerifyTable, auto_layouts, fold, parse_layouts, verify
 from ndparallel.verify.api import _float64_tolerance
-from ndparallel.verify.compare import compare, float64_tolerance, tolerance_for
+from ndparallel.verify.compare import compare, describe_shrink, float64_tolerance, tolerance_for
+from ndparallel.verify.layouts import parse_reshards
 from ndparallel.verify.localize import _piece
 from ndparallel.verify.model import check_fits_in_memory, model_spec
 from ndparallel.verify.run import Settings, Trace, reference
@@ -53,6 +56,18 @@ def test_bad_layouts_are_one_line(text, cause):
     with pytest.raises(ConfigError, match=cause) as err:
         parse_layouts(text, 4)
     assert "\n" not in str(err.value)
+
+
+def test_reshard_pairs_parse_and_bad_ones_are_one_line():
+    assert parse_reshards("dp_shard=2>tp=2; tp=2 > dp_shard=2,tp=2", 4) == [
+        (Layout.of({"dp_shard": 2}), Layout.of({"tp": 2})),
+        (Layout.of({"tp": 2}), Layout.of({"dp_shard": 2, "tp": 2})),
+    ]
+    for text, cause in [("tp=2", "expected A>B"), ("tp=2>tp=2", "reshards nothing"), ("tp=2>tp=8", "needs 8 ranks")]:
+        with pytest.raises(ConfigError, match=cause):
+            parse_reshards(text, 4)
+    with pytest.raises(ConfigError, match="use --steps >= 2"):
+        verify("tiny", "tp=2", steps=1, reshard="tp=2>dp_shard=2", cpu_ranks=2)
 
 
 @pytest.mark.parametrize(
@@ -140,11 +155,23 @@ def test_a_rank_piece_maps_onto_the_reference_under_dp_cp_and_tp():
 
 
 def test_correct_user_model_passes_and_pp_is_refused():
-    table = verify(f"{TOY}:build", "dp_replicate=2;tp=2;pp=2", tp_plan=f"{TOY}:PLAN", cpu_ranks=2)
+    """Also --reshard: tp=2 saves a DCP checkpoint after step 1 (in its own group), dp_replicate=2 loads it and
+    trains steps 2-3 (one more group): equal to the uninterrupted reference; a pair onto a refused layout is
+    refused, not failed."""
+    table = verify(
+        f"{TOY}:build",
+        "dp_replicate=2;tp=2;pp=2",
+        tp_plan=f"{TOY}:PLAN",
+        cpu_ranks=2,
+        reshard="tp=2>dp_replicate=2;dp_replicate=2>pp=2",
+    )
     verdicts = {row.layout: row for row in table.rows}
     assert verdicts["dp_replicate=2"].verdict == "pass" and verdicts["tp=2"].verdict == "pass"
     assert max(verdicts["tp=2"].errors.values()) < 1e-12
     assert verdicts["pp=2"].verdict == "refused" and "pipeline" in verdicts["pp=2"].message
+    resumed = verdicts["tp=2>dp_replicate=2"]
+    assert resumed.verdict == "pass" and max(resumed.errors.values()) < 1e-12 and resumed.errors["param"] > 0
+    assert verdicts["dp_replicate=2>pp=2"].verdict == "refused"
     assert table.ok
 
 
@@ -166,11 +193,72 @@ def test_planted_faults_fail_and_localize_names_the_module():
     assert rows["tp=2"].localized["tensor"] == "forward output" and rows["tp=2"].localized["relative_error"] > 1e-3
 
 
-def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built():
-    with pytest.raises(ConfigError, match=r"70b: 70554M parameters need .* GiB here .*verify a shrunk config"):
+def test_planted_norm_and_positions_faults_fail_and_localize_names_the_module():
+    """Fault 3 (tp): block 1's norm computes on its rank's tp shard of the sequence with a plain replicated
+    weight: the forward is right, the weight's gradient misses the all-reduce over tp, so it is named through
+    the gradient comparison. Fault 4 (cp): block 1's rotary numbers its own tokens 0..seq-1 instead of taking
+    the global positions it is given. Each fault is inactive on the other layout, and everything before the
+    named module (block 0's attention, ring attention included) matched: the control."""
+    table = verify(
+        f"{TOY}:build_attn_local_positions",
+        "tp=2;cp=2",
+        tp_plan=f"{TOY}:NORM_FAULT_PLAN",
+        steps=2,
+        cpu_ranks=2,
+        localize_failures=True,
+    )
+    rows = {row.layout: row for row in table.rows}
+    assert not table.ok and rows["tp=2"].verdict == rows["cp=2"].verdict == "FAIL"
+    tp, cp = rows["tp=2"].localized, rows["cp=2"].localized
+    assert (tp["module"], tp["tensor"], tp["mesh_dims"]) == ("layers.1.norm.weight", "gradient", "tp=2")
+    assert (cp["module"], cp["tensor"], cp["mesh_dims"]) == ("layers.1.attention.rotary", "forward output", "cp=2")
+    assert tp["relative_error"] > 1e-3 and cp["relative_error"] > 1e-3 and min(tp["compared"], cp["compared"]) > 10
+
+
+def test_a_model_too_big_for_this_machine_is_refused_then_runs_shrunk():
+    with pytest.raises(
+        ConfigError, match=r"70b: 70554M parameters need .* GiB here .*verify a shrunk config.*--shrink"
+    ):
         verify("70b", "tp=2", cpu_ranks=2)
     with pytest.raises(ConfigError, match="more than this machine's 0 GiB"):
         check_fits_in_memory(model_spec("tiny"), 2, memory=1000)
+    lines: list[str] = []
+    table = verify("70b", "tp=2", cpu_ranks=2, steps=2, shrink=True, reshard="pp=2>tp=2", progress=lines.append)
+    assert table.ok and table.shrunk["n_layers"] == [80, 2] and table.shrunk["dim"] == [8192, 64]
+    assert [row.layout for row in table.rows] == ["tp=2", "pp=2", "pp=2>tp=2"]  # A joins the layouts
+    assert max(table.rows[2].errors.values()) < 1e-12  # saved from pipeline stages, loaded under tp
+    assert "rope_theta" not in table.shrunk  # the architecture's other fields are kept
+    assert any(line.startswith("verify: --shrink: the same architecture at tiny sizes: ") for line in lines)
+    assert "shrunk (--shrink; the architecture kept, not the job's sizes): vocab_size 128256 -> 256" in table.format()
+    assert table.to_dict()["shrunk"]["n_heads"] == [64, 8]
+
+
+def test_shrink_keeps_an_hf_architecture_at_the_tiny_config_sizes(tmp_path):
+    """A Llama-70B-shaped config.json: refused as too big (naming --shrink); shrunk by tiny_config's rule, its
+    other fields (rope scaling, untied head) kept, the heads still divisible by tp=2."""
+    transformers = pytest.importorskip("transformers")
+    from ndparallel.hf import tiny_config
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "rope_theta": 5e5}
+    rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    sizes = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
+    transformers.LlamaConfig(**sizes, intermediate_size=28672, vocab_size=128256, rope_parameters=rope).to_json_file(
+        tmp_path / "config.json"
+    )
+    with pytest.raises(ConfigError, match="add --shrink"):
+        check_fits_in_memory(model_spec(str(tmp_path)), 2)
+    spec = model_spec(str(tmp_path), shrink=True)
+    check_fits_in_memory(spec, 4)
+    changes = spec.shrunk()
+    assert changes["num_hidden_layers"] == (80, 2) and changes["hidden_size"] == (8192, 32)
+    model = spec.build()
+    config, tiny = model.config, tiny_config("llama")
+    assert len(model.model.layers) == 2 and config.rope_parameters["rope_type"] == "llama3"
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert getattr(config, name) == getattr(tiny, name) and getattr(config, name) % 2 == 0
+    assert "num_hidden_layers 80 -> 2" in describe_shrink(changes)
+    with pytest.raises(ConfigError, match="--shrink applies to a preset or a Hugging Face config"):
+        model_spec(f"{TOY}:build", shrink=True)
 
 
 def test_a_layout_that_crashes_stops_its_group_without_a_hang():

@@ -45,6 +45,7 @@ def test_verify_prints_the_table_writes_json_and_exits_1_on_a_failure(tmp_path):
     [
         (["--layouts", "tp=8"], "layout tp=8 needs 8 ranks but --cpu-ranks is 4"),
         (["--model", "tests.verify.toy:build_flat"], "has no nn.ModuleList of blocks"),
+        (["--model", "tests.verify.toy:build", "--shrink"], "--shrink applies to a preset or a Hugging Face config"),
     ],
 )
 def test_bad_input_is_one_line(args, cause):

@@ -46,11 +46,16 @@ def seeded_init(model: nn.Module, seed: int = 0, init_module: Callable[[nn.Modul
 
 
 @torch.no_grad()
-def init_buffers(model: nn.Module, init_module: Callable[[nn.Module], None] | None = None) -> None:
+def init_buffers(
+    model: nn.Module, init_module: Callable[[nn.Module], None] | None = None, redraw_params: bool = False
+) -> None:
     """Recompute the buffers of modules that hold buffers and no parameters (rotary ``inv_freq``, which
-    ``to_empty`` leaves uninitialised) with HF's ``init_module`` (default ``model._init_weights``)."""
+    ``to_empty`` leaves uninitialised) with HF's ``init_module`` (default ``model._init_weights``).
+    ``redraw_params``: also every module with a non-persistent buffer beside its parameters (Gemma's
+    ``embed_scale``), whose parameters the init redraws: plain tensors a checkpoint read overwrites."""
     init_module = init_module or model._init_weights
     for module in model.modules():
         has_buffers = next(module.buffers(recurse=False), None) is not None
-        if has_buffers and next(module.parameters(recurse=False), None) is None:
+        no_params = next(module.parameters(recurse=False), None) is None
+        if (has_buffers and no_params) or (redraw_params and module._non_persistent_buffers_set):
             init_module(module)  # HF's per-module init recomputes the rotary frequencies from the config

@@ -2,17 +2,19 @@
 
 ``model.embed_tokens`` (first stage), ``model.layers.<i>`` (an ``nn.ModuleDict`` keyed by the original
 index), ``model.norm`` and ``lm_head`` (last stage); ``model.rotary_emb`` on every stage. The stage builds
-the causal mask and rotary embeddings itself, from ``position_ids`` (``[batch, seq]``: global positions,
-sharded with the tokens under cp).
+each layer's mask (causal or sliding window, as its ``*Model.forward`` picks) and rotary embeddings itself,
+from ``position_ids`` (``[batch, seq]``: global positions, sharded with the tokens under cp), and applies the
+model's embedding and logit multipliers / soft-capping read from its config.
 
 Built from a model on the meta device, a rank materialises only its stages (``to_empty``) and calls
 :meth:`HFCausalLMStage.init_weights`: HF's init rule seeded per module name (:mod:`ndparallel.models.hf.init`), or,
-for :func:`ndparallel.hf.load_pretrained_pipeline`, only the rotary tables (the weights are read after
+for :func:`ndparallel.hf.load_pretrained_pipeline`, only the buffers (the weights are read after
 ``parallelize``, each rank reading its stages' shards).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -23,11 +25,22 @@ from ndparallel.models.hf.init import init_buffers, seeded_init
 
 __all__ = ["LOAD_MARKER", "HFCausalLMStage"]
 
-# model_types whose *ForCausalLM forward is only embed -> layers -> norm -> lm_head, so that a stage computes the
-# same: measured exact on pp 2 (tests/models/test_hf_zoo.py, test_pipeline_hf.py). Others (Granite's embedding
-# and logit multipliers, Gemma's soft-capping and per-layer rotary, Cohere's logit_scale, ...) would train
-# something else silently, so they are refused until a stage reproduces their forward and a test measures it.
-PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"})
+# model_types whose *ForCausalLM forward the stage reproduces: embed_tokens (with Gemma's scaled embedding
+# module) x ``embedding_multiplier`` (Granite), dropout ``embedding_dropout`` (StarCoder 2); layers, each with
+# the mask of its ``config.layer_types`` entry (sliding windows: Gemma 2/3, SmolLM3, Qwen) or, without
+# layer_types, the sliding-window mask wherever ``config.sliding_window`` is set (Mistral, Phi-3, StarCoder 2);
+# the rotary of its layer type (Gemma 3's local/global rope); norm; lm_head, then ``logits_scaling`` (Granite,
+# divided), ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma 2/3). Each is measured exact on pp 2
+# (tests/models/test_hf_zoo.py, test_pipeline_hf.py); any other type could train something else silently, so
+# it is refused by name until a test measures it.
+PIPELINE_MODEL_TYPES = frozenset(
+    {
+        "cohere", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3",
+        "smollm3", "starcoder2",
+    }
+)  # fmt: skip
+# config.layer_types entries a stage builds a mask for (create_causal_mask / create_sliding_window_causal_mask)
+_MASK_KINDS = ("full_attention", "sliding_attention")
 # Set on a meta model by load_pretrained_pipeline: its stages' parameters come from a checkpoint after
 # parallelize, so init_weights leaves them (only the rotary tables are computed).
 LOAD_MARKER = "_ndparallel_weights_from_checkpoint"
@@ -51,6 +64,11 @@ class HFCausalLMStage(nn.Module):
                 "stage runs only embed_tokens -> layers -> norm -> lm_head and is measured exact for "
                 f"{', '.join(sorted(PIPELINE_MODEL_TYPES))}; use pp_size=1"
             )
+        if getattr(full.config, "use_bidirectional_attention", False):
+            raise ConfigError(
+                f"pp_size > 1 does not build the bidirectional masks of {type(full).__name__} "
+                "(use_bidirectional_attention=True): a stage's masks are causal; use pp_size=1"
+            )
         base = getattr(full, "model", None)
         parts = ("embed_tokens", "layers", "norm", "rotary_emb")
         if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(full, "lm_head"):
@@ -66,6 +84,9 @@ class HFCausalLMStage(nn.Module):
             )
         self.config = full.config
         self.first, self.last = first, last
+        self._kinds = {i: _mask_kind(full.config, i) for i in block_ids}  # layer index -> its mask (and rope) kind
+        # Gemma 3: one rotary table per layer type (local / global rope), picked by a ``layer_type`` argument
+        self._rope_per_kind = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
         # HF's per-module rule, a bound method: it holds ``full``, so keep it only for a meta model (no weights);
         # a materialised model's stages must not keep the other stages' weights alive.
         on_meta = any(p.is_meta for p in full.parameters())
@@ -90,18 +111,67 @@ class HFCausalLMStage(nn.Module):
                 "init_weights needs the model built on the meta device"
             )
         if self._params_from_checkpoint:
-            init_buffers(self, self._init_module)  # rotary inv_freq: computed from the config
+            init_buffers(self, self._init_module, redraw_params=True)  # rotary inv_freq, Gemma's embed_scale
             return
         seeded_init(self, 0 if seed is None else seed, self._init_module)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        """The ``*ForCausalLM`` forward for this stage's part: tokens (first stage) or hidden states in; hidden
+        states or logits (last stage) out."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        h = self.model.embed_tokens(x) if self.first else x
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+        config = self.config
+        h = self._embed(x) if self.first else x
+        kinds = sorted(set(self._kinds.values()))
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        args = {"config": config, "inputs_embeds": h, "attention_mask": None, "cache": None}
+        masks = {kind: make[kind](**args, position_ids=position_ids) for kind in kinds}
+        if self._rope_per_kind:
+            rotary = {kind: self.model.rotary_emb(h, position_ids, kind) for kind in kinds}
+        else:
+            rotary = dict.fromkeys(kinds, self.model.rotary_emb(h, position_ids=position_ids))
+        for i, layer in self.model.layers.items():
+            kind = self._kinds[int(i)]
+            h = layer(h, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=position_ids)
+        return self._head(h) if self.last else h
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``*Model.forward`` up to the first layer: Gemma's scale is inside its embedding module; Granite's
+        ``embedding_multiplier`` and StarCoder 2's ``embedding_dropout`` follow it."""
+        h = self.model.embed_tokens(tokens)
+        multiplier = getattr(self.config, "embedding_multiplier", None)
+        if multiplier is not None:
+            h = h * multiplier
+        dropout = getattr(self.config, "embedding_dropout", None)
+        if dropout is not None:
+            h = nn.functional.dropout(h, p=dropout, training=self.training)
+        return h
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """``norm`` and ``lm_head``, then ``*ForCausalLM.forward``'s logit transforms, in HF's order."""
+        logits = self.lm_head(self.model.norm(h))
+        scaling = getattr(self.config, "logits_scaling", None)  # Granite: divided
+        if scaling is not None:
+            logits = logits / scaling
+        scale = getattr(self.config, "logit_scale", None)  # Cohere: multiplied
+        if scale is not None:
+            logits = logits * scale
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2 / 3
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _mask_kind(config: object, layer: int) -> str:
+    """Layer ``layer``'s mask kind as its ``*Model.forward`` picks it: its ``config.layer_types`` entry, else
+    (Mistral, Phi-3, StarCoder 2) the sliding-window mask wherever ``config.sliding_window`` is set."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    kind = layer_types[layer]
+    if kind not in _MASK_KINDS:
+        raise ConfigError(
+            f"pp_size > 1 cannot build the {kind!r} mask of layer {layer} (model_type="
+            f"{getattr(config, 'model_type', None)!r}): a stage builds {' / '.join(_MASK_KINDS)} masks; use pp_size=1"
         )
-        rotary = self.model.rotary_emb(h, position_ids=position_ids)
-        for layer in self.model.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
-        return self.lm_head(self.model.norm(h)) if self.last else h
+    return kind

@@ -12,7 +12,7 @@ from ndparallel.config.preflight import ModelShape, moe_problem
 from ndparallel.config.sources import coerce_fields
 from ndparallel.errors import ConfigError, brief_repr
 
-__all__ = ["PARAM_DTYPES", "PRESETS", "TP_SPLIT_FIELDS", "TransformerConfig"]
+__all__ = ["PARAM_DTYPES", "PRESETS", "TP_SPLIT_FIELDS", "TransformerConfig", "shrink_preset"]
 
 PARAM_DTYPES = ("float32", "float64")  # names in ndparallel.config.precision.DTYPES
 # The shape fields the reference TP table shards (heads, kv heads, FFN width, vocabulary): tp must divide them.
@@ -185,3 +185,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
     ),
 }
+
+
+def shrink_preset(name: str, **overrides: Any) -> tuple[TransformerConfig, dict[str, tuple[Any, Any]]]:
+    """Preset ``name`` at the ``tiny`` preset's sizes (``tiny-moe``'s expert fields for a mixture of experts;
+    shared experts kept only where the preset has them), every other field kept (rope theta, router, ...); and
+    what changed, ``{field: (from, to)}``. The one shrinking rule of the reference Transformer
+    (``ndparallel verify --shrink``)."""
+    full = TransformerConfig.from_preset(name, **overrides)
+    fields = dict(PRESETS["tiny-moe"] if full.is_moe else PRESETS["tiny"])
+    if full.is_moe and not full.n_shared_experts:
+        fields["n_shared_experts"] = 0
+    if not full.is_moe:
+        fields["expert_ffn_dim"] = None  # follows ffn_dim, as in the preset
+    small = TransformerConfig.from_preset(name, **{**overrides, **fields})
+    before, after = vars(full), vars(small)
+    changes = {k: (before[k], v) for k, v in after.items() if before[k] != v}
+    if not full.is_moe:
+        changes.pop("expert_ffn_dim", None)  # unused by a dense model
+    return small, changes
