@@ -17,6 +17,9 @@ Attention sinks (gpt-oss's ``s_aux``: one extra logit per head whose value is ze
 block, ``block_out = 0`` and ``block_lse = sink``, after the ring; the backward then needs no change for
 q, k, v (the kernels take the final out and LSE), and ``dsink = -sum(exp(sink - lse) * rowsum(dout * out))``.
 
+Logit soft-capping (Gemma 2: every score ``s`` becomes ``tanh(s / cap) * cap`` before the softmax) runs
+the math kernel with the cap inside; its backward multiplies the score gradient by ``1 - tanh(s / cap)**2``.
+
 With ``load_balanced=True`` (head-tail / zig-zag), the sequence is cut into ``2 * cp`` chunks and
 rank ``r`` holds chunks ``r`` and ``2*cp-1-r`` concatenated; then every (query block, kv block)
 pair is fully visible, fully masked or diagonal-causal, and every rank does the same work.
@@ -28,6 +31,7 @@ one small function because their aten signatures differ across torch versions, p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -112,9 +116,17 @@ class Kernel:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _math_forward(q, k, v, causal: bool, scale: float):
+def _softcapped(scores: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logit soft-capping (Gemma 2), ``tanh(s / cap) * cap``, and its derivative ``1 - tanh(s / cap)**2``."""
+    capped = torch.tanh(scores / softcap)
+    return capped * softcap, 1 - capped * capped
+
+
+def _math_forward(q, k, v, causal: bool, scale: float, softcap: float | None = None):
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if softcap is not None:
+        scores, _ = _softcapped(scores, softcap)
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
@@ -123,10 +135,13 @@ def _math_forward(q, k, v, causal: bool, scale: float):
     return out.to(q.dtype), lse, None
 
 
-def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux, softcap: float | None = None):
     acc = torch.promote_types(q.dtype, torch.float32)
     q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    slope = None
+    if softcap is not None:
+        scores, slope = _softcapped(scores, softcap)
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
@@ -135,6 +150,8 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
     dprobs = torch.matmul(dout, v.transpose(-2, -1))
     delta = (dout * out).sum(-1, keepdim=True)
     dscores = probs * (dprobs - delta) * scale
+    if slope is not None:
+        dscores = dscores * slope
     return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-2, -1), q), dv
 
 
@@ -203,6 +220,13 @@ KERNELS = {k.name: k for k in (MATH, CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT)}
 
 def _has_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
+
+
+def softcapped_kernel(softcap: float) -> Kernel:
+    """The math kernel with logit soft-capping: no SDPA op takes a cap, so capped attention always runs here."""
+    return Kernel(
+        "math", functools.partial(_math_forward, softcap=softcap), functools.partial(_math_backward, softcap=softcap)
+    )
 
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | None = None) -> Kernel:
@@ -405,6 +429,7 @@ def ring_attention(
     scale: float | None = None,
     kernel: str | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries against the whole sequence held across ``group``.
 
@@ -415,6 +440,8 @@ def ring_attention(
     ``kernel`` forces one attention kernel (``math``, ``cpu_flash``, ``cuda_flash``, ``cuda_efficient``).
     ``rotate="alltoall"`` runs :func:`ndparallel.distributed.ulysses.ulysses_attention` (query heads must divide by cp).
     ``sinks`` (``[heads]``, gpt-oss's ``s_aux``) adds one logit per head to every softmax denominator.
+    ``softcap`` caps every score ``s * scale`` to ``tanh(s * scale / softcap) * softcap`` (Gemma 2) before
+    the mask and softmax; it runs the math kernel, on ``ring`` and ``allgather`` (not with sinks).
     """
     if rotate not in ROTATE_METHODS:
         raise ConfigError(f"cp_rotate_method={rotate!r} is not one of {list(ROTATE_METHODS)}")
@@ -429,6 +456,12 @@ def ring_attention(
     cp = dist.get_world_size(group if group is not None else dist.group.WORLD)
     load_balanced = load_balanced and causal and cp > 1
     check_local_sequence(q.shape[1], cp, load_balanced)
+    if softcap is not None and (rotate == "alltoall" or sinks is not None or kernel not in (None, "math")):
+        what = "sinks" if sinks is not None else f"cp_rotate_method={rotate!r}" if rotate == "alltoall" else kernel
+        raise ConfigError(
+            f"attention logit soft-capping with {what} is not implemented: it runs the math kernel of "
+            "cp_rotate_method='ring' or 'allgather', without sinks"
+        )
     if rotate == "alltoall":
         if kernel is not None:
             raise ConfigError(
@@ -436,5 +469,9 @@ def ring_attention(
             )
         return ulysses_attention(q, k, v, group, causal, load_balanced, scale, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if softcap is not None:
+        return _RingAttention.apply(
+            q, k, v, sinks, group, causal, rotate, load_balanced, scale, softcapped_kernel(softcap)
+        )
     chosen = attention_kernel(q.device, q.dtype, q.shape[-1], kernel)
     return _RingAttention.apply(q, k, v, sinks, group, causal, rotate, load_balanced, scale, chosen)

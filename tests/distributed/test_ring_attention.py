@@ -32,6 +32,17 @@ def full_attention(q, k, v, causal: bool):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
 
 
+def capped_attention(q, k, v, causal: bool, softcap: float):
+    """The reference with logit soft-capping (Gemma 2's eager attention): scores ``tanh(s / cap) * cap``."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    repeats = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    scores = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / softcap) * softcap
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
 def _inputs(seq: int, kv_heads: int, dtype: torch.dtype, seed: int = 0, batch: int = 2, heads: int = 4, dim: int = 8):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq, heads, dim, generator=gen, dtype=dtype)
@@ -41,12 +52,12 @@ def _inputs(seq: int, kv_heads: int, dtype: torch.dtype, seed: int = 0, batch: i
     return q, k, v, dout
 
 
-def _max_errors(group, rotate, balanced, causal, kv_heads, dtype, seq, kernel=None) -> float:
+def _max_errors(group, rotate, balanced, causal, kv_heads, dtype, seq, kernel=None, softcap=None) -> float:
     """Max abs difference of this rank's out, dq, dk, dv from the full-attention reference."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, dout = _inputs(seq, kv_heads, dtype)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out = full_attention(*full, causal)
+    ref_out = full_attention(*full, causal) if softcap is None else capped_attention(*full, causal, softcap)
     ref_out.backward(dout)
     expected = [ref_out.detach(), *(t.grad for t in full)]
 
@@ -54,7 +65,9 @@ def _max_errors(group, rotate, balanced, causal, kv_heads, dtype, seq, kernel=No
         return shard_sequence(t, 1, cp, rank, balanced)
 
     local = [shard(t).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, group, causal=causal, rotate=rotate, load_balanced=balanced, kernel=kernel)
+    out = ring_attention(
+        *local, group, causal=causal, rotate=rotate, load_balanced=balanced, kernel=kernel, softcap=softcap
+    )
     out.backward(shard(dout))
     got = [out.detach(), *(t.grad for t in local)]
     return max((g - shard(e)).abs().max().item() for g, e in zip(got, expected, strict=True))
@@ -71,6 +84,10 @@ def op_parity(seq: int) -> dict[str, float]:
         errors[f"fp32-{name}"] = _max_errors(None, rotate, balanced, causal, kv_heads, torch.float32, seq)
         errors[f"fp64-{name}"] = _max_errors(None, rotate, balanced, causal, kv_heads, torch.float64, seq)
     errors["fp32-math-kernel"] = _max_errors(None, "ring", True, True, 2, torch.float32, seq, kernel="math")
+    for rotate, balanced in itertools.product(("ring", "allgather"), (True, False)):  # Gemma 2's logit cap
+        errors[f"fp64-softcap-{rotate}-lb{int(balanced)}"] = _max_errors(
+            None, rotate, balanced, True, 2, torch.float64, seq, softcap=0.5
+        )
     if dist.get_world_size() == 4:
         mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=2, cp_size=2))
         group = mesh["cp"].get_group()
@@ -86,7 +103,7 @@ def test_ring_attention_matches_full_attention(cp):
         for name, err in errors.items():
             tol = 1e-10 if name.startswith("fp64") else 1e-5
             assert err <= tol, f"cp={cp} rank {rank} {name}: max error {err:.3g} > {tol}"
-    assert len(results[0]) == 2 * len(CASES) + 1 + (2 if cp == 4 else 0)
+    assert len(results[0]) == 2 * len(CASES) + 1 + 4 + (2 if cp == 4 else 0)
 
 
 # ----------------------------------------------------------------------- float64 gradcheck (2 ranks)
@@ -179,6 +196,11 @@ def bad_inputs() -> list[str]:
     with pytest.raises(ConfigError) as err:
         ring_attention(q, k, v, None, load_balanced=True)
     messages.append(str(err.value))
+    q, k, v, _ = _inputs(seq=8, kv_heads=2, dtype=torch.float32)
+    for kwargs in ({"rotate": "alltoall"}, {"sinks": torch.zeros(4)}, {"kernel": "cpu_flash"}):
+        with pytest.raises(ConfigError) as err:  # soft-capping runs the ring's math kernel only
+            ring_attention(q, k, v, None, softcap=1.0, **kwargs)
+        messages.append(str(err.value))
     return messages
 
 
@@ -187,6 +209,8 @@ def test_bad_inputs_raise_config_error():
     assert "cp_rotate_method='ulysses'" in messages[0]
     assert "kv heads=3 must divide query heads=4" in messages[1]
     assert "local sequence length 3 on cp_size=2" in messages[2] and "2 x cp_size = 4" in messages[2]
+    assert "soft-capping with cp_rotate_method='alltoall'" in messages[3]
+    assert "soft-capping with sinks" in messages[4] and "soft-capping with cpu_flash" in messages[5]
 
 
 # ------------------------------------------------------------------- CUDA kernels (GPU machines only)

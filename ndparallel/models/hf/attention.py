@@ -8,8 +8,8 @@ holds no "sdpa": transformers reads that as a claim of SDPA support, which Gemma
 collective refusals) and the sharding-aware ``outputs.loss`` (:mod:`ndparallel.models.hf.loss`).
 :func:`check_attention` holds the refusals that must come before the model is touched: an attention the
 seam cannot route, ``cp_backend="torch"``, rotary tables recomputed per rank (dynamic rope under cp), and
-attention features in the config the seam does not implement (logit soft-capping, attention dropout, sinks
-under tp). At call time :func:`_check_call` refuses by name every attention keyword the functions would
+attention features in the config the seam does not implement (logit soft-capping under Ulysses, attention
+dropout, sinks under tp). At call time :func:`_check_call` refuses by name every attention keyword the functions would
 not honour; ``scaling``, sinks (``s_aux``) and MLA's differing v head dim are implemented exactly, and a
 sliding window is exact (refused by the input hook otherwise) while the sequence fits in it.
 ``transformers`` is imported only when an HF model is parallelised.
@@ -138,7 +138,7 @@ def _sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 def _softcapped_attention(query, key, value, scaling: float | None, softcap: float) -> torch.Tensor:
     """Causal attention with logit soft-capping (Gemma 2) on the rank's heads, the arithmetic of transformers'
     eager attention (the only one such models have): scores capped by ``tanh(s / cap) * cap``, softmax in
-    float32. ``[batch, heads, seq, dim]`` in, ``[batch, seq, heads, dim]`` out. Not under cp (refused there)."""
+    float32. ``[batch, heads, seq, dim]`` in, ``[batch, seq, heads, dim]`` out. Under cp the ring caps alike."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -154,12 +154,16 @@ def _softcapped_attention(query, key, value, scaling: float | None, softcap: flo
 def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Ring attention over the cp group; HF passes ``[batch, heads, seq, head_dim]``, the ring wants seq first."""
     spec = _spec(module)
-    _check_call(module, query.shape[2] * spec.cp_size, dropout, kwargs)
+    _check_call(module, query.shape[2] * spec.cp_size, dropout, kwargs, softcap_ok=spec.rotate != "alltoall")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # before any padding of the head dim
     v_dim = value.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in _same_head_dim(query, key, value))
-    sinks = kwargs.get("s_aux")
-    out = ring_attention(q, k, v, spec.cp_group, True, spec.rotate, spec.load_balance, scaling, sinks=sinks)
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    if softcap is not None and sinks is not None:
+        raise _refuse(module, "softcap with sinks", "their combination is not implemented")
+    out = ring_attention(
+        q, k, v, spec.cp_group, True, spec.rotate, spec.load_balance, scaling, sinks=sinks, softcap=softcap
+    )
     return out[..., :v_dim], None
 
 
@@ -218,7 +222,7 @@ def check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> boo
         raise ConfigError(f"cp_backend={cfg.cp_backend!r} is not supported for Hugging Face models; use 'ndparallel'")
     if mesh.size("cp") > 1:
         _check_rope(model, mesh.size("cp"))
-    _check_features(model, mesh.size("tp"), mesh.size("cp"))
+    _check_features(model, mesh.size("tp"), mesh.size("cp"), cfg.cp_rotate_method)
     if not any(_is_hf_attention(m) for m in model.modules()):
         raise ConfigError(
             f"{type(model).__name__} has no HF attention module (with is_causal, layer_idx, config) calling the "
@@ -227,17 +231,17 @@ def check_attention(model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> boo
     return True
 
 
-def _check_features(model: nn.Module, tp: int, cp: int) -> None:
+def _check_features(model: nn.Module, tp: int, cp: int, rotate: str) -> None:
     """Refuse, before the model is touched, the attention features its config turns on that the seam cannot
     honour (each would otherwise reach :func:`_check_call` on the first forward, or worse be ignored)."""
     for module in filter(_is_hf_attention, model.modules()):
         config = module.config
         softcap = getattr(config, "attn_logit_softcapping", None)
-        if softcap is not None and cp > 1:
+        if softcap is not None and cp > 1 and rotate == "alltoall":
             raise _refuse(
                 module,
                 f"attn_logit_softcapping={softcap}",
-                "logit soft-capping is not implemented under cp (tp alone is exact)",
+                "logit soft-capping is not implemented under cp_rotate_method='alltoall' (use 'ring' or 'allgather')",
             )
         dropout = getattr(config, "attention_dropout", 0.0)
         if isinstance(dropout, float | int) and dropout > 0:
