@@ -1,8 +1,9 @@
 """Ranks and collectives, knowing no module tree: the named mesh, process start, and the collectives.
 
 ``mesh`` (the named :class:`Mesh` and its views), ``process`` (``init_distributed`` / ``destroy_distributed``,
-the job store, device rules), ``agree`` (one rank's failure is every rank's error), ``reduce`` (per-rank
-metrics as one process would print them), ``buckets`` (flat gradient buckets), ``ring`` and ``ulysses``
-(exact attention over a split sequence), ``distinct`` (collectives over per-rank sets), ``counter`` (bytes
-moved by real collectives) and ``peak`` (a device's peak FLOP/s).
+the job store, device rules), ``memory`` (will a model fit in this machine's memory), ``agree`` (one rank's
+failure is every rank's error), ``reduce`` (per-rank metrics as one process would print them), ``buckets``
+(flat gradient buckets), ``ring`` and ``ulysses`` (exact attention over a split sequence), ``distinct``
+(collectives over per-rank sets), ``counter`` (bytes moved by real collectives) and ``peak`` (a device's peak
+FLOP/s).
 """

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ndparallel.config.dims import MESH_DIMS
 from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.memory import physical_memory  # re-exported: it lived here first
 from ndparallel.distributed.mesh import INNER_DIMS, VIEWS, Mesh, flatten
 from ndparallel.errors import ConfigError
 
@@ -30,15 +31,6 @@ __all__ = [
 ]
 
 DEVICE_TYPES = ("cpu", "cuda")
-
-
-def physical_memory() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say): the bound a model or corpus
-    every rank builds on the host must fit."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def _launcher_store(timeout: datetime.timedelta) -> dist.Store:

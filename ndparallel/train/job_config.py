@@ -21,7 +21,9 @@ import yaml
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
-from ndparallel.distributed.process import check_device_type, physical_memory
+from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
+from ndparallel.distributed.memory import physical_memory
+from ndparallel.distributed.process import check_device_type
 from ndparallel.errors import ConfigError, brief_repr
 from ndparallel.models import TransformerConfig
 
@@ -225,26 +227,20 @@ class TrainConfig:
 
 def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) -> None:
     """Refuse a model whose construction alone needs more than this machine's physical memory: each
-    rank builds the whole model on the host (weights and rotary tables in ``model.dtype``) before sharding it."""
-    memory = physical_memory() if memory is None else memory
-    if not memory:
-        return
-    gib = 2**30
-    width = model.torch_dtype.itemsize
-    weights = width * model.num_params()
-    rotary = width * 3 * model.max_seq_len * (model.head_dim // 2)  # cos and sin tables, and the angles behind them
-    if weights + rotary <= memory:
-        return
+    rank builds the whole model on the host (weights and rotary tables in ``model.dtype``) before sharding it.
+    The rule is :func:`ndparallel.distributed.memory.check_fits_in_memory`; this counts the elements."""
+    weights = model.num_params()
+    rotary = 3 * model.max_seq_len * (model.head_dim // 2)  # cos and sin tables, and the angles behind them
     if rotary > weights:
-        raise ConfigError(
-            f"model.max_seq_len={model.max_seq_len} needs {rotary / gib:,.1f} GiB of rotary tables on every rank, "
-            f"more than this machine's {memory / gib:,.1f} GiB of memory; lower model.max_seq_len"
-        )
-    raise ConfigError(
-        f"the model ({model.num_params() / 1e9:,.1f}B parameters) needs {weights / gib:,.1f} GiB of "
-        f"{model.dtype} weights to build on each rank, more than this machine's {memory / gib:,.1f} GiB of memory; "
-        "choose a smaller model"
-    )
+        what, held = f"model.max_seq_len={model.max_seq_len} needs", "of rotary tables and weights"
+        fix = "lower model.max_seq_len"
+    else:
+        what = f"the model ({model.num_params() / 1e9:,.1f}B parameters) needs"
+        held, fix = f"of {model.dtype} weights and rotary tables", "choose a smaller model"
+    fits_in_memory(
+        weights + rotary, model.torch_dtype.itemsize, what=what, held=f"{held} to build on each rank", fix=fix,
+        memory=memory,
+    )  # fmt: skip
 
 
 def job_device(cfg: TrainConfig) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ndparallel.distributed.process import physical_memory
+from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.family import block_list
 
@@ -99,29 +99,25 @@ class ModelSpec:
 def check_fits_in_memory(spec: ModelSpec, ranks: int, memory: int | None = None) -> None:
     """Refuse a model too big for this machine before building it: the reference and every rank hold the whole
     model with its gradients and AdamW state (4 copies). Counted on the meta device; a factory that cannot
-    build there is not checked."""
-    memory = physical_memory() if memory is None else memory
+    build there is not checked. The rule is :func:`ndparallel.distributed.memory.check_fits_in_memory`."""
     try:
         with torch.device("meta"):
             model = spec.build()
     except Exception:
         return
     params = sum(p.numel() for p in model.parameters())
-    need = (ranks + 1) * 4 * params * DTYPES[spec.dtype].itemsize
-    if memory and need > memory:
-        gib = 2**30
-        if spec.kind == "factory" or spec.shrink:
-            fix = "verify a shrunk config of the same architecture (fewer layers, a smaller hidden size)"
-        else:
-            fix = (
-                "verify a shrunk config of the same architecture: add --shrink (shrink=True), which keeps the "
-                "architecture at 2 layers and a small width and says so in the output"
-            )
-        raise ConfigError(
-            f"{spec.name}: {params / 1e6:.0f}M parameters need ~{need / gib:.0f} GiB here (the reference and {ranks} "
-            f"ranks each hold the model, its gradients and AdamW state), more than this machine's {memory / gib:.0f} "
-            f"GiB: {fix}"
+    if spec.kind == "factory" or spec.shrink:
+        fix = "verify a shrunk config of the same architecture (fewer layers, a smaller hidden size)"
+    else:
+        fix = (
+            "verify a shrunk config of the same architecture: add --shrink (shrink=True), which keeps the "
+            "architecture at 2 layers and a small width and says so in the output"
         )
+    fits_in_memory(
+        params, DTYPES[spec.dtype].itemsize, factor=4, holders=ranks + 1, memory=memory, fix=fix,
+        what=f"{spec.name}: {params / 1e6:.0f}M parameters need",
+        held=f"here (the reference and {ranks} ranks each hold the model, its gradients and AdamW state)",
+    )  # fmt: skip
 
 
 def vocab_size(model: nn.Module) -> int:

@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.agree import agree
+from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
 from ndparallel.distributed.mesh import Mesh
-from ndparallel.distributed.process import init_distributed, physical_memory
+from ndparallel.distributed.process import init_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.init import init_buffers
 from ndparallel.parallel.fully_shard import fsdp_mesh
@@ -250,19 +251,17 @@ def _parameter_floor(config: Any) -> tuple[int, str]:
 def _check_fits_this_machine(config: Any, dtype: torch.dtype, mesh: Mesh, source: Path) -> None:
     """Refuse, before anything is built, a config whose parameters cannot fit: even spread evenly over every
     rank of the mesh, this machine's ranks would hold more bytes than its physical memory (a lower bound:
-    replicas hold more). Building such a model hangs or dies with a raw storage-size error on every rank."""
-    memory = physical_memory()
+    replicas hold more). Building such a model hangs or dies with a raw storage-size error on every rank.
+    The rule is :func:`ndparallel.distributed.memory.check_fits_in_memory`; this counts the parameters."""
     count, fields = _parameter_floor(config)
-    if not memory or not count:
+    if not count:
         return
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    needed = count * dtype.itemsize * min(local_ranks, mesh.size()) / mesh.size()
-    if needed > memory:
-        raise ConfigError(
-            f"{source}: {fields} gives at least {count:.3g} parameters, {needed / 2**30:,.0f} GiB in {dtype} on "
-            f"this machine's {min(local_ranks, mesh.size())} of {mesh.size()} ranks, more than its "
-            f"{memory / 2**30:,.1f} GiB of memory; is the config right?"
-        )
+    here = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), mesh.size())
+    fits_in_memory(
+        count, dtype.itemsize, factor=1 / mesh.size(), holders=here, fix="is the config right?",
+        what=f"{source}: {fields} gives at least {count:.3g} parameters, which need",
+        held=f"in {dtype} on this machine's {here} of {mesh.size()} ranks",
+    )  # fmt: skip
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
