@@ -11,7 +11,14 @@ from ndparallel.config.accelerate import fsdp_plugin_settings
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.errors import ConfigError
 
-__all__ = ["ACCELERATE_DEFAULTS", "FullyShardedDataParallelPlugin", "apply_settings", "check_accelerate_options"]
+__all__ = [
+    "ACCELERATE_DEFAULTS",
+    "ACCELERATE_HONOURED",
+    "ACCELERATE_REFUSED",
+    "FullyShardedDataParallelPlugin",
+    "apply_settings",
+    "check_accelerate_options",
+]
 
 
 class FullyShardedDataParallelPlugin:
@@ -51,9 +58,27 @@ ACCELERATE_DEFAULTS: dict[str, tuple[Any, str]] = {
 }
 
 
+# Accelerate keywords every value of which prepare() already honours.
+ACCELERATE_HONOURED: dict[str, str] = {
+    "use_seedable_sampler": "prepared loaders always shuffle reproducibly (seeded DistributedSampler, set_epoch)",
+}
+# Accelerate keywords refused at any value: none of their values is what prepare() does.
+ACCELERATE_REFUSED: dict[str, str] = {
+    "even_batches": (
+        "prepare() gives every dp rank the same number of batches by dropping len(dataset) % dp samples of each "
+        "pass (Accelerate's True repeats samples instead; False would leave ranks uneven and hang a collective); "
+        "remove even_batches="
+    ),
+}
+
+
 def check_accelerate_options(options: Mapping[str, Any]) -> None:
     """Refuse Accelerate keywords that are not at their default (named, with the fix); unknown ones: TypeError."""
     for key, value in options.items():
+        if key in ACCELERATE_HONOURED:
+            continue
+        if key in ACCELERATE_REFUSED:
+            raise ConfigError(f"Accelerator({key}={value!r}) is not supported by ndparallel: {ACCELERATE_REFUSED[key]}")
         if key not in ACCELERATE_DEFAULTS:
             raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}")
         default, fix = ACCELERATE_DEFAULTS[key]

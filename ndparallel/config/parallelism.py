@@ -53,8 +53,10 @@ _ACCELERATE_PREFIX = "parallelism_config_"
 _ENV_PREFIXES = ("NDP_", "PARALLELISM_CONFIG_")
 # Accelerate's names for the knobs that differ from ours.
 _ALIASES = {"cp_comm_strategy": "cp_rotate_method"}
-OTHER_NDP_SETTINGS = frozenset({"NDP_DEVICE", "NDP_STORE_PATH", "NDP_LAUNCHER_PID"})
-"""``NDP_*`` variables that are not parallelism fields (the device, the test store, the worker guard): any other
+CPU_RANKS_ENV = "NDP_CPU_RANKS"  # set by ``launch --cpu-ranks N`` for its ranks (with NDP_DEVICE=cpu)
+OTHER_NDP_SETTINGS = frozenset({"NDP_DEVICE", "NDP_STORE_PATH", "NDP_LAUNCHER_PID", CPU_RANKS_ENV})
+"""``NDP_*`` variables that are not parallelism fields (the device, the test store, the worker guard, simulated
+CPU ranks): any other
 ``NDP_*`` close to a field name is taken for a misspelled field and refused (:func:`environment_fields`)."""
 
 

@@ -40,7 +40,7 @@ def _inside_launcher() -> bool:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ndparallel.distributed.process import check_device_type
-    from ndparallel.train.job_config import job_device
+    from ndparallel.train.job_config import job_device, refuse_cuda_on_cpu_ranks
 
     ranks = None if args.cpu_ranks is None else cpu_ranks(args.cpu_ranks)
     cfg = _train_config(args)
@@ -50,7 +50,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if requested:
             check_device_type(requested, source)
     if ranks is not None:
-        _refuse_cuda_on_cpu_ranks(args.device, cfg.train.device)
+        refuse_cuda_on_cpu_ranks(args.device, "--device")
+        refuse_cuda_on_cpu_ranks(cfg.train.device, "train.device")
     if ranks is not None or args.device:
         os.environ["NDP_DEVICE"] = "cpu" if ranks is not None else args.device
     job_device(cfg)
@@ -68,17 +69,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train(cfg)
     destroy_distributed()
     return EXIT_INTERRUPTED if result.interrupted else 0
-
-
-def _refuse_cuda_on_cpu_ranks(flag: str | None, configured: str | None) -> None:
-    """``--cpu-ranks`` runs gloo ranks on this CPU (it sets ``NDP_DEVICE=cpu``): an explicit cuda request
-    beside it would silently train on the CPU instead, so it is refused."""
-    for requested, source in ((flag, "--device"), (configured, "train.device")):
-        if requested == "cuda":
-            raise ConfigError(
-                f"{source}=cuda but --cpu-ranks runs CPU (gloo) ranks; drop --cpu-ranks to use CUDA "
-                "(torchrun or `ndparallel launch --nproc-per-node N`), or ask for cpu"
-            )
 
 
 def _train_config(args: argparse.Namespace):

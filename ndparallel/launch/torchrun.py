@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ndparallel.config.parallelism import CPU_RANKS_ENV
 from ndparallel.errors import EXIT_HUNG, EXIT_INTERRUPTED, ConfigError
 
 __all__ = ["WORKER_GUARD", "ExitClock", "children_of", "launch", "torchrun_argv"]
@@ -111,6 +112,7 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
         if not any(o.startswith(("--nnodes", "--rdzv", "--standalone", "--master")) for o in options):
             options.append("--standalone")
         os.environ["NDP_DEVICE"] = "cpu"
+        os.environ[CPU_RANKS_ENV] = str(ranks)  # the ranks refuse a config asking for cuda (job_device)
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     if program[0] in SUBCOMMANDS:
         program = ["-m", "ndparallel", *program]

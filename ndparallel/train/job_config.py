@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.parallelism import CPU_RANKS_ENV, ParallelismConfig
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
@@ -243,11 +243,23 @@ def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) ->
     )  # fmt: skip
 
 
+def refuse_cuda_on_cpu_ranks(requested: str | None, source: str) -> None:
+    """``--cpu-ranks`` runs gloo ranks on this CPU (it sets ``NDP_DEVICE=cpu``): an explicit cuda request
+    beside it would silently train on the CPU instead, so it is refused."""
+    if requested == "cuda":
+        raise ConfigError(
+            f"{source}=cuda but --cpu-ranks runs CPU (gloo) ranks; drop --cpu-ranks to use CUDA "
+            "(torchrun or `ndparallel launch --nproc-per-node N`), or ask for cpu"
+        )
+
+
 def job_device(cfg: TrainConfig) -> str:
     """The device type of the job: ``NDP_DEVICE``, else ``train.device``, else cuda when available;
     an unknown name, or cuda without CUDA, is a ConfigError naming where it came from. ``train.device`` is
     checked even where ``NDP_DEVICE`` wins: a config asking for cuda on a machine without it is refused,
-    not run on the CPU."""
+    not run on the CPU, and so is one asking for cuda on ranks ``launch --cpu-ranks`` started."""
+    if os.environ.get(CPU_RANKS_ENV):
+        refuse_cuda_on_cpu_ranks(cfg.train.device, "train.device")
     configured = check_device_type(cfg.train.device, "train.device") if cfg.train.device else None
     if os.environ.get("NDP_DEVICE"):
         return check_device_type(os.environ["NDP_DEVICE"], "NDP_DEVICE")

@@ -148,6 +148,8 @@ def test_accelerate_keywords(single_process, tmp_path):
         ({"split_batches": True}, ConfigError, "split_batches=True"),
         ({"dynamo_backend": "inductor"}, ConfigError, "compile="),
         ({"dispatch_batches": True}, ConfigError, "dispatch_batches=True\\) is not supported"),
+        ({"even_batches": True}, ConfigError, "even_batches=True\\) is not supported.*dropping"),
+        ({"even_batches": False}, ConfigError, "even_batches=False\\) .*hang a collective"),
         ({"deepspeed_plugin": object()}, ConfigError, "DeepSpeed has no ndparallel equivalent"),
         ({"fsdp_plugin": "x", "no_such_keyword": 1}, TypeError, "no_such_keyword"),
         ({"gradient_accumulation_steps": 0}, ConfigError, "gradient_accumulation_steps"),
@@ -161,6 +163,12 @@ def test_accelerate_keywords(single_process, tmp_path):
 def test_accelerate_keywords_refused_by_name(single_process, kwargs, error, message):
     with pytest.raises(error, match=message):
         Accelerator(**kwargs)
+
+
+def test_use_seedable_sampler_is_what_prepare_does(single_process):
+    """Both values are accepted: prepared loaders shuffle reproducibly anyway (the same order on every run)."""
+    for value in (True, False):
+        assert Accelerator(use_seedable_sampler=value).gradient_accumulation_steps == 1
 
 
 def test_fsdp_plugin_refusals():

@@ -118,6 +118,11 @@ def test_cuda_request_with_cpu_ranks_is_refused(capsys, monkeypatch):
     small = ["train.steps=1", "data.max_bytes=20000", "data.seq_len=32", "train.global_batch=2"]
     _one_line_error(capsys, ["train", "--cpu-ranks", "2", *small, "train.device=cuda"], "train.device=cuda but --cpu")
     _one_line_error(capsys, ["train", "--cpu-ranks", "2", "--device", "cuda", *small], "--device=cuda but")
+    # A rank of `launch --cpu-ranks 2 -- train ... train.device=cuda` (NDP_DEVICE=cpu would win, even with CUDA)
+    monkeypatch.setenv("NDP_DEVICE", "cpu")
+    monkeypatch.setenv("NDP_CPU_RANKS", "2")
+    _one_line_error(capsys, ["train", *small, "train.device=cuda"], "train.device=cuda but --cpu-ranks runs CPU")
+    monkeypatch.delenv("NDP_CPU_RANKS")
     if not torch.cuda.is_available():  # NDP_DEVICE=cpu must not hide a config asking for the missing CUDA
         monkeypatch.setenv("NDP_DEVICE", "cpu")
         _one_line_error(capsys, ["train", *small, "train.device=cuda"], "train.device=cuda but CUDA is not available")
@@ -132,7 +137,8 @@ def test_misspelled_ndp_variable_gets_did_you_mean():
     with pytest.raises(ConfigError, match=r"NDP_MIXED_PRECISON .*did you mean 'mixed_precision'"):
         environment_fields({"NDP_MIXED_PRECISON": "bf16"})
     # The other NDP_ settings, and names nowhere near a field, are not ours to refuse.
-    other = {"NDP_DEVICE": "cpu", "NDP_STORE_PATH": "/x", "NDP_LAUNCHER_PID": "1", "NDP_UNRELATED": "x"}
+    other = {"NDP_DEVICE": "cpu", "NDP_STORE_PATH": "/x", "NDP_LAUNCHER_PID": "1", "NDP_CPU_RANKS": "2"}
+    other["NDP_UNRELATED"] = "x"
     assert environment_fields(other) == {}
 
 

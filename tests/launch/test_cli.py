@@ -49,7 +49,9 @@ def test_launch_translates_to_torchrun_arguments(monkeypatch):
 
     from ndparallel.launch.torchrun import WORKER_GUARD
 
-    monkeypatch.delenv("NDP_DEVICE", raising=False)
+    for name in ("NDP_DEVICE", "NDP_CPU_RANKS", "OMP_NUM_THREADS"):  # torchrun_argv sets them: restored afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.delenv("PYTHON_EXEC", raising=False)
     # Every worker starts through the guard (dies with its launcher), in torchrun's --no-python form.
     guard = [sys.executable, "-I", str(WORKER_GUARD)]

@@ -110,7 +110,7 @@ def test_the_launch_timeout_reaches_init_distributed_and_bad_values_are_refused(
     from ndparallel.distributed.watchdog import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, job_timeout, process_group_timeout
     from ndparallel.launch.torchrun import torchrun_argv
 
-    for name in (TIMEOUT_ENV, "NDP_DEVICE", "OMP_NUM_THREADS"):  # torchrun_argv sets them: restored afterwards
+    for name in (TIMEOUT_ENV, "NDP_DEVICE", "NDP_CPU_RANKS", "OMP_NUM_THREADS"):  # torchrun_argv sets them: restored
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     assert job_timeout() == DEFAULT_TIMEOUT_S == 600, "a hung script ends after the watchdog's default"
