@@ -6,6 +6,7 @@ import transformers
 
 from ndparallel.hf import tiny_config
 from ndparallel.models.hf.tiny import shrink_config
+from ndparallel.verify.compare import describe_shrink
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -26,6 +27,8 @@ def test_shrunk_full_size_gemma3_keeps_both_kinds():
     shrunk, changes = shrink_config(full)
     assert shrunk.num_hidden_layers == 2 and shrunk.layer_types == [SLIDING, FULL]
     assert changes["layer_types"] == (full.layer_types, [SLIDING, FULL])
+    kinds = f"{SLIDING}, {FULL}"
+    assert f"layer_types [26 entries: {kinds}] -> [2 entries: {kinds}]" in describe_shrink(changes)
 
 
 def test_every_per_layer_list_follows_the_kept_layers():
