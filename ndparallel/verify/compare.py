@@ -188,10 +188,15 @@ class VerifyTable:
 
 
 def describe_shrink(changes: dict[str, Any]) -> str:
-    """``num_hidden_layers 80 -> 2, hidden_size 8192 -> 32, ...``; a list as its length."""
+    """``num_hidden_layers 80 -> 2, hidden_size 8192 -> 32, ...``; a list as its length and, up to 4 of them,
+    its distinct entries (``layer_types [26 entries: sliding_attention, full_attention] -> [2 entries: ...]``
+    shows the shrink kept a layer of each kind)."""
 
     def show(value: Any) -> str:
-        return f"[{len(value)} entries]" if isinstance(value, (list, tuple)) else str(value)
+        if not isinstance(value, (list, tuple)):
+            return str(value)
+        kinds = list(dict.fromkeys(map(str, value)))
+        return f"[{len(value)} entries: {', '.join(kinds)}]" if len(kinds) <= 4 else f"[{len(value)} entries]"
 
     if not changes:
         return "nothing changed (already at tiny sizes)"

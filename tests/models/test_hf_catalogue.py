@@ -24,6 +24,9 @@ UNBUILT = {
     "bamba", "cohere_compass_text", "dots1", "dots3_note_text", "gemma3n_text", "gemma4_text",
     "gemma4_unified_text", "granitemoehybrid", "hunyuan_v1_dense", "hunyuan_v1_moe", "lfm2_moe", "ministral",
     "nemotron",
+    # its default layer_types name indexed_attention layers but its indexer_* sizes default to None: the kept
+    # layer of each kind (tiny.py) builds one and the indexer divides None by None
+    "qwen4_exp_text",
 }  # fmt: skip
 # trained on tp 2 against one process in tests/models/test_hf_zoo.py: the translation must accept them
 EXACT, SWEPT = set(ARCHS), set(SWEEP)
