@@ -470,8 +470,7 @@ def ring_attention(
         return ulysses_attention(q, k, v, group, causal, load_balanced, scale, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if softcap is not None:
-        return _RingAttention.apply(
-            q, k, v, sinks, group, causal, rotate, load_balanced, scale, softcapped_kernel(softcap)
-        )
-    chosen = attention_kernel(q.device, q.dtype, q.shape[-1], kernel)
+        chosen = softcapped_kernel(softcap)
+    else:
+        chosen = attention_kernel(q.device, q.dtype, q.shape[-1], kernel)
     return _RingAttention.apply(q, k, v, sinks, group, causal, rotate, load_balanced, scale, chosen)

@@ -235,7 +235,7 @@ def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) ->
         what, held = f"model.max_seq_len={model.max_seq_len} needs", "of rotary tables and weights"
         fix = "lower model.max_seq_len"
     else:
-        what = f"the model ({model.num_params() / 1e9:,.1f}B parameters) needs"
+        what = f"the model ({weights / 1e9:,.1f}B parameters) needs"
         held, fix = f"of {model.dtype} weights and rotary tables", "choose a smaller model"
     fits_in_memory(
         weights + rotary, model.torch_dtype.itemsize, what=what, held=f"{held} to build on each rank", fix=fix,
