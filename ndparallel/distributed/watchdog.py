@@ -521,9 +521,9 @@ class Watchdog:
             start = time.monotonic()
             while time.monotonic() < start + _TELL_PEERS_S:
                 now = time.monotonic()
-                if not pending or self.store.check([f"{_TOLD}{r}" for r in pending]):
-                    return  # every peer has printed it
                 pending = [r for r in pending if not self.store.check([f"{_TOLD}{r}"])]
+                if not pending:
+                    return  # every peer has printed it
                 beats = self._read_beats()
                 gone = _silence(beats, seen, now, _GONE_AFTER_S, self.rank)
                 if all(r in gone or (r not in beats and now - start >= _GONE_AFTER_S) for r in pending):
