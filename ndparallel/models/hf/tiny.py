@@ -123,12 +123,19 @@ def _kept_fields(config: Any, layers: int) -> dict[str, Any]:
     return fields
 
 
-def _finish(config: Any) -> Any:
-    """``layer_types`` trimmed to the layer count; eager experts (grouped_mm has no float64 kernel)."""
-    layers = getattr(config, "num_hidden_layers", None)
-    types = getattr(config, "layer_types", None)
+def _fitted_layer_types(types: Any, layers: Any) -> Any:
+    """``layer_types`` repeated or cut to ``layers`` entries (anything else as it is)."""
     if isinstance(layers, int) and isinstance(types, list) and len(types) != layers:
-        config.layer_types = (types * layers)[:layers]
+        return (types * layers)[:layers]
+    return types
+
+
+def _finish(config: Any) -> Any:
+    """``layer_types`` fitted to the layer count; eager experts (grouped_mm has no float64 kernel)."""
+    types = getattr(config, "layer_types", None)
+    fitted = _fitted_layer_types(types, getattr(config, "num_hidden_layers", None))
+    if fitted is not types:
+        config.layer_types = fitted
     config._experts_implementation = "eager"
     return config
 
@@ -167,9 +174,8 @@ def shrink_config(config: Any, window: int = 64) -> tuple[Any, dict[str, tuple[A
         fields.update(_kept_fields(config, layers))
         if isinstance(fields.get("num_attention_heads_per_layer"), list):  # Laguna: one head count per layer
             fields["num_attention_heads_per_layer"] = [fields["num_attention_heads"]] * layers
-    types = fields.get("layer_types")
-    if isinstance(layers, int) and isinstance(types, list):  # validated against the layer count when built
-        fields["layer_types"] = (types * layers)[:layers]
+    if "layer_types" in fields:  # validated against the layer count when built
+        fields["layer_types"] = _fitted_layer_types(fields["layer_types"], layers)
     shrunk = _finish(type(config).from_dict(fields))
     after = shrunk.to_dict()
     changes = {k: (before.get(k), v) for k, v in after.items() if k in before and before[k] != v}
