@@ -23,7 +23,7 @@ from ndparallel.verify.localize import first_nondeterministic, localize
 from ndparallel.verify.model import ModelSpec, check_fits_in_memory, model_spec
 from ndparallel.verify.run import Settings, Trace, reference, resume_step, run_layouts, run_resumes
 
-__all__ = ["verify"]
+__all__ = ["reshard_divergence", "verify"]
 
 
 def verify(
@@ -74,16 +74,25 @@ def verify(
         traces = run_layouts(spec, chosen, settings, progress, saves)
         ready = [(a, b, saves[a]) for a, b in pairs if not (traces[a].refused or traces[a].error)]
         resumed = run_resumes(spec, ready, settings, progress) if ready else {}
-    rows = []
+    rows, localized = [], {}
+
+    def localized_on(layout: Layout, tol: float) -> dict:  # each layout localised once, A>B rows reuse it
+        if layout not in localized:
+            localized[layout] = _localize(spec, layout, settings, tol, progress)
+        return localized[layout]
+
     for layout in chosen:
         row = compare(layout, traces[layout], ref, tolerance_for(dtype, layout, f64))
         progress(f"verify: {layout.name}: {row.verdict}{f' ({row.message})' if row.message else ''}")
         if row.verdict == "FAIL" and localize_failures:
-            row.localized = _localize(spec, layout, settings, row.tolerance["grad"] or 1e-6, progress)
+            row.localized = localized_on(layout, row.tolerance["grad"] or 1e-6)
         rows.append(row)
     for a, b in pairs:
         row = _reshard_row(a, b, traces[a], resumed.get((a, b)), ref, settings, tolerance_for(dtype, b, f64))
         progress(f"verify: {row.layout}: {row.verdict}{f' ({row.message})' if row.message else ''}")
+        if row.verdict == "FAIL" and localize_failures:
+            tol = row.tolerance["grad"] or 1e-6
+            row.localized = reshard_divergence(a, localized_on(a, tol), b, localized_on(b, tol))
         rows.append(row)
     return VerifyTable(
         spec.name, dtype, steps, rows, notes, {k: list(v) for k, v in shrunk.items()} if shrink else None
@@ -103,6 +112,20 @@ def _reshard_row(a: Layout, b: Layout, saved: Trace, resumed: Trace | None, ref:
     row = compare(b, resumed, ref, tol)
     row.layout = name
     return row
+
+
+def reshard_divergence(a: Layout, on_a: dict, b: Layout, on_b: dict) -> dict:
+    """``--localize`` on a failing ``A>B`` row: the first divergence of step 1 on A, else on B; when both match
+    one process the difference entered between them, at the save on A or the load on B."""
+    for layout, found in ((a, on_a), (b, on_b)):
+        if found.get("module") is not None:
+            return {**found, "layout": layout.name, "summary": f"on {layout.name}: {found['summary']}"}
+    summary = (
+        f"{a.name} and {b.name} each match one process in step 1 ({on_a['summary']}; {on_b['summary']}): the "
+        f"difference enters at the checkpoint, saved on {a.name} or loaded on {b.name} (model, AdamW state or "
+        "the step count)"
+    )
+    return {"module": None, "layout": f"{a.name}>{b.name}", "summary": summary}
 
 
 def _layouts(layouts: str | Sequence[str | Layout], cpu_ranks: int) -> list[Layout]:

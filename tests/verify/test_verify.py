@@ -17,7 +17,7 @@ import torch
 
 from ndparallel.errors import ConfigError
 from ndparallel.verify import Layout, Row, VerifyTable, auto_layouts, fold, parse_layouts, verify
-from ndparallel.verify.api import _float64_tolerance
+from ndparallel.verify.api import _float64_tolerance, reshard_divergence
 from ndparallel.verify.compare import compare, describe_shrink, float64_tolerance, tolerance_for
 from ndparallel.verify.layouts import parse_reshards
 from ndparallel.verify.localize import _piece
@@ -177,13 +177,15 @@ def test_correct_user_model_passes_and_pp_is_refused():
 
 def test_planted_faults_fail_and_localize_names_the_module():
     """Fault 1: block 1 subtracts the mean of its rank's batch (per-rank instead of global): wrong under dp,
-    right under tp. Fault 2: the TP plan leaves block 1's down projection with partial sums."""
+    right under tp. Fault 2: the TP plan leaves block 1's down projection with partial sums. The tp=2>dp_shard=2
+    row (saved on tp, resumed on dp_shard) fails too and is localised on A, reusing A's localisation."""
     table = verify(
         f"{TOY}:build_centered",
         "dp_shard=2;tp=2",
         tp_plan=f"{TOY}:WRONG_PLAN",
         cpu_ranks=2,
         localize_failures=True,
+        reshard="tp=2>dp_shard=2",
     )
     rows = {row.layout: row for row in table.rows}
     assert not table.ok and rows["dp_shard=2"].verdict == rows["tp=2"].verdict == "FAIL"
@@ -191,6 +193,23 @@ def test_planted_faults_fail_and_localize_names_the_module():
     assert rows["dp_shard=2"].localized["mesh_dims"] == "dp_shard=2"
     assert rows["tp=2"].localized["module"] == "layers.1.down"
     assert rows["tp=2"].localized["tensor"] == "forward output" and rows["tp=2"].localized["relative_error"] > 1e-3
+    pair = rows["tp=2>dp_shard=2"]
+    assert pair.verdict == "FAIL" and (pair.localized["module"], pair.localized["layout"]) == ("layers.1.down", "tp=2")
+    assert pair.localized["summary"].startswith("on tp=2: layers.1.down: forward output")
+
+
+def test_a_reshard_row_whose_layouts_both_match_blames_the_checkpoint():
+    a, b = Layout.of({"tp": 2}), Layout.of({"dp_shard": 2})
+    clean = {"module": None, "summary": "no module beyond 1e-10 in one step (9 tensors compared, 0 not comparable)"}
+    found = reshard_divergence(a, clean, b, {"module": "layers.0.up", "summary": "layers.0.up: gradient off"})
+    assert (found["module"], found["layout"], found["summary"]) == (
+        "layers.0.up",
+        "dp_shard=2",
+        "on dp_shard=2: layers.0.up: gradient off",
+    )
+    blamed = reshard_divergence(a, clean, b, clean)
+    assert blamed["module"] is None and blamed["layout"] == "tp=2>dp_shard=2"
+    assert "enters at the checkpoint, saved on tp=2 or loaded on dp_shard=2" in blamed["summary"]
 
 
 def test_planted_norm_and_positions_faults_fail_and_localize_names_the_module():
