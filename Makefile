@@ -7,6 +7,10 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
+# pytest workers (pytest-xdist), one test file each at a time: rank processes wait on start-up and on
+# each other, so 3 workers keep 2 cores busy (serial: 66%); WORKERS=0 runs in one process.
+WORKERS ?= 3
+XDIST := -n $(WORKERS) --dist loadfile
 
 .PHONY: demo test test-fast zoo bench lint format clean
 
@@ -24,13 +28,13 @@ demo: $(STAMP)
 # Inductor gets its own cache there: torch 2.13 reuses C++ kernels cached under another capability
 # and fails to build them ("'at::vec' has not been declared").
 test: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m "not zoo"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo"
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
 
 # The inner loop: everything but the jobs (torchrun launches, CLI processes, notebooks, signals: marker
 # `jobs`) and the few tests over a minute (marker `slow`).
 test-fast: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m "not jobs and not slow and not zoo"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not jobs and not slow and not zoo"
 
 # Breadth sweeps that add no code path of their own (marker `zoo`: every translated Hugging Face plan
 # of the catalogue on tp 2); docs/models.md records their last result.
