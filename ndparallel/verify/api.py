@@ -76,8 +76,9 @@ def verify(
         resumed = run_resumes(spec, ready, settings, progress) if ready else {}
     rows, localized = [], {}
 
-    def localized_on(layout: Layout, tol: float) -> dict:  # each layout localised once, A>B rows reuse it
+    def localized_on(layout: Layout) -> dict:  # each layout localised once, at its own bound; A>B rows reuse it
         if layout not in localized:
+            tol = tolerance_for(dtype, layout, f64).grad or 1e-6
             localized[layout] = _localize(spec, layout, settings, tol, progress)
         return localized[layout]
 
@@ -85,14 +86,13 @@ def verify(
         row = compare(layout, traces[layout], ref, tolerance_for(dtype, layout, f64))
         progress(f"verify: {layout.name}: {row.verdict}{f' ({row.message})' if row.message else ''}")
         if row.verdict == "FAIL" and localize_failures:
-            row.localized = localized_on(layout, row.tolerance["grad"] or 1e-6)
+            row.localized = localized_on(layout)
         rows.append(row)
     for a, b in pairs:
         row = _reshard_row(a, b, traces[a], resumed.get((a, b)), ref, settings, tolerance_for(dtype, b, f64))
         progress(f"verify: {row.layout}: {row.verdict}{f' ({row.message})' if row.message else ''}")
         if row.verdict == "FAIL" and localize_failures:
-            tol = row.tolerance["grad"] or 1e-6
-            row.localized = reshard_divergence(a, localized_on(a, tol), b, localized_on(b, tol))
+            row.localized = reshard_divergence(a, localized_on(a), b, localized_on(b))
         rows.append(row)
     return VerifyTable(
         spec.name, dtype, steps, rows, notes, {k: list(v) for k, v in shrunk.items()} if shrink else None
@@ -116,10 +116,14 @@ def _reshard_row(a: Layout, b: Layout, saved: Trace, resumed: Trace | None, ref:
 
 def reshard_divergence(a: Layout, on_a: dict, b: Layout, on_b: dict) -> dict:
     """``--localize`` on a failing ``A>B`` row: the first divergence of step 1 on A, else on B; when both match
-    one process the difference entered between them, at the save on A or the load on B."""
+    one process the difference entered between them, at the save on A or the load on B. A layout that could
+    not be localised (pipeline) proves nothing, so then the checkpoint is not blamed."""
     for layout, found in ((a, on_a), (b, on_b)):
         if found.get("module") is not None:
             return {**found, "layout": layout.name, "summary": f"on {layout.name}: {found['summary']}"}
+    unproved = [f"{layout.name}: {found['summary']}" for layout, found in ((a, on_a), (b, on_b)) if "error" in found]
+    if unproved:
+        return {"module": None, "layout": f"{a.name}>{b.name}", "summary": "; ".join(unproved)}
     summary = (
         f"{a.name} and {b.name} each match one process in step 1 ({on_a['summary']}; {on_b['summary']}): the "
         f"difference enters at the checkpoint, saved on {a.name} or loaded on {b.name} (model, AdamW state or "
@@ -169,4 +173,4 @@ def _localize(spec: ModelSpec, layout: Layout, settings: Settings, tol: float, p
     try:
         return localize(spec, layout, settings, tol)
     except ConfigError as err:
-        return {"module": None, "summary": f"not localized: {err}"}
+        return {"module": None, "error": str(err), "summary": f"not localized: {err}"}

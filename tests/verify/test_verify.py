@@ -210,6 +210,10 @@ def test_a_reshard_row_whose_layouts_both_match_blames_the_checkpoint():
     blamed = reshard_divergence(a, clean, b, clean)
     assert blamed["module"] is None and blamed["layout"] == "tp=2>dp_shard=2"
     assert "enters at the checkpoint, saved on tp=2 or loaded on dp_shard=2" in blamed["summary"]
+    pp = Layout.of({"pp": 2})
+    refused = {"module": None, "error": "pipeline layouts are not localised", "summary": "not localized: pipeline"}
+    unproved = reshard_divergence(pp, refused, b, clean)
+    assert unproved["module"] is None and unproved["summary"] == "pp=2: not localized: pipeline"
 
 
 def test_planted_norm_and_positions_faults_fail_and_localize_names_the_module():
