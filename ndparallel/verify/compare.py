@@ -40,9 +40,9 @@ METRICS = ("loss", "grad_norm", "grad", "param")
 FLOAT64_BOUND = 1e-10
 FLOOR_LIMIT = 1e-12  # a float64 floor above this is not float64 round-off: the tolerance follows it
 SPLIT_LIMIT = 1e-4  # ... up to fp32 round-off (the fp32 smoke loss bound); beyond, the split changed the math
-_FP64_SOURCE = "float64 exactness bound (tests/parity.py FLOAT64_TOL; docs/parallelize.md#numerical-guarantees)"
-_FP32_SOURCE = "fp32 smoke bound measured in tests/parallel/test_fp32_smoke.py (tests/parity.py FP32_TOL)"
-_BF16_SOURCE = "bf16 FSDP bound measured in tests/parallel/test_parallelize.py (BF16_TOL, dp_shard4)"
+_FP64_SOURCE = "float64 exactness bound (docs/verify.md#tolerances-only-measured-bounds)"
+_FP32_SOURCE = "fp32 bound measured on this project's models (docs/verify.md#tolerances-only-measured-bounds)"
+_BF16_SOURCE = "bf16 FSDP bound measured on dp_shard 4 (docs/verify.md#tolerances-only-measured-bounds)"
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,8 @@ def test_fp32_and_bf16_use_only_measured_bounds():
     tp, fsdp = Layout.of({"tp": 2}), Layout.of({"dp_shard": 2})
     fp32 = tolerance_for("float32", tp)
     assert (fp32.loss, fp32.grad_norm, fp32.grad, fp32.param) == (1e-4, 1e-4, 1e-6, None)
-    assert "test_fp32_smoke.py" in fp32.source
-    assert tolerance_for("bf16", fsdp).loss == 2e-3 and "BF16_TOL" in tolerance_for("bf16", fsdp).source
+    assert "docs/verify.md#tolerances" in fp32.source
+    assert tolerance_for("bf16", fsdp).loss == 2e-3 and "dp_shard 4" in tolerance_for("bf16", fsdp).source
     unmeasured = tolerance_for("bf16", tp)
     assert unmeasured.loss is None and "no measured bound" in unmeasured.source
     trace = Trace([1.0], [1.0], {"w": np.zeros(2)}, {"w": np.zeros(2)})
