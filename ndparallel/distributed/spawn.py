@@ -21,6 +21,7 @@ child process is killed before the call returns, whatever happens: no orphans.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import multiprocessing as mp
 import os
@@ -136,6 +137,10 @@ def pickled_call(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any])
         ) from None
 
 
+def _fault_log(store_path: str, rank: int) -> str:
+    return f"{store_path}.rank{rank}.fault"
+
+
 def _worker(
     call: bytes | tuple,
     rank: int,
@@ -161,6 +166,9 @@ def _worker(
         NDP_STORE_PATH=store_path,
     )
     torch.set_num_threads(threads)
+    # A native crash (SIGSEGV, SIGABRT in a C++ library) leaves no Python traceback to report: faulthandler
+    # writes the Python stack it happened under to a file the parent adds to "exited with code -11".
+    faulthandler.enable(open(_fault_log(store_path, rank), "w"))  # noqa: SIM115  (open until the process ends)
     try:
         fn, args, kwargs = pickle.loads(call) if isinstance(call, bytes) else call
     except BaseException:
@@ -246,13 +254,18 @@ def run_ranks(
             p.start()
         try:
             explain = functools.partial(explain_timeout, store_path, world_size) if explain_timeout else None
-            return _collect(procs, results, world_size, timeout, explain)
+            return _collect(procs, results, world_size, timeout, explain, store_path)
         finally:
             _kill_all(procs)
 
 
 def _collect(
-    procs: list, results: Any, world_size: int, timeout: float, explain: Callable[[], str] | None
+    procs: list,
+    results: Any,
+    world_size: int,
+    timeout: float,
+    explain: Callable[[], str] | None,
+    store_path: str,
 ) -> list[Any]:
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
@@ -266,10 +279,10 @@ def _collect(
         except queue.Empty:
             dead = _dead_without_report(procs, values)
             if dead:
-                raise DistributedError(dead[0], _exit_message(procs[dead[0]])) from None
+                raise DistributedError(dead[0], _exit_message(procs, dead[0], store_path)) from None
             continue
         if status == "error":
-            raise _root_cause(procs, results, values, {rank: payload})
+            raise _root_cause(procs, results, values, {rank: payload}, store_path)
         values[rank] = payload
     return [pickle.loads(values[r]) for r in range(world_size)]
 
@@ -278,11 +291,18 @@ def _dead_without_report(procs: list, reported: dict) -> list[int]:
     return [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
 
 
-def _exit_message(proc: Any) -> str:
-    return f"process exited with code {proc.exitcode} without reporting (killed, crashed or os._exit)"
+def _exit_message(procs: list, rank: int, store_path: str) -> str:
+    """How a rank ended without reporting, with the Python stack of a native crash when faulthandler wrote one."""
+    message = f"process exited with code {procs[rank].exitcode} without reporting (killed, crashed or os._exit)"
+    try:
+        with open(_fault_log(store_path, rank)) as f:
+            stack = f.read().strip()
+    except OSError:
+        stack = ""
+    return f"{message}\n{stack}" if stack else message
 
 
-def _root_cause(procs: list, results: Any, values: dict, errors: dict) -> DistributedError:
+def _root_cause(procs: list, results: Any, values: dict, errors: dict, store_path: str) -> DistributedError:
     """One rank's failure makes its peers fail too ("connection closed by peer"): gather what else
     arrives within a second and blame the rank that died silently, else the earliest error."""
     grace = time.monotonic() + 1.0
@@ -297,7 +317,7 @@ def _root_cause(procs: list, results: Any, values: dict, errors: dict) -> Distri
             values[rank] = payload
     dead = _dead_without_report(procs, {**values, **errors})
     if dead:
-        return DistributedError(dead[0], _exit_message(procs[dead[0]]))
+        return DistributedError(dead[0], _exit_message(procs, dead[0], store_path))
     rank = min(errors, key=lambda r: errors[r][0])
     others = sorted(set(errors) - {rank})
     note = f"\n(ranks {others} failed afterwards, most likely as a consequence)" if others else ""

@@ -117,6 +117,16 @@ def _die_hard_on_rank_one() -> None:
     dist.barrier()
 
 
+def _segfault_on_rank_one() -> None:
+    import ctypes
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)  # a real native crash: read address 0
+    dist.barrier()
+
+
 def _pid() -> int:
     return os.getpid()
 
@@ -164,3 +174,12 @@ def test_harness_dead_rank_is_reported():
         run_distributed(_die_hard_on_rank_one, 2, timeout=60)
     assert info.value.rank == 1
     assert "exited with code 3" in str(info.value)
+
+
+def test_harness_native_crash_is_reported_with_its_python_stack():
+    with pytest.raises(DistributedError) as info:
+        run_distributed(_segfault_on_rank_one, 2, timeout=60)
+    assert info.value.rank == 1
+    assert "exited with code -11" in str(info.value)
+    assert "Segmentation fault" in str(info.value)
+    assert "_segfault_on_rank_one" in str(info.value), "the crashing rank's Python stack names the function"
