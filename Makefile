@@ -7,10 +7,9 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
-# pytest workers (pytest-xdist, one test file each at a time; 0: one process). `make test WORKERS=3`
-# keeps 2 cores busy (99% vs 66% serially) and took 554 s of pytest against 826 s, but one of two such
-# runs lost a gloo connection under the load (docs/architecture.md, "Tests"): serial stays the default.
-WORKERS ?= 0
+# pytest workers (pytest-xdist, one test file each at a time; 0: one process). 2, one per core: 3 burn
+# half as much CPU again in contention for the same tests (docs/architecture.md, "Tests", has the times).
+WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
 
 .PHONY: demo test test-fast zoo bench lint format clean
