@@ -272,6 +272,9 @@ def launch(argv: Sequence[str]) -> int:
 
     args = torchrun_argv(argv)
     os.environ["NDP_LAUNCHER_PID"] = str(os.getpid())  # the worker guard checks its parent against it
+    # A rank that crashes natively (SIGSEGV, SIGABRT in a C++ library) prints the Python stack it crashed
+    # under to its stderr, not just torchrun's "exitcode: -11". A user's own setting wins.
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     with ExitClock() as clock:
         try:
             torchrun_main(args)

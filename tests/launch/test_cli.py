@@ -138,6 +138,26 @@ def test_launch_crashing_rank_takes_the_job_down(tmp_path):
     assert "rank 1 failed first" in result.stderr
 
 
+def test_launch_names_the_python_frame_of_a_rank_that_segfaults(tmp_path):
+    script = tmp_path / "segfault.py"
+    script.write_text(
+        textwrap.dedent("""
+        import ctypes, time, torch.distributed as dist
+        dist.init_process_group("gloo")
+        def read_address_zero():
+            ctypes.string_at(0)  # a real native crash
+        if dist.get_rank() == 1:
+            read_address_zero()
+        time.sleep(120)
+    """)
+    )
+    result = run_ndparallel("launch", "--cpu-ranks", "2", "--", str(script), timeout=90)
+    assert result.returncode != 0
+    assert "rank 1 failed first" in result.stderr, result.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr[-3000:]
+    assert "in read_address_zero" in result.stderr, result.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ hostile input: one line, before any rank
 def _one_line_error(capsys, argv: list[str], fragment: str) -> str:
     assert main(argv) == 2
