@@ -40,9 +40,10 @@ METRICS = ("loss", "grad_norm", "grad", "param")
 FLOAT64_BOUND = 1e-10
 FLOOR_LIMIT = 1e-12  # a float64 floor above this is not float64 round-off: the tolerance follows it
 SPLIT_LIMIT = 1e-4  # ... up to fp32 round-off (the fp32 smoke loss bound); beyond, the split changed the math
-_FP64_SOURCE = "float64 exactness bound (docs/verify.md#tolerances-only-measured-bounds)"
-_FP32_SOURCE = "fp32 bound measured on this project's models (docs/verify.md#tolerances-only-measured-bounds)"
-_BF16_SOURCE = "bf16 FSDP bound measured on dp_shard 4 (docs/verify.md#tolerances-only-measured-bounds)"
+_TOLERANCES_DOC = "docs/verify.md#tolerances-only-measured-bounds"  # where each bound was measured
+_FP64_SOURCE = f"float64 exactness bound ({_TOLERANCES_DOC})"
+_FP32_SOURCE = f"fp32 bound measured on this project's models ({_TOLERANCES_DOC})"
+_BF16_SOURCE = f"bf16 FSDP bound measured on dp_shard 4 ({_TOLERANCES_DOC})"
 
 
 @dataclass(frozen=True)
