@@ -173,6 +173,7 @@ def _launch(tmp_path: Path, *extra: str) -> subprocess.Popen:
     config = tmp_path / "job.yaml"
     steps = _config({"dp_shard_size": 2}, str(tmp_path / "ckpt"), every=2)
     steps["train"]["steps"] = 100_000  # far more than the test waits for
+    steps["train"]["log_every"] = 2  # a progress line soon after a restart (the job trains while a test waits)
     steps["train"]["metrics_file"] = str(tmp_path / "metrics.jsonl")
     config.write_text(json.dumps(steps))  # JSON is YAML
     return start_ndparallel(
