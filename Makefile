@@ -32,7 +32,7 @@ test: $(STAMP)
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
 
 # The inner loop: everything but the jobs (torchrun launches, CLI processes, notebooks, signals: marker
-# `jobs`) and the few tests over a minute (marker `slow`).
+# `jobs`) and the costliest tests, 10-60 s each (marker `slow`: big parity groups, inductor builds).
 test-fast: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not jobs and not slow and not zoo"
 

@@ -260,6 +260,7 @@ def job_pp(root: str, ref: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @_one_thread()
 def test_pp_checkpoints_reshard_across_pp_sizes_and_resume_exactly(tmp_path):
     ref = reference()

@@ -426,7 +426,9 @@ def predicted(shape: MeshShape, precision: str, checkpointing: str, micro_batche
     return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer, "comm": comm}
 
 
-@pytest.mark.parametrize("world_size", sorted(VALIDATION_RUNS))
+@pytest.mark.parametrize(  # 4 ranks: over 10 s on 2 loaded cores (make test, not make test-fast)
+    "world_size", [pytest.param(w, marks=pytest.mark.slow) if w > 2 else w for w in sorted(VALIDATION_RUNS)]
+)
 def test_predictions_match_parallelized_ranks_within_10_percent(world_size):
     runs = VALIDATION_RUNS[world_size]
     per_rank = run_distributed(measure_runs, world_size, runs, timeout=240)

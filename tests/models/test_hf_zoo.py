@@ -8,8 +8,8 @@ LayerNorm with bias (StarCoder 2), parallel residual blocks (Cohere), custom att
 Losses, grad norms, step-1 gradients and the parameters after the last step are compared per architecture.
 One spawned group of 2 gloo ranks runs every architecture on tp 2 and, 2 steps each, on dp_shard 2, cp 2 (ring)
 and pp 2 (untied, sliding windows shorter than the sequence: ``PP_OVERRIDES``): exact, or the one-line
-ConfigError ``REFUSED`` pins. FSDP 2 x TP 2 (4 ranks) is marked slow; the
-sweep of the rest of the translated catalogue is marked zoo (make zoo).
+ConfigError ``REFUSED`` pins. That group and FSDP 2 x TP 2 (4 ranks) are marked slow (make test, not
+make test-fast); the sweep of the rest of the translated catalogue is marked zoo (make zoo).
 """
 
 from __future__ import annotations
@@ -299,6 +299,7 @@ def check(model_type: str, results: list, layout: str, steps: int = STEPS) -> li
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", list(ARCHS))
 def test_tp_equals_one_process(group, model_type):
     ref = reference(model_type)
@@ -307,6 +308,7 @@ def test_tp_equals_one_process(group, model_type):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", list(ARCHS))
 def test_fsdp_cp_pp_equal_one_process_or_refuse(group, model_type):
     """dp_shard 2, cp 2 (ring attention) and pp 2 (2 micro-batches), EXTRA_STEPS steps, in the same group."""

@@ -21,7 +21,7 @@ import pytest
 from ndparallel.testing import run_distributed
 from tests.parity import assert_parity, context_parallel_loss_fn, parity_error, reference, run_many
 
-pytestmark = pytest.mark.capability
+pytestmark = [pytest.mark.capability, pytest.mark.slow]
 
 STEPS = 3
 CP_DATA = {"lr": 1e-2, "global_batch": 8, "seq_len": 32}

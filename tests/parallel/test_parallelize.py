@@ -109,6 +109,7 @@ def test_parity_2_ranks_tp_and_replicate():
     _check_group(2)
 
 
+@pytest.mark.slow
 def test_parity_8_ranks_hsdp_x_tp():
     _check_group(8)
 
@@ -216,6 +217,7 @@ def _compiled_model_run() -> dict:
     return train_steps({"compile": "model"}, 1)
 
 
+@pytest.mark.slow
 def test_compile_model_matches_eager_one_rank():
     # fp32: inductor's fused CPU kernels round differently from eager; 1e-5 measured headroom (~1e-7 seen).
     got = run_distributed(_compiled_model_run, 1, timeout=600)[0]

@@ -114,6 +114,7 @@ def test_pp2_compile_matches_one_process(refs):
         assert all(r["graphs"] > 0 for r in rank), [r["graphs"] for r in rank]  # dynamo compiled the stages
 
 
+@pytest.mark.slow
 def test_pp2_cp2_ulysses_and_allgather_match_one_process(refs):
     cases = [
         {"parallel": {"pp_size": 2, "cp_size": 2, "pp_schedule": schedule, "cp_rotate_method": method}}
@@ -124,6 +125,7 @@ def test_pp2_cp2_ulysses_and_allgather_match_one_process(refs):
     _check(results, cases, refs)
 
 
+@pytest.mark.slow
 def test_pp2_hsdp_on_eight_ranks_matches_one_process(refs):
     hsdp = {"pp_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2}
     cases = [  # 2 micro-batches: the per-rank batch is 8 / dp 4 = 2 with dp_shard, 4 with cp (cp is not dp)

@@ -249,6 +249,7 @@ def test_pp2_every_schedule_matches_one_process(refs):
         assert [r[SCHEDULES.index("zbv")]["ids"] for r in results] == [[0, 3], [1, 2]]  # V placement
 
 
+@pytest.mark.slow
 def test_pp2_composes_with_every_dim_and_pp4_on_four_ranks(refs):
     cases = [
         {"parallel": {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "1f1b"}},
@@ -271,6 +272,7 @@ def test_pp2_composes_with_every_dim_and_pp4_on_four_ranks(refs):
     assert cases[-1].get("hf") or importlib.util.find_spec("transformers") is None
 
 
+@pytest.mark.slow
 def test_pp2_dp_shard2_tp2_on_eight_ranks(refs):
     from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.distributed.mesh import rank_groups

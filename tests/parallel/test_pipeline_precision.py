@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -249,6 +250,7 @@ def test_pp2_bf16_autocast_matches_the_same_precision_without_pp():
     assert refused and "ConfigError" in refused and "mixed_precision=fp16 without FSDP" in refused, refused
 
 
+@pytest.mark.slow
 def test_pp2_dp_shard2_bf16_fp16_and_cpu_offload_on_four_ranks():
     pp_dp = {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "1f1b"}
     bf16 = {"mixed_precision": "bf16"}

@@ -97,6 +97,7 @@ def _float64(config: dict) -> dict:
     return config
 
 
+@pytest.mark.slow
 def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
     """float64: resuming on the same mesh is bit-identical; on another mesh or one process, within 1e-10."""
     ckpt = str(tmp_path / "ckpt")

@@ -77,6 +77,7 @@ def _tensors(checkpoint: str, tmp: str) -> dict[str, torch.Tensor]:
     return flat
 
 
+@pytest.mark.slow
 def test_pp_resume_is_exact_on_the_same_mesh_and_across_pp_sizes_and_schedules(tmp_path):
     results = run_distributed(_jobs, 4, str(tmp_path), timeout=300)
     r0 = results[0]
