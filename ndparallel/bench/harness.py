@@ -163,12 +163,7 @@ def _instrumented_step(job: _Job) -> tuple[list[dict[str, Any]], int]:
     from ndparallel.distributed.counter import CommCounter
 
     memory = LiveMemory(job.state_tensors()) if job.device.type == "cpu" else None
-    if job.case.pp_size > 1:  # CommDebugMode's module tracker fails across a schedule's several passes
-        from ndparallel.bench.pipeline import StepCounter
-
-        counter = StepCounter()
-    else:
-        counter = CommCounter()
+    counter = CommCounter()
     job.train_step.around = lambda: counter  # entered per micro-batch, and around clipping + optimizer
     try:
         with memory or contextlib.nullcontext():

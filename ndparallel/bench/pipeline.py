@@ -29,17 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The documented extension point for intercepting aten ops lives in a private module on torch 2.11-2.14.
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.counter import CommCounter
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.parallel.pipeline import Pipeline
 from ndparallel.parallel.pipeline import build_pipeline as build_runtime
 
-__all__ = ["PipelineRun", "SavedActivations", "StepCounter", "build_pipeline", "measure_pipeline"]
+__all__ = ["PipelineRun", "SavedActivations", "build_pipeline", "measure_pipeline"]
 
 
 @dataclass
@@ -151,21 +149,6 @@ def _group_labels(mesh: Any, pp_group: Any) -> dict[tuple[int, ...], str]:
     return labels
 
 
-class StepCounter(TorchDispatchMode):
-    """``CommCounter``'s recording without ``CommDebugMode``'s module tracker, which fails (IndexError, torch 2.13)
-    when one counted region runs several forward and backward passes, as a pipeline schedule's step does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[Any] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        from ndparallel.distributed.counter import CommCounter
-
-        CommCounter._record(self, func, args)  # the one mapping of ops to kinds and payloads
-        return func(*args, **(kwargs or {}))
-
-
 def _compute_only_s(pipe: Pipeline, run: PipelineRun, tokens: torch.Tensor, labels: torch.Tensor) -> float:
     """Seconds this rank's stages take for forward + backward of all micro-batches with no waiting and no
     communication (the no-bubble reference; pure pp only: random stage inputs and output gradients)."""
@@ -207,7 +190,7 @@ def measure_pipeline(run: PipelineRun) -> dict[str, Any]:
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     times, comm = [], {}
     for step in range(run.steps):
-        counter = StepCounter() if step == run.steps - 1 else contextlib.nullcontext()
+        counter = CommCounter() if step == run.steps - 1 else contextlib.nullcontext()
         retained = tracker.peak = tracker.live
         dist.barrier()
         start = time.perf_counter()

@@ -10,6 +10,10 @@ It sees both kinds of collectives torch issues: the ``c10d`` ops FSDP2 calls (``
 ``_reduce_scatter_base_``, ``allreduce_``, ``send``/``recv_`` ...) and the ``_c10d_functional`` ops
 DTensor redistributes with. Payload conventions match ``comm.Collective``: an all-gather's output,
 a reduce-scatter's input, an all-reduce's tensor, a send's tensor (receives are not counted).
+
+It is a plain dispatch mode, not torch's ``CommDebugMode``: that one's module tracker raises an IndexError
+when a region holds several forward/backward passes (a pipeline schedule) or a module whose full backward
+hooks fire on outputs only (an FSDP-wrapped Hugging Face model under transformers 5.25, torch 2.13).
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import DTensor
+
+# The documented extension point for intercepting aten ops lives in a private module on torch 2.11-2.14.
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CommCounter", "CountedCall"]
 
@@ -95,16 +102,23 @@ _FUNCTIONAL = {
 }
 
 
-class CommCounter(CommDebugMode):
-    """A ``CommDebugMode`` that also records each collective's payload bytes and process group."""
+class CommCounter(TorchDispatchMode):
+    """Records each collective's kind, payload bytes and process group while it is entered."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.supports_higher_order_operators = True  # e.g. DTensor's random ops: not collectives, passed on
         self.calls: list[CountedCall] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):  # torch names that class in no public module
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            # let DTensor desugar first: the collectives it issues come back through this mode on local tensors
+            return NotImplemented
         self._record(func, args)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **kwargs)
 
     def _record(self, func: Any, args: tuple) -> None:
         namespace = getattr(func, "namespace", "")

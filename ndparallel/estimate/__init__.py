@@ -21,6 +21,7 @@ bubble, p2p), ``search`` (estimate one shape, rank them all), ``explain`` (``pla
 Formulas and validation: docs/planning.md.
 """
 
+from ndparallel.distributed.counter import CommCounter
 from ndparallel.estimate.comm import Collective, collectives, group_link
 from ndparallel.estimate.compute import ComputeTime, compute_time
 from ndparallel.estimate.hardware import GPU_KINDS, LINKS, GpuKind
@@ -86,13 +87,3 @@ __all__ = [
     "shape_problems",
     "stage_ranges",
 ]
-
-
-def __getattr__(name: str):
-    """``CommCounter`` on first use: its base, torch's ``CommDebugMode``, imports inductor (~1 s), which every
-    ``ndparallel`` command would otherwise pay when its parser adds the ``plan`` subcommand."""
-    if name == "CommCounter":
-        from ndparallel.distributed.counter import CommCounter
-
-        return CommCounter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

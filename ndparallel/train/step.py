@@ -60,8 +60,7 @@ class TrainStep:
     ``check_finite=False`` drops the non-finite agreement, only for runs whose numbers mean nothing (the
     bench's compute-only twin). ``phase(text)`` is told what runs next, e.g. ``"step 3: forward/backward"``
     (the watchdog's heartbeat). ``around()`` is entered around each micro-batch's forward/backward and around
-    the clipping and optimizer step: the bench counts collectives with it (torch's ``CommDebugMode`` cannot
-    span two forward/backward passes: its module tracker fails with an IndexError, torch 2.13).
+    the clipping and optimizer step: the bench counts collectives with it.
     ``router_bias_rate``: how far a sigmoid router's balancing bias moves after each applied step (0: it stays;
     ``train.router_bias_rate``).
 
