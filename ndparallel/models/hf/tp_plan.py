@@ -62,6 +62,10 @@ REFUSED = {
     "mla_kv_a_proj": "MLA's shared rope key (kv_a_proj_with_mqa) needs a gradient all-reduce of one output "
     "slice that ndparallel does not implement",
     "local_params": "bare parameters sharded with the heads (attention sinks) are not translated",
+    "unit_colwise": "replicating whole heads over a sub-mesh when the heads do not divide tp (transformers' unit "
+    "mesh) is not translated",
+    "unit_rowwise": "replicating whole heads over a sub-mesh when the heads do not divide tp (transformers' unit "
+    "mesh) is not translated",
     "all_reduce": "a module summing partial outputs of rowwise children conflicts with ndparallel's "
     "reduce-scatter to sequence shards",
 }
@@ -340,6 +344,8 @@ def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -
             getattr(layers[0], attn, None),
             "its attention splits q/k/v by the global head count, not the rank's heads (a shape error on tp 2)",
         )
+    if not overrides:
+        _refuse_packed_experts(model)
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
     embedding_fqn = _fqn(model, embedding)
     if embedding_fqn not in overrides:
@@ -372,6 +378,41 @@ def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -
     return plan
 
 
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _expert_count(config: object) -> int | None:
+    """The routed experts per MoE layer the config declares, or None for a dense model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in _EXPERT_COUNT_KEYS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+def _packed_experts(model: nn.Module) -> list[str]:
+    """Modules holding experts fused into one ``[n_experts, out, in]`` weight (a convolution's is 3-D too)."""
+    n_experts = _expert_count(model.config)
+    found = []
+    for name, param in model.named_parameters():
+        owner = name.rpartition(".")[0]
+        if param.dim() == 3 and param.shape[0] == n_experts and owner not in found:
+            if not isinstance(model.get_submodule(owner), _CONVOLUTIONS):
+                found.append(owner)
+    return found
+
+
+def _refuse_packed_experts(model: nn.Module, among: list[str] | None = None) -> None:
+    """Name the MoE experts as the reason, before a router or shared expert the plan also cannot place
+    (transformers 5.25's plans list no experts at all)."""
+    experts = [fqn for fqn in _packed_experts(model) if among is None or fqn in among]
+    if experts:
+        module = model.get_submodule(experts[0])
+        raise _unplaceable(model, experts[0], module, f"no entry covers it: {REFUSED['moe_tp_experts']}")
+
+
 def _check_covered(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
     """Every parameter must become a DTensor (foreach AdamW and clipping need one kind of tensor)."""
     missing = []
@@ -379,6 +420,7 @@ def _check_covered(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
         owner = name.rpartition(".")[0]
         if not any(fqn_matches(owner, p) and not isinstance(s, GatherSequence) for p, s in plan.items()):
             missing.append(name)
+    _refuse_packed_experts(model, [name.rpartition(".")[0] for name in missing])
     if missing:
         owner = missing[0].rpartition(".")[0]
         raise _unplaceable(
