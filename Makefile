@@ -1,9 +1,11 @@
 # Every target sets up .venv itself. TORCH picks the torch wheel on a fresh venv (default: the
 # CPU build 2.13.0; e.g. `make test TORCH=torch==2.11.0` or a CUDA build); a torch already
-# importable in .venv is kept.
+# importable in .venv is kept. TRANSFORMERS pins the hf extra to the release the tests were measured on
+# (its catalogue of plans changes between releases: docs/models.md); the package itself asks only >=5.24.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TRANSFORMERS ?= transformers==5.25.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
@@ -14,10 +16,10 @@ XDIST := -n $(WORKERS) --dist loadfile
 
 .PHONY: demo test test-fast zoo bench lint format clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,hf,plot,notebook,tensorboard]"
+	$(PY) -m pip install -q -e ".[dev,hf,plot,notebook,tensorboard]" "$(TRANSFORMERS)"
 	@touch $@
 
 demo: $(STAMP)
