@@ -214,6 +214,9 @@ def group():
 # DeepSeek-V3's router weight is an fp32 parameter: its gradient is summed over tokens in fp32, in another
 # order under cp (per rank, then FSDP's reduction). Measured 4.7e-9 (about one fp32 ulp of its 0.04 entries).
 FP32_PARAM_TOL = 1e-7
+# ... so after one AdamW step the router differs by about that much, and step 2's float64 loss and grad norm
+# with it: measured 7.0e-9 and 1.1e-9 relative on an AVX-512 Xeon (0 on CI's machine). Step 1 stays at 1e-10.
+FP32_ROUTER_TOL = {"loss_tol": 1e-7, "norm_rtol": 1e-8}
 
 
 def split_fp32_grads(result: dict) -> tuple[dict, dict]:
@@ -230,7 +233,10 @@ def test_implemented_features_match_one_process(group, model_type, rotate):
     for rank, result in enumerate(group):
         label = f"{model_type} {rotate} rank {rank}"
         got, got_fp32 = split_fp32_grads(result["runs"][(model_type, rotate)])
-        assert_parity(got, ref, label=label)
+        if ref_fp32:
+            assert abs(got["losses"][0] - ref["losses"][0]) <= 1e-10, (label, got["losses"], ref["losses"])
+            assert got["grad_norms"][0] == pytest.approx(ref["grad_norms"][0], rel=1e-10), label
+        assert_parity(got, ref, **(FP32_ROUTER_TOL if ref_fp32 else {}), label=label)
         assert got_fp32.keys() == ref_fp32.keys(), label
         for name, grad in ref_fp32.items():
             assert np.abs(got_fp32[name] - grad).max() <= FP32_PARAM_TOL, (label, name)
