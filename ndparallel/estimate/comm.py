@@ -168,11 +168,11 @@ def collectives(
         add(f"TP {kind.replace('_', '-')} (SP activations)", kind, ("tp",), "tp",
             calls * micro_steps, calls * activation * micro_steps)  # fmt: skip
     norms = 2 * layers + share.head
-    # Under pp the norm weights' partial gradients are all-reduced once per step, not per micro-batch (measured
-    # through ndparallel.parallel.pipeline: tests/estimate/test_estimate_pp.py).
-    norm_syncs = 1 if mesh.pp > 1 else micro_steps
+    # Once per micro-batch, pp included: the first by the gradient's hook, each later one when its Partial
+    # gradient is added to the Replicate one (counted through ndparallel.parallel.pipeline:
+    # tests/estimate/test_estimate_pp.py).
     add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",
-        norms * norm_syncs, norms * model.dim * precision.reduce * norm_syncs)  # fmt: skip
+        norms * micro_steps, norms * model.dim * precision.reduce * micro_steps)  # fmt: skip
     if share.head:  # loss_parallel: cross-entropy over vocab-sharded logits all-reduces max, sum-exp, target logit
         add("TP all-reduce (loss-parallel stats)", "all_reduce", ("tp",), "tp",
             3 * micro_steps, 3 * tokens * 4 * micro_steps)  # fmt: skip
