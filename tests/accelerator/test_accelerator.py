@@ -159,8 +159,9 @@ def test_accelerator_with_accumulation_matches_one_process(reference, tmp_path, 
     assert main["shards_match"] is not False
     for name, weight in reference["state_dict"].items():
         # AdamW turns fp32 rounding of near-zero gradients (rare tokens' embedding rows) into lr-sized steps:
-        # measured 6.5e-5 after 5 steps at lr 1e-2; a misplaced shard would be off by ~5e-2.
-        assert np.abs(main["state_dict"][name] - weight).max() <= 5e-4, name
+        # measured 6.5e-5 after 5 steps at lr 1e-2 on one CPU, 5.04e-4 on an AVX-512 Xeon; a misplaced shard
+        # would be off by ~5e-2.
+        assert np.abs(main["state_dict"][name] - weight).max() <= 2e-3, name
         assert np.array_equal(main["saved"][name], main["state_dict"][name]), name
     assert all(r["state_dict"] == {} for r in results[1:])
     assert all(r["main_first"] for r in results)
