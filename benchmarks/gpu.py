@@ -10,8 +10,9 @@ fused on CUDA; loss in fp32):
 ``torch-eager``      plain model, ``torch.autocast(bf16)``
 ``torch-compiled``   plain model, each block ``.compile()`` plus a compiled loss head (final norm +
                      output + cross-entropy in one graph): the best plain-PyTorch recipe in DESIGN.md
-``ndp-compile``      ``ndparallel.parallelize`` (compile="blocks") on a 1-rank mesh, autocast bf16
-                     (at dp_shard 1 parallelize applies no FSDP)
+``ndp-compile``      ``ndparallel.parallelize`` (compile="blocks": each block and the loss head, output
+                     projection + cross-entropy in one graph) on a 1-rank mesh, autocast bf16 (at dp_shard 1
+                     parallelize applies no FSDP)
 ``ndp-fsdp1``        the same plus FSDP2 on the 1-rank ``dp_shard_cp`` mesh with bf16 parameters
                      (``MixedPrecisionPolicy(bf16, fp32)``): the path a multi-GPU job takes
 
@@ -93,6 +94,8 @@ def _build(variant: str, mcfg: TransformerConfig, device: torch.device, use_comp
         apply_fully_shard(model, mesh["dp_shard_cp"], cfg, find_blocks(model))
 
     def loss_fn(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if model.loss_in_forward:  # compile="blocks" compiled the projection + cross entropy as one graph
+            return model(tokens, labels=labels)
         return cross_entropy_loss(model(tokens).float(), labels)
 
     return model, loss_fn, not fsdp

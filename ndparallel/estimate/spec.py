@@ -364,10 +364,11 @@ class TrainingSpec:
     ndparallel's ``selective``: every other block, the first included)."""
     compile: str = "none"
     """``none``, ``blocks`` (each block compiled) or ``model`` (the whole model, so also the embedding, final
-    norm and output projection): the config's ``compile``. Either way the cross-entropy runs eager."""
+    norm and output projection): torchtitan's meaning, where the cross-entropy runs eager either way."""
     compiled_loss: bool = False
     """The loss head (final norm + output projection + fp32 cross-entropy) in one compiled graph, as the
-    plain-PyTorch recipe of docs/planning.md's H200 rows: no fp32 logits materialised."""
+    plain-PyTorch recipe of docs/planning.md's H200 rows: no fp32 logits materialised. ndparallel's own
+    ``compile: blocks`` compiles its head (projection + cross-entropy): plan it with ``compiled_loss=True``."""
     optimizer: str = "adamw"
     reshard_after_forward: bool = True
     """FSDP: free gathered units after forward and all-gather them again in backward."""

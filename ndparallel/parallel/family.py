@@ -15,6 +15,7 @@ this order, and never anything else about the model (it has no branch on a famil
                                        argument positions_arg with each rank's global positions)
     pipeline_stage(model, ids, f, l)   pp > 1: a module holding blocks ``ids`` under the unsplit FQNs (plus the
                                        embedding when ``f``, the head when ``l``); stage_blocks(stage) its blocks
+    compile_loss_head(model)           compile: blocks: compile the loss head too, if the family has one
 
 :func:`family_for` picks the family: the ones given to :func:`register_family` (newest first), then
 the built-in Hugging Face family (``ndparallel/models/hf/family.py``), and otherwise the reference
@@ -134,6 +135,12 @@ class ModelFamily:
         """FQNs of the blocks of a stage from :meth:`pipeline_stage`: the children of its first ``nn.ModuleDict``."""
         name, blocks = next((n, m) for n, m in stage.named_modules() if isinstance(m, nn.ModuleDict))
         return [f"{name}.{key}" for key in blocks]
+
+    def compile_loss_head(self, model: nn.Module) -> bool:
+        """Under ``compile: blocks``, after the blocks: compile the head that computes the loss (projection and
+        cross entropy in one graph) when the model computes its loss in ``forward(..., labels)``; True if it did.
+        Default: nothing (the loss stays eager, on the logits)."""
+        return False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

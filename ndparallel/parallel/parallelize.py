@@ -170,6 +170,8 @@ def parallelize(
     apply_expert_parallel(moe_layers, mesh)
     apply_activation_checkpointing(block_list, cfg.activation_checkpointing)
     apply_compile(model, block_list, cfg.compile, tp)
+    if cfg.compile == "blocks":
+        family.compile_loss_head(model)
 
     dp_mesh = fsdp_mesh(mesh)
     if dp_mesh is not None:

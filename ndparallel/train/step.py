@@ -115,6 +115,7 @@ class TrainStep:
                 )
             return self._pipeline_step(inputs, labels, step)
         loss_sum = torch.zeros((), device=self.device)
+        fused_head = getattr(self.model, "loss_in_forward", False)  # ndparallel.models.Transformer's
         micro_batches = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True))
         for index, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device), y.to(self.device)
@@ -126,8 +127,9 @@ class TrainStep:
                 context_parallel(self.mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]),
             ):
                 with self._autocast():
-                    logits = self.model(x, positions)
-                loss = cross_entropy_loss(logits, y)  # fp32 or wider (float64 stays)
+                    # compile: blocks compiled the model's projection + cross entropy as one graph: it takes labels
+                    out = self.model(x, positions, labels=y) if fused_head else self.model(x, positions)
+                loss = out if fused_head else cross_entropy_loss(out, y)  # fp32 or wider (float64 stays)
                 aux = auxiliary_loss(self.model)  # an MoE router's balancing and z-loss, on the global micro-batch
                 loss = (loss if aux is None else loss + aux) / len(micro_batches)
                 loss.backward()

@@ -12,7 +12,8 @@ context parallel address modules by these names (``*`` = layer index)::
     layers.*.feed_forward.w1 / w3 / w2  SwiGLU: w2(silu(w1 x) * w3 x)
     layers.*.feed_forward               MoE instead when n_experts > 0 (router, experts, shared_experts: moe.py)
     norm                                nn.RMSNorm(dim)
-    output                              nn.Linear(dim, vocab)
+    output                              OutputProjection(dim, vocab): an nn.Linear that, given labels,
+                                        returns the loss instead of the logits
 
 The model imports nothing from ndparallel's planners: it is parallelised from outside, the
 same way a user's own model is. ``core_attention`` is the one seam for attention variants
@@ -32,7 +33,7 @@ from ndparallel.models.seed import name_seed
 from ndparallel.models.transformer.moe import MoE, Router
 from ndparallel.models.transformer.presets import TransformerConfig
 
-__all__ = ["CoreAttention", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
+__all__ = ["CoreAttention", "OutputProjection", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
 
 
 def rotary_tables(
@@ -136,8 +137,42 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross entropy of the logits ``x @ weight.T``, upcast to at least fp32 (float64 stays float64)."""
+    logits = F.linear(x, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+
+
+class OutputProjection(nn.Linear):
+    """The output projection ``nn.Linear(dim, vocab, bias=False)``; ``forward(x, labels)`` returns the mean token
+    cross entropy instead of the logits.
+
+    The loss runs inside this module's forward, where FSDP has gathered the weight, so :meth:`compile_loss` can
+    compile projection and cross entropy as one graph: the fp32 logits and their log-softmax are never written
+    out (``compile: blocks`` does it; docs/parallelize.md#compile-blocks-and-the-loss-head).
+    """
+
+    def __init__(self, dim: int, vocab_size: int, dtype: torch.dtype | None = None):
+        super().__init__(dim, vocab_size, bias=False, dtype=dtype)
+        self._loss = linear_cross_entropy
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        return self._loss(x, self.weight, labels)
+
+    def compile_loss(self) -> None:
+        """Compile the labels path (projection + cross entropy) as one ``fullgraph`` graph."""
+        self._loss = torch.compile(linear_cross_entropy, fullgraph=True)
+
+    @property
+    def loss_compiled(self) -> bool:
+        return self._loss is not linear_cross_entropy
+
+
 class Transformer(nn.Module):
-    """Decoder-only language model: ``forward(tokens[, positions]) -> logits``.
+    """Decoder-only language model: ``forward(tokens[, positions]) -> logits`` (``labels=``: the loss).
 
     ``positions`` (``[seq]`` or ``[batch, seq]``, default ``0..seq-1``) index the rotary tables.
     Under context parallel each rank holds a shard of the sequence and needs its tokens' global
@@ -157,12 +192,18 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=dtype)
+        self.output = OutputProjection(cfg.dim, cfg.vocab_size, dtype=dtype)
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, dtype=dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.tok_embeddings.weight.device.type != "meta":
             self.init_weights()
+
+    @property
+    def loss_in_forward(self) -> bool:
+        """True once ``compile: blocks`` compiled the loss head: a training step then passes ``labels`` to
+        ``forward`` and gets the loss, so projection and cross entropy run as one graph."""
+        return self.output.loss_compiled
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -177,7 +218,12 @@ class Transformer(nn.Module):
             if isinstance(module, Router):
                 module.reset_buffers()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits ``[batch, seq, vocab]``; with ``labels`` ``[batch, seq]``, the mean token cross entropy
+        computed by the output projection (:class:`OutputProjection`: one compiled graph under ``compile: blocks``).
+        """
         if positions is None:
             seq = tokens.shape[1]
             if seq > self.config.max_seq_len:
@@ -188,4 +234,5 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if labels is None else self.output(h, labels)
