@@ -112,11 +112,16 @@ def test_refusals_name_the_style_and_its_reason():
 
 def markdown_table() -> str:
     """The catalogue as docs/models.md prints it: one row per architecture, its TP outcome."""
+    from ndparallel.models.hf.stage import PIPELINE_MODEL_TYPES
+
     rows = ["| model_type | TP plan |", "|---|---|"]
     for model_type, result in outcomes().items():
         if result == "translated":
             cell = "exact: tp 2 and dp 2 x tp 2" if model_type in EXACT else "translated, not trained"
-            cell = "exact: tp 2 (zoo sweep)" if model_type in SWEPT else cell
+            if model_type in SWEPT:
+                cell = "exact: tp 2, dp_shard 2, cp 2" + (
+                    ", pp 2 (zoo sweep)" if model_type in PIPELINE_MODEL_TYPES else " (zoo sweep); pp 2 refused by name"
+                )
         elif result == "unbuilt":
             cell = "not judged: the generic tiny config does not build"
         else:

@@ -55,6 +55,10 @@ PP_OVERRIDES = {
     "starcoder2": {"tie_word_embeddings": False, **WINDOW},
     "cohere": {"tie_word_embeddings": False},
     "mistral": WINDOW,
+    "cohere2": {"tie_word_embeddings": False, **WINDOW},
+    "ernie4_5": {"tie_word_embeddings": False},
+    "gemma": {"tie_word_embeddings": False},
+    "vaultgemma": {"tie_word_embeddings": False, **WINDOW},
 }
 EAGER = ("gemma2",)  # no SDPA path in transformers (others found by build)
 # The rest of the catalogue's translated plans (tests/models/test_hf_catalogue.py), default tiny configs, in
@@ -74,6 +78,11 @@ EXTRA_STEPS = 2  # dp2, cp2, pp2: fewer steps keep the group short (tp2 keeps ST
 # or a raw crash of any other pair fails the test.
 REFUSED = {
     ("qwen2", "pp2"): ("tie_word_embeddings=True", "tied embedding and lm_head would sit on different stages"),
+    # the zoo sweep's, not in PIPELINE_MODEL_TYPES: their parts are not model.embed_tokens / layers / norm (a stage
+    # cannot find them), or the stage measured another loss (nanochat: 4.6e-2 off)
+    ("gpt_neox", "pp2"): ("is not supported for model_type='gpt_neox'", "no model.embed_tokens / model.norm"),
+    ("phi", "pp2"): ("is not supported for model_type='phi'", "its final norm is model.final_layernorm"),
+    ("nanochat", "pp2"): ("is not supported for model_type='nanochat'", "a stage measured a different loss"),
 }
 # FSDP 2 x TP 2 of Llama, Qwen2, Mistral and Qwen3 runs in tests/models/test_hf.py; the others here, slow
 FSDP_TP = tuple(a for a in ARCHS if a not in ("llama", "qwen2", "mistral", "qwen3"))
@@ -83,19 +92,32 @@ FSDP_TP = tuple(a for a in ARCHS if a not in ("llama", "qwen2", "mistral", "qwen
 FP32_INSIDE = ("gemma2", "gemma3_text", "cohere", "cohere2", "gemma", "vaultgemma", "helium")
 
 
-def build(model_type: str, seed: int = 0, pp: bool = False):
-    """The tiny model (``pp``: with its ``PP_OVERRIDES``)."""
+def _config(model_type: str, pp: bool = False):
     from ndparallel.hf import tiny_config
 
-    config = tiny_config(model_type, **ARCHS.get(model_type, {}), **(PP_OVERRIDES.get(model_type, {}) if pp else {}))
-    attn = "eager" if model_type in EAGER else "sdpa"
+    return tiny_config(model_type, **ARCHS.get(model_type, {}), **(PP_OVERRIDES.get(model_type, {}) if pp else {}))
+
+
+@functools.cache
+def attention_of(model_type: str) -> str:
+    """``sdpa``, or ``eager`` for a model with no SDPA path in transformers (Gemma 2 by name, VaultGemma found)."""
+    if model_type in EAGER:
+        return "eager"
     try:
         with torch.device("meta"):
-            transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    except ValueError:  # no SDPA path (Gemma 2, VaultGemma): transformers' eager attention
-        attn = "eager"
+            transformers.AutoModelForCausalLM.from_config(_config(model_type), attn_implementation="sdpa")
+    except ValueError:
+        return "eager"
+    return "sdpa"
+
+
+def build(model_type: str, seed: int = 0, pp: bool = False):
+    """The tiny model (``pp``: with its ``PP_OVERRIDES``)."""
+    config = _config(model_type, pp)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attention_of(model_type), dtype=torch.float64
+    )
 
 
 def _eager_float64_softmax(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **_):
@@ -240,7 +262,7 @@ def tolerance(
         return 1e-10
     ref = reference(model_type, steps=steps, pp=pp, float64_softmax=float64_softmax)
     floor = _difference(reference(model_type, halves=True, steps=steps, pp=pp, float64_softmax=float64_softmax), ref)
-    if layout == "cp2" and model_type in EAGER:
+    if layout == "cp2" and attention_of(model_type) == "eager":
         floor = max(floor, _difference(reference(model_type, steps=steps, float64_softmax=True), ref))
     return max(10 * floor, 1e-10)
 
@@ -271,7 +293,7 @@ def check(model_type: str, results: list, layout: str, steps: int = STEPS) -> li
         return failures
     pp = layout == "pp2"
     refs = [(reference(model_type, steps=steps, pp=pp), tolerance(model_type, steps=steps, pp=pp, layout=layout))]
-    if layout == "cp2" and model_type in EAGER:  # and the same arithmetic as the ring's, to the halves' floor
+    if layout == "cp2" and attention_of(model_type) == "eager":  # and the ring's arithmetic, to the halves' floor
         refs.append(
             (
                 reference(model_type, steps=steps, float64_softmax=True),
@@ -325,10 +347,11 @@ def test_fsdp_tp_equals_one_process():
 
 
 @pytest.mark.zoo  # breadth, not a new code path: make zoo (docs/models.md has its last result)
-def test_tp_sweep_of_the_translated_catalogue():
-    """Every other translated plan of the catalogue on tp 2 (2 steps): exact, or fails naming the model."""
-    results = run_distributed(run_group, 2, {"tp2": LAYOUTS[2]["tp2"]}, SWEEP, 2, timeout=1500)
-    failures = [f for model_type in SWEEP for f in check(model_type, results, "tp2", steps=2)]
+def test_sweep_of_the_translated_catalogue():
+    """Every other translated plan of the catalogue on tp 2, dp_shard 2, cp 2 and pp 2 (2 steps each): exact, or
+    the refusal ``REFUSED`` pins; a failure names the model and the layout."""
+    results = run_distributed(run_group, 2, LAYOUTS[2], SWEEP, 2, timeout=1500)
+    failures = [f for model_type in SWEEP for layout in LAYOUTS[2] for f in check(model_type, results, layout, 2)]
     assert not failures, "\n".join(failures)
 
 

@@ -391,7 +391,7 @@ def test_what_a_stage_does_not_reproduce_is_refused_by_name():
     from ndparallel.parallel.family import family_for
 
     cases = [
-        (_meta_tiny("helium"), "pp_size > 1 is not supported for model_type='helium'"),
+        (_meta_tiny("nanochat"), "pp_size > 1 is not supported for model_type='nanochat'"),
         (_meta_tiny("gemma3_text", tie_word_embeddings=False, use_bidirectional_attention=True), "bidirectional"),
     ]
     odd = _meta_tiny("qwen3")

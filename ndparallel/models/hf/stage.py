@@ -31,12 +31,15 @@ __all__ = ["LOAD_MARKER", "HFCausalLMStage"]
 # layer_types, the sliding-window mask wherever ``config.sliding_window`` is set (Mistral, Phi-3, StarCoder 2);
 # the rotary of its layer type (Gemma 3's local/global rope); norm; lm_head, then ``logits_scaling`` (Granite,
 # divided), ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma 2/3). Each is measured exact on pp 2
-# (tests/models/test_hf_zoo.py, test_pipeline_hf.py); any other type could train something else silently, so
-# it is refused by name until a test measures it.
+# (tests/models/test_hf_zoo.py: the core in make test, the second line in make zoo's sweep; test_pipeline_hf.py);
+# any other type could train something else silently (nanochat's stage measured a loss 4.6e-2 off), so it is
+# refused by name until a test measures it.
 PIPELINE_MODEL_TYPES = frozenset(
     {
         "cohere", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3",
         "smollm3", "starcoder2",
+        "arcee", "cohere2", "cwm", "ernie4_5", "exaone", "exaone4", "gemma", "glm", "glm4", "helium",
+        "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral3", "olmo", "olmo3", "seed_oss", "vaultgemma",
     }
 )  # fmt: skip
 # config.layer_types entries a stage builds a mask for (create_causal_mask / create_sliding_window_causal_mask)
