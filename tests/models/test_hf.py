@@ -480,3 +480,19 @@ def test_save_pretrained_in_one_process_round_trips(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+
+# -------------------------------------------------------------------------------- 8 ranks
+COMPOSED = {"dp_shard_size": 2, "tp_size": 2, "cp_size": 2}  # FSDP over dp x cp, TP + SP, ring attention at once
+
+
+def _composed_run() -> dict:
+    return train("qwen2", COMPOSED)  # tied embeddings: the vocab-parallel head shares the embedding's shards
+
+
+@pytest.mark.slow
+def test_eight_rank_composed_shape_matches_one_process():
+    """The one 8-rank Hugging Face shape: dp_shard 2 x tp 2 x cp 2 of Qwen2, float64, against one process."""
+    ref = reference("qwen2")
+    for rank, got in enumerate(run_distributed(_composed_run, 8, timeout=600)):
+        assert_parity(got, ref, label=f"qwen2 dp2 x tp2 x cp2 rank {rank}")
