@@ -123,6 +123,25 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def _renaming_hint(model: nn.Module) -> str:
+    """Why names can be missing: transformers renames some model types' checkpoint keys on load (GPT-NeoX's
+    ``embed_out``, EXAONE's ``transformer.h``), a conversion the shard reader does not apply."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without conversion mappings: keys are the model's own names
+        return "is it the same model?"
+    model_type = getattr(model.config, "model_type", None)
+    # looked up by class name (FSDP's subclass keeps the class in its MRO), then by model type, as transformers does
+    names = [cls.__name__ for cls in type(model).__mro__] + [model_type]
+    if all(get_checkpoint_conversion_mapping(name) is None for name in names):
+        return "is it the same model?"
+    return (
+        f"transformers renames model_type={model_type!r}'s checkpoint keys when it loads them, which "
+        "load_pretrained does not: load it with AutoModelForCausalLM.from_pretrained(path) and pass the model to "
+        "ndparallel.parallelize"
+    )
+
+
 @torch.no_grad()
 def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
     wanted = dict(model.named_parameters())
@@ -131,7 +150,7 @@ def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
     wanted.update((n, b) for n, b in model.named_buffers() if n in files or n not in non_persistent)
     missing = sorted(set(wanted) - set(files))
     if missing:
-        raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; is it the same model?")
+        raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; {_renaming_hint(model)}")
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
