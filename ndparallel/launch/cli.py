@@ -186,5 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _error_line(err: Exception) -> None:
     # One write call: ranks sharing one stderr pipe must not glue their lines together
     # (print() writes the text and the newline separately).
+    from ndparallel.distributed.process import exit_without_barrier
+
+    exit_without_barrier()  # peers may never reach an exit barrier: this rank must not wait for them
     sys.stderr.write(f"ndparallel: error: {err}\n")
     sys.stderr.flush()
+

@@ -1,0 +1,52 @@
+"""The exit teardown a torchrun rank registers (``ndparallel.distributed.process._destroy_at_exit``): a rank ending
+normally waits for its peers, then destroys its group; one ending on a reported error does not wait. Real gloo
+ranks; the hook is called directly, as ``atexit`` would (the intermittent abort it prevents cannot be forced)."""
+
+from __future__ import annotations
+
+import time
+
+from ndparallel.testing import run_distributed
+
+
+def _both_end_normally() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from ndparallel.distributed import process
+
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    start = time.monotonic()
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # the peer reaches its exit late: rank 0 must wait for it at the barrier
+    process._destroy_at_exit()
+    return {"destroyed": not dist.is_initialized(), "waited_s": time.monotonic() - start, "sum": value.item()}
+
+
+def _rank_0_reported_an_error() -> dict:
+    import torch.distributed as dist
+
+    from ndparallel.distributed import process
+
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        process.exit_without_barrier()
+        process._destroy_at_exit()  # its peer never comes to a barrier: it must not wait EXIT_BARRIER_S
+    else:
+        dist.destroy_process_group()
+    return {"destroyed": not dist.is_initialized(), "took_s": time.monotonic() - start}
+
+
+def test_exit_teardown_waits_for_peers_and_destroys_the_group():
+    ranks = run_distributed(_both_end_normally, 2, timeout=120)
+    assert all(r["destroyed"] and r["sum"] == 2.0 for r in ranks), ranks
+    assert 0.9 <= ranks[0]["waited_s"] < 10.0, ranks  # it waited for rank 1, within EXIT_BARRIER_S
+
+
+def test_a_rank_ending_on_a_reported_error_does_not_wait():
+    from ndparallel.distributed.process import EXIT_BARRIER_S
+
+    ranks = run_distributed(_rank_0_reported_an_error, 2, timeout=120)
+    assert all(r["destroyed"] for r in ranks), ranks
+    assert ranks[0]["took_s"] < EXIT_BARRIER_S / 2, ranks
