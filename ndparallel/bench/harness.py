@@ -228,7 +228,6 @@ def _quiet() -> Iterator[None]:
     logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing.*")  # CommDebugMode's tracker
             # FSDP2 on the root's output (the logits); nothing in the step changes them in place.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
             yield

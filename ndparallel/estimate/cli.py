@@ -95,7 +95,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     train.add_argument(
         "--compile", default="none", choices=list(COMPILE_MODES),
-        help="torch.compile: none, blocks (each block), model (whole model); the config's compile",
+        help="torch.compile: none, blocks (each block), model (whole model), torchtitan's meaning: the loss stays "
+        "eager (ndparallel's own compile: blocks also compiles its loss head: add --compiled-loss)",
     )  # fmt: skip
     train.add_argument(
         "--compiled-loss", action="store_true",

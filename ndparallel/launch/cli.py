@@ -191,4 +191,3 @@ def _error_line(err: Exception) -> None:
     exit_without_barrier()  # peers may never reach an exit barrier: this rank must not wait for them
     sys.stderr.write(f"ndparallel: error: {err}\n")
     sys.stderr.flush()
-

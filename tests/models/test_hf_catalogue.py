@@ -165,3 +165,20 @@ def test_unknown_and_misplaced_styles_are_refused_by_name():
         hf_tp_plan(tiny_llama({**base, "layers.*.mlp.gate_proj": "rowwise"}))
     with pytest.raises(ConfigError, match=r"outside a decoder layer's sublayer"):
         hf_tp_plan(tiny_llama({**base, "rotary_emb": "colwise"}))
+
+
+def test_experts_the_plan_lists_are_refused_with_the_plan_s_style():
+    """transformers 5.24 listed every MoE's experts (``moe_tp_experts``); 5.25 mostly does not: either way the
+    experts are named first, with the plan's own style when it has one."""
+    from ndparallel.hf import hf_tp_plan, tiny_config
+
+    config = tiny_config("mixtral")
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.experts": "moe_tp_experts"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError) as listed:
+        hf_tp_plan(model)
+    assert "'model.layers.0.mlp.experts' (MixtralExperts): its base_model_tp_plan style 'moe_tp_experts'" in str(
+        listed.value
+    )
+    assert "expert parallel" in str(listed.value)

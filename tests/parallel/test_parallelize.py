@@ -157,6 +157,16 @@ def _api_checks() -> dict:
     except ConfigError:
         pass
     out["untouched_after_error"] = not any(type(p).__name__ == "DTensor" for p in model.parameters())
+    # labels= makes the output projection return the loss: under tp its vocab is sharded, so it is refused
+    import torch
+
+    tp_model = parallelize(build_model(), ndp.ParallelismConfig(tp_size=2), mesh)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    try:
+        tp_model(tokens, labels=tokens)
+        out["labels_under_tp"] = None
+    except ValueError as err:
+        out["labels_under_tp"] = str(err)
     return out
 
 
@@ -169,6 +179,7 @@ def test_parallelize_api_on_2_ranks():
     assert "differ from the mesh" in errors["cfg_mismatch"]
     assert errors["tp_divides_heads"] == "tp_size=2 does not divide n_kv_heads=1; choose a tp_size that divides it"
     assert errors["twice"] and "already parallelized" in errors["twice"], errors["twice"]
+    assert "under tensor parallelism" in (out["labels_under_tp"] or ""), out["labels_under_tp"]
 
 
 # ------------------------------------------------------------------------ HSDP mesh with cp > 1 (4 ranks)

@@ -408,9 +408,21 @@ def _refuse_packed_experts(model: nn.Module, among: list[str] | None = None) -> 
     """Name the MoE experts as the reason, before a router or shared expert the plan also cannot place
     (transformers 5.25's plans list no experts at all)."""
     experts = [fqn for fqn in _packed_experts(model) if among is None or fqn in among]
-    if experts:
-        module = model.get_submodule(experts[0])
-        raise _unplaceable(model, experts[0], module, f"no entry covers it: {REFUSED['moe_tp_experts']}")
+    if not experts:
+        return
+    fqn, module = experts[0], model.get_submodule(experts[0])
+    prefix = _fqn(model, model.base_model) or ""
+    names = [fqn, *(f"{fqn}.{name}" for name, _ in module.named_parameters())]
+    listed = [  # the plan's own style for the experts (5.24 lists every MoE's; 5.25 mostly none)
+        kind
+        for pattern, kind in (getattr(model.config, "base_model_tp_plan", None) or {}).items()
+        if any(fqn_matches(name, f"{prefix}.{pattern}" if prefix else pattern) for name in names)
+    ]
+    if listed:
+        why = f"its base_model_tp_plan style {listed[0]!r}: {REFUSED.get(listed[0], REFUSED['moe_tp_experts'])}"
+    else:
+        why = f"no entry covers it: {REFUSED['moe_tp_experts']}"
+    raise _unplaceable(model, fqn, module, why)
 
 
 def _check_covered(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ndparallel.models.seed import name_seed
 from ndparallel.models.transformer.moe import MoE, Router
@@ -146,7 +147,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 class OutputProjection(nn.Linear):
     """The output projection ``nn.Linear(dim, vocab, bias=False)``; ``forward(x, labels)`` returns the mean token
-    cross entropy instead of the logits.
+    cross entropy instead of the logits (labels -100 ignored, as ``F.cross_entropy``; refused under tensor parallel).
 
     The loss runs inside this module's forward, where FSDP has gathered the weight, so :meth:`compile_loss` can
     compile projection and cross entropy as one graph: the fp32 logits and their log-softmax are never written
@@ -160,6 +161,11 @@ class OutputProjection(nn.Linear):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(x)
+        if isinstance(self.weight, DTensor):  # tensor parallel: the vocab is sharded, this loss would be a shard's
+            raise ValueError(
+                "Transformer(tokens, labels=...) under tensor parallelism: the output projection is vocab-sharded; "
+                "call the model without labels and take ndparallel.cross_entropy_loss(logits, labels)"
+            )
         return self._loss(x, self.weight, labels)
 
     def compile_loss(self) -> None:
@@ -235,4 +241,5 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         h = self.norm(h)
-        return self.output(h) if labels is None else self.output(h, labels)
+        # labels by keyword: TP styles' input hooks see positional inputs only, and would drop them
+        return self.output(h) if labels is None else self.output(h, labels=labels)
