@@ -143,14 +143,20 @@ class _Context:
         return ".".join(atoms[: self.depth + 1])
 
 
+def _prefixed_plan(model: nn.Module, prefix: str) -> dict[str, str]:
+    """The config's ``base_model_tp_plan`` (empty if none) with its patterns prefixed by the base model's FQN."""
+    hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    return {f"{prefix}.{pattern}" if prefix else pattern: kind for pattern, kind in hf_plan.items()}
+
+
 def _base_plan(model: nn.Module, prefix: str, overrides: Mapping) -> dict[str, str]:
-    hf_plan = getattr(model.config, "base_model_tp_plan", None)
-    if not hf_plan and not overrides:
+    plan = _prefixed_plan(model, prefix)
+    if not plan and not overrides:
         raise ConfigError(
             f"model_type={model.config.model_type!r} has no base_model_tp_plan in its transformers config, so "
             f"there is no tensor-parallel plan to translate; {_custom_plan_hint(model)}"
         )
-    return {f"{prefix}.{pattern}" if prefix else pattern: kind for pattern, kind in (hf_plan or {}).items()}
+    return plan
 
 
 def _matches(model: nn.Module, pattern: str) -> tuple[nn.Module | None, bool]:
@@ -411,12 +417,11 @@ def _refuse_packed_experts(model: nn.Module, among: list[str] | None = None) -> 
     if not experts:
         return
     fqn, module = experts[0], model.get_submodule(experts[0])
-    prefix = _fqn(model, model.base_model) or ""
     names = [fqn, *(f"{fqn}.{name}" for name, _ in module.named_parameters())]
     listed = [  # the plan's own style for the experts (5.24 lists every MoE's; 5.25 mostly none)
         kind
-        for pattern, kind in (getattr(model.config, "base_model_tp_plan", None) or {}).items()
-        if any(fqn_matches(name, f"{prefix}.{pattern}" if prefix else pattern) for name in names)
+        for pattern, kind in _prefixed_plan(model, _fqn(model, model.base_model) or "").items()
+        if any(fqn_matches(name, pattern) for name in names)
     ]
     if listed:
         why = f"its base_model_tp_plan style {listed[0]!r}: {REFUSED.get(listed[0], REFUSED['moe_tp_experts'])}"
