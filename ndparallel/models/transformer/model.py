@@ -15,8 +15,8 @@ context parallel address modules by these names (``*`` = layer index)::
     output                              OutputProjection(dim, vocab): an nn.Linear that, given labels,
                                         returns the loss instead of the logits
 
-The model imports nothing from ndparallel's planners: it is parallelised from outside, the
-same way a user's own model is. ``core_attention`` is the one seam for attention variants
+The model imports nothing from ndparallel's planners (only the loss rule, ``ndparallel.parallel.loss``): it is
+parallelised from outside, the same way a user's own model is. ``core_attention`` is the one seam for attention variants
 (context parallel swaps it for ring attention): any module with the same ``forward(q, k, v)``
 contract (``[batch, seq, heads, head_dim]`` in and out, k/v possibly with fewer heads) fits.
 """
@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from ndparallel.models.seed import name_seed
 from ndparallel.models.transformer.moe import MoE, Router
 from ndparallel.models.transformer.presets import TransformerConfig
+from ndparallel.parallel.loss import cross_entropy_loss
 
 __all__ = ["CoreAttention", "OutputProjection", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
 
@@ -139,10 +140,9 @@ class TransformerBlock(nn.Module):
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross entropy of the logits ``x @ weight.T``, upcast to at least fp32 (float64 stays float64)."""
-    logits = F.linear(x, weight)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+    """Mean token cross entropy of the logits ``x @ weight.T``: :func:`ndparallel.parallel.loss.cross_entropy_loss`'s
+    rule (upcast to at least fp32, labels -100 ignored) on plain tensors."""
+    return cross_entropy_loss(F.linear(x, weight), labels)
 
 
 class OutputProjection(nn.Linear):
