@@ -155,13 +155,18 @@ def destroy_distributed() -> None:
     A barrier first: a rank that destroys its gloo group while a peer is still finishing the last
     collective can make that peer abort at exit ("terminate called without an active exception").
     """
-    from ndparallel.distributed.watchdog import Watchdog
-
     if dist.is_initialized():
         dist.barrier()
-        Watchdog.stop_current()
-        dist.destroy_process_group()
-        _clear_sharding_cache()
+        _teardown()
+
+
+def _teardown() -> None:
+    """Stop the hang watchdog, destroy the default group, forget what DTensor cached about its meshes."""
+    from ndparallel.distributed.watchdog import Watchdog
+
+    Watchdog.stop_current()
+    dist.destroy_process_group()
+    _clear_sharding_cache()
 
 
 # How long a rank that ends normally waits at exit for its peers to end too (then it tears down regardless).
@@ -187,9 +192,6 @@ def _destroy_at_exit() -> None:
     by ``EXIT_BARRIER_S``."""
     if not dist.is_initialized():
         return
-    from ndparallel.distributed.watchdog import Watchdog
-
-    Watchdog.stop_current()
     if _exit_waits_for_peers and getattr(sys, "last_value", None) is None:
         try:
             if dist.get_backend() == "gloo":
@@ -198,8 +200,7 @@ def _destroy_at_exit() -> None:
                 dist.barrier()
         except Exception:  # noqa: BLE001 - a peer gone at exit: tear down anyway, the job's outcome is decided
             pass
-    dist.destroy_process_group()
-    _clear_sharding_cache()
+    _teardown()
 
 
 def _clear_sharding_cache() -> None:
