@@ -136,11 +136,10 @@ class ModelFamily:
         name, blocks = next((n, m) for n, m in stage.named_modules() if isinstance(m, nn.ModuleDict))
         return [f"{name}.{key}" for key in blocks]
 
-    def compile_loss_head(self, model: nn.Module) -> bool:
+    def compile_loss_head(self, model: nn.Module) -> None:
         """Under ``compile: blocks``, after the blocks: compile the head that computes the loss (projection and
-        cross entropy in one graph) when the model computes its loss in ``forward(..., labels)``; True if it did.
+        cross entropy in one graph) when the model computes its loss in ``forward(..., labels)``.
         Default: nothing (the loss stays eager, on the logits)."""
-        return False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

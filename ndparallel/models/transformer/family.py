@@ -110,13 +110,11 @@ class TransformerFamily(ModelFamily):
         """``[[tok_embeddings], [norm, output]]``, each where the model has it (FSDP's default units)."""
         return default_shard_groups(model)
 
-    def compile_loss_head(self, model: nn.Module) -> bool:
+    def compile_loss_head(self, model: nn.Module) -> None:
         """A :class:`Transformer`'s :class:`~ndparallel.models.transformer.model.OutputProjection` compiles its
         projection + cross entropy; a pipeline stage's head stays eager (the schedule takes its logits)."""
-        if not isinstance(model, Transformer):
-            return False
-        model.output.compile_loss()
-        return True
+        if isinstance(model, Transformer):
+            model.output.compile_loss()
 
     def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
         """A :class:`~ndparallel.models.transformer.stage.TransformerStage` (only of a :class:`Transformer`)."""
