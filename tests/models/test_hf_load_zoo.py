@@ -12,6 +12,7 @@ models that compute in float32 inside, ``test_hf_zoo.tolerance``).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,14 +73,18 @@ def reference(folder: str) -> dict:
     return forward_backward(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64))
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo")
+def save_tiny(root, model_types) -> dict[str, str]:
+    """Each architecture tiny and random in float64, ``save_pretrained`` to ``root/<model_type>``."""
     folders = {}
-    for model_type in ARCHS:
+    for model_type in model_types:
         folders[model_type] = str(root / model_type)
         build(model_type, seed=3).save_pretrained(folders[model_type])
     return folders
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("zoo"), ARCHS)
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +132,7 @@ RENAMED_ON_LOAD = ("exaone", "gpt_neox")
 
 @pytest.mark.zoo  # breadth: the zoo sweep's architectures (make zoo)
 def test_load_pretrained_of_the_zoo_sweep_equals_from_pretrained(tmp_path):
-    folders = {}
-    for model_type in SWEEP:
-        folders[model_type] = str(tmp_path / model_type)
-        build(model_type, seed=3).save_pretrained(folders[model_type])
+    folders = save_tiny(tmp_path, SWEEP)
     group = run_distributed(load_group, 2, folders, timeout=900)
     exact = [m for m in SWEEP if m not in RENAMED_ON_LOAD]
     failures = [f for model_type in exact for f in failures_of(group, folders, model_type)]
@@ -149,9 +151,7 @@ def _print_table() -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
-        folders = {m: f"{root}/{m}" for m in ARCHS}
-        for model_type, folder in folders.items():
-            build(model_type, seed=3).save_pretrained(folder)
+        folders = save_tiny(Path(root), ARCHS)
         results = run_distributed(load_group, 2, folders, timeout=600)
         for model_type, folder in folders.items():
             ref, cells = reference(folder), []
