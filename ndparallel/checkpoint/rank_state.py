@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ndparallel.checkpoint.format import TENSOR_MARK, TUPLE_MARK, join_state
 from ndparallel.errors import CheckpointError
+from ndparallel.parallel.pipeline.tied import copy_names
 
 __all__ = [
     "RankState",
@@ -83,6 +84,16 @@ def _merge(into: dict[str, Any], part: dict[str, Any], what: str, index: int) ->
     return list(part)
 
 
+def _stored_key(key: str, copies: dict[str, str]) -> str:
+    """The flat optimizer key ``key`` of a tied weight's copy (``state.lm_head.weight.exp_avg``) under the
+    weight's own name (``state.model.embed_tokens.weight.exp_avg``): what one process stores."""
+    for local, one in copies.items():
+        for head in ("state.", _PARAM_GROUPS):
+            if key.startswith(f"{head}{local}."):
+                return f"{head}{one}.{key[len(head) + len(local) + 1 :]}"
+    return key
+
+
 @dataclass
 class RankState:
     """The merged state dicts of a rank's modules (and optimizers), with each module's keys."""
@@ -91,6 +102,9 @@ class RankState:
     model_keys: list[list[str]] = field(default_factory=list)
     optimizer: dict[str, Any] | None = None
     optimizer_keys: list[list[str]] = field(default_factory=list)
+    """Each module's optimizer keys, as its optimizer names them (a tied copy under its local FQN)."""
+    stored_as: dict[str, str] = field(default_factory=dict)
+    """A tied copy's optimizer key -> the key ``optimizer`` holds it under (the weight's, as one process)."""
     param_groups: list[list[str]] = field(default_factory=list)
     """The FQNs of each parameter group of each optimizer (all optimizers' groups in one list)."""
 
@@ -105,8 +119,15 @@ class RankState:
                 continue
             model_sd, optim_sd = get_state_dict(module, optimizers[i], options=_FLAT)
             state.model_keys.append(_merge(state.model, model_sd, "model", i))
-            state.optimizer_keys.append(_merge(state.optimizer, optim_sd, "optimizer", i))
-            name_of = {id(p): name for name, p in module.named_parameters()}
+            # a weight tied across pipeline stages: its copies' optimizer states are equal, stored once under
+            # the weight's name (two copies on this rank: the first kept)
+            copies = copy_names(module)
+            renamed = {k: _stored_key(k, copies) for k in optim_sd}
+            state.stored_as.update((k, v) for k, v in renamed.items() if k != v)
+            fresh = {renamed[k]: v for k, v in optim_sd.items() if k == renamed[k] or renamed[k] not in state.optimizer}
+            _merge(state.optimizer, fresh, "optimizer", i)
+            state.optimizer_keys.append(list(optim_sd))
+            name_of = {id(p): copies.get(name, name) for name, p in module.named_parameters()}
             state.param_groups += [[name_of[id(p)] for p in g["params"]] for g in optimizers[i].param_groups]
         return state
 
@@ -154,9 +175,15 @@ def set_rank_state(
         if optimizers is None:
             set_model_state_dict(module, model_sd, options=StateDictOptions(strict=True))
             continue
-        optim_sd = {k: join_state(skeleton["optimizer"][k], tensors) for k in live.optimizer_keys[i]}
+        optim_sd = {k: _read(k, live, skeleton, tensors) for k in live.optimizer_keys[i]}
         options = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
         set_state_dict(module, optimizers[i], model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+
+def _read(key: str, live: RankState, skeleton: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    """Optimizer entry ``key`` as read; a tied copy's is its own clone (never the other copy's tensor)."""
+    value = join_state(skeleton["optimizer"][live.stored_as.get(key, key)], tensors)
+    return value.clone() if key in live.stored_as and isinstance(value, torch.Tensor) else value
 
 
 def _is_plain_dict(value: Any) -> bool:

@@ -29,7 +29,21 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel.distributed.agree import failed_ranks
 
-__all__ = ["clip_grad_norm_", "total_grad_norm"]
+__all__ = ["clip_grad_norm_", "mark_counted_elsewhere", "total_grad_norm"]
+
+# Set on a parameter that is a second copy of a weight whose gradient another copy already holds (a weight tied
+# across pipeline stages): the norm skips it, clipping scales it.
+_COUNTED_ELSEWHERE = "_ndparallel_norm_counted_elsewhere"
+
+
+def mark_counted_elsewhere(param: torch.Tensor) -> None:
+    """Leave ``param`` out of every gradient norm (still clipped): its gradient is another parameter's, which
+    the norm counts (ndparallel/parallel/pipeline/tied.py)."""
+    setattr(param, _COUNTED_ELSEWHERE, True)
+
+
+def _counted(parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p for p in parameters if not getattr(p, _COUNTED_ELSEWHERE, False)]
 
 
 def _grads_by_mesh(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
@@ -182,9 +196,10 @@ def total_grad_norm(
 
     Returned in the widest gradient dtype (at least fp32). Raises ``RuntimeError`` on every rank when
     ranks hold gradients for different parameters (see the module docstring). ``pp_group``: under pipeline
-    parallelism, the group of ranks holding the other stages; their norms are combined into one.
+    parallelism, the group of ranks holding the other stages; their norms are combined into one. A parameter
+    marked :func:`mark_counted_elsewhere` is left out (its gradient is counted in another's).
     """
-    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    parameters = _counted([parameters] if isinstance(parameters, torch.Tensor) else list(parameters))
     norm_type = float(norm_type)
     _check_same_grads_on_every_rank(parameters, pp_group)
     norms = []

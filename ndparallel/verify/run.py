@@ -303,11 +303,12 @@ def _plain_step(spec: ModelSpec, model: nn.Module, mesh, accumulation: int, auto
 def _pipeline_runner(model: nn.Module, mesh, settings: Settings, dp_size: int, dp_rank: int) -> _Runner:
     """pp > 1: this rank's stages (the model lends its seeded weights), one AdamW per stage."""
     from ndparallel.parallel.pipeline import build_pipeline
+    from ndparallel.parallel.pipeline.tied import one_process_parameters
 
     pipeline = build_pipeline(model, mesh.config, mesh)
 
-    def named() -> list[tuple[str, nn.Parameter]]:
-        return [item for stage in pipeline.stages for item in stage.named_parameters()]
+    def named() -> list[tuple[str, nn.Parameter]]:  # a tied weight's copy under the weight's name
+        return [item for stage in pipeline.stages for item in one_process_parameters(stage)]
 
     optimizers = [_adamw(stage.parameters(), settings) for stage in pipeline.stages]
     stages = list(pipeline.stages)

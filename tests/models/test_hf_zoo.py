@@ -44,21 +44,22 @@ ARCHS = {
     "cohere": {},  # parallel residual, LayerNorm
     "mistral": {},
 }
-# pp2 only, and its reference: untied (a tied lm_head is refused under pp, qwen2 pins that) and sliding windows
-# shorter than SEQ, so each layer's mask kind matters (Gemma 3: local and global rope; SmolLM3: a no-rope layer)
+# pp2 only, and its reference: sliding windows shorter than SEQ, so each layer's mask kind matters (Gemma 3:
+# local and global rope; SmolLM3: a no-rope layer); tied embeddings as each config ties them (the last stage's
+# lm_head copy is checked against the one-process weight: _tied_copies_match)
 WINDOW = {"sliding_window": 6}
 LOCAL_GLOBAL = {**WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
 PP_OVERRIDES = {
-    "gemma3_text": {"tie_word_embeddings": False, **LOCAL_GLOBAL},
-    "gemma2": {"tie_word_embeddings": False, **WINDOW},
-    "smollm3": {"tie_word_embeddings": False, "use_sliding_window": True, "no_rope_layers": [1, 0], **LOCAL_GLOBAL},
-    "starcoder2": {"tie_word_embeddings": False, **WINDOW},
-    "cohere": {"tie_word_embeddings": False},
+    "gemma3_text": {**LOCAL_GLOBAL},
+    "gemma2": {**WINDOW},
+    "smollm3": {"use_sliding_window": True, "no_rope_layers": [1, 0], **LOCAL_GLOBAL},
+    "starcoder2": {**WINDOW},
+    "cohere": {},
     "mistral": WINDOW,
-    "cohere2": {"tie_word_embeddings": False, **WINDOW},
-    "ernie4_5": {"tie_word_embeddings": False},
-    "gemma": {"tie_word_embeddings": False},
-    "vaultgemma": {"tie_word_embeddings": False, **WINDOW},
+    "cohere2": {**WINDOW},
+    "ernie4_5": {},
+    "gemma": {},
+    "vaultgemma": {**WINDOW},
 }
 EAGER = ("gemma2",)  # no SDPA path in transformers (others found by build)
 # The rest of the catalogue's translated plans (tests/models/test_hf_catalogue.py), default tiny configs, in
@@ -77,7 +78,6 @@ EXTRA_STEPS = 2  # dp2, cp2, pp2: fewer steps keep the group short (tp2 keeps ST
 # (model_type, layout) -> (words the one-line ConfigError must contain, why): refused, not exact. A new refusal
 # or a raw crash of any other pair fails the test.
 REFUSED = {
-    ("qwen2", "pp2"): ("tie_word_embeddings=True", "tied embedding and lm_head would sit on different stages"),
     # the zoo sweep's, not in PIPELINE_MODEL_TYPES: their parts are not model.embed_tokens / layers / norm (a stage
     # cannot find them), or the stage measured another loss (nanochat: 4.6e-2 off)
     ("gpt_neox", "pp2"): ("is not supported for model_type='gpt_neox'", "no model.embed_tokens / model.norm"),
@@ -276,6 +276,22 @@ def max_param_diff(got: dict, ref: dict) -> float:
     return max(float(np.abs(got["params"][n] - ref["params"][n]).max()) for n in ref["params"])
 
 
+def _tied_copies_match(joined: dict, ref: dict, label: str, tol: float) -> list[str]:
+    """A pipeline's own copy of a tied weight (the last stage's ``lm_head.weight``), taken out of ``joined``:
+    its step-1 gradient and final values must be the one-process weight's."""
+    from ndparallel.models.hf.stage import TIED_WEIGHT
+
+    failures = []
+    for key in ("grads", "params"):
+        copy = joined[key].pop("lm_head.weight", None) if "lm_head.weight" not in ref[key] else None
+        if copy is None:
+            continue
+        diff = float(np.abs(copy - ref[key][TIED_WEIGHT]).max())
+        if diff > tol:
+            failures.append(f"{label}: the last stage's tied lm_head.weight {key} differ by {diff:.3g} (tol {tol:.3g})")
+    return failures
+
+
 def check(model_type: str, results: list, layout: str, steps: int = STEPS) -> list[str]:
     """The failures of one architecture on one layout, every rank (messages naming the architecture): exact,
     or the refusal ``REFUSED`` pins. Pipeline ranks hold different stages: their gradients and parameters
@@ -304,6 +320,7 @@ def check(model_type: str, results: list, layout: str, steps: int = STEPS) -> li
     for result in results:
         for key in joined:
             joined[key].update(result[(model_type, layout)].get(key, {}))
+    failures += _tied_copies_match(joined, refs[0][0], f"{model_type} {layout}", refs[0][1])
     for rank, result in enumerate(results):
         got, label = result[(model_type, layout)], f"{model_type} {layout} rank {rank}"
         if "error" in got:
@@ -357,7 +374,10 @@ def test_sweep_of_the_translated_catalogue():
 
 def _print_pp2_table() -> None:
     """``python -m tests.models.test_hf_zoo``: the pp 2 row of docs/models.md, per architecture the worst
-    of loss, relative grad norm, step-1 gradient and final-parameter differences against one process."""
+    of loss, relative grad norm, step-1 gradient and final-parameter differences against one process (and,
+    tied, the last stage's lm_head copy against the one weight)."""
+    from ndparallel.models.hf.stage import TIED_WEIGHT
+
     results = run_distributed(run_group, 2, {"pp2": LAYOUTS[2]["pp2"]}, tuple(ARCHS), timeout=900)
     for model_type in ARCHS:
         got = results[0][(model_type, "pp2")]
@@ -375,6 +395,8 @@ def _print_pp2_table() -> None:
             "grads": max(float(np.abs(joined["grads"][n] - ref["grads"][n]).max()) for n in ref["grads"]),
             "params": max_param_diff(joined, ref),
         }
+        if "lm_head.weight" in joined["params"] and "lm_head.weight" not in ref["params"]:  # tied: the copy
+            diffs["tied head"] = float(np.abs(joined["params"]["lm_head.weight"] - ref["params"][TIED_WEIGHT]).max())
         print(
             f"{model_type:12s} worst {max(diffs.values()):.1e} (tol {tol:.1e})",
             *(f"{k} {v:.1e}" for k, v in diffs.items()),

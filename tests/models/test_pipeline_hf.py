@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 from ndparallel.config.pipeline import torch_supports_v_schedules  # noqa: E402
 from ndparallel.errors import ConfigError  # noqa: E402
+from ndparallel.parallel.pipeline.tied import one_process_parameters  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.parallel.test_pipeline_parity import (  # noqa: E402
     MAX_NORM,
@@ -60,7 +61,15 @@ def _qwen2_config():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("make_config", [_tiny_llama_config, _qwen2_config], ids=["llama", "qwen2-biases"])
+def _qwen2_tied_config():
+    config = _qwen2_config()
+    config.tie_word_embeddings = True
+    return config
+
+
+@pytest.mark.parametrize(
+    "make_config", [_tiny_llama_config, _qwen2_config, _qwen2_tied_config], ids=["llama", "qwen2-biases", "qwen2-tied"]
+)
 def test_config_only_stages_initialise_like_the_whole_model_on_every_split(make_config):
     from transformers import AutoModelForCausalLM
 
@@ -84,16 +93,16 @@ def test_config_only_stages_initialise_like_the_whole_model_on_every_split(make_
                 stage = family.pipeline_stage(meta, blocks, sid == 0, sid == n_stages - 1)
                 stage.to_empty(device="cpu")
                 stage.init_weights(7)
-                for name, param in stage.named_parameters():
+                for name, param in one_process_parameters(stage):  # a tied copy: the one weight's values
                     assert torch.equal(param, expected[name]), (ranges, name)
                     held.append(name)
                 assert torch.equal(stage.model.rotary_emb.inv_freq, inv_freq)
-            assert sorted(held) == sorted(expected), ranges
+            assert sorted(set(held)) == sorted(expected), ranges
     # the rule is the seed's: another seed, other values; the caller's RNG stream is left where it was
     state = torch.get_rng_state()
     seeded_init(whole, seed=8)
     assert torch.equal(torch.get_rng_state(), state)
-    assert not torch.equal(whole.lm_head.weight, expected["lm_head.weight"])
+    assert not torch.equal(whole.model.embed_tokens.weight, expected["model.embed_tokens.weight"])
 
 
 class _CountingFile:
@@ -161,10 +170,13 @@ def _load_and_train(path: str, parallel: dict, ref: dict, full: dict) -> dict:
     with _counting_reads({"keys": [], "bytes": 0}) as log:
         pipe = load_pretrained_pipeline(path, cfg, mesh, microbatches=4, dtype=torch.float64)
     stage_bytes = _param_bytes(p for s in pipe.stages for p in s.parameters())
-    names = sorted(n for s in pipe.stages for n, _ in s.named_parameters())
-    loaded = max(_error(p, full[n]) for s in pipe.stages for n, p in s.named_parameters())
+    names = sorted(n for s in pipe.stages for n, _ in one_process_parameters(s))  # a tied copy reads the weight
+    loaded = max(_error(p, full[n]) for s in pipe.stages for n, p in one_process_parameters(s))
     whole = pipe.stages[0]._init_module.__self__  # the (meta) model the stages were cut from
-    held = _param_bytes(whole.parameters())  # only the stages' parameters were materialised
+    # only the stages' parameters were materialised (a tied head's copy is the stage's own, outside ``whole``)
+    held = _param_bytes(
+        {id(p): p for p in [*whole.parameters(), *(p for s in pipe.stages for p in s.parameters())]}.values()
+    )
     err = _train_pipeline(pipe, ref, 64)
     dist.barrier()
     shards = mesh.size("dp_shard") * mesh.size("cp") * mesh.size("tp")  # ways the stage is cut (FSDP, TP)
@@ -235,10 +247,13 @@ def _refusals(path: str, settings: list[dict]) -> list[str]:
     return errors
 
 
-def _group(path: str, cases: list[dict], ref: dict, full: dict) -> list:
+def _group(path: str, cases: list[dict], ref: dict, full: dict, tied: tuple | None = None) -> list:
+    """Each case, in one spawned group; a case with ``"tied"`` loads and trains the ``tied`` checkpoint."""
     out = []
     for case in cases:
-        if "bytes" in case:
+        if case.get("tied"):
+            out.append(_load_and_train(tied[0], case["parallel"], tied[1], tied[2]))
+        elif "bytes" in case:
             out.append(_full_path_bytes(case["bytes"]))
         elif "config_only" in case:
             out.append(_config_only(case["config_only"], case["expected"]))
@@ -258,6 +273,23 @@ def checkpoint(tmp_path_factory) -> tuple[str, dict, dict]:
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref = _plain_training(model, lambda m, x: m(input_ids=x).logits)
     assert min(ref["norms"]) > MAX_NORM  # clipping is active on every step
+    return str(path), ref, full
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory) -> tuple[str, dict, dict]:
+    """``checkpoint`` with tied word embeddings: transformers stores the weight once, as the embedding."""
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-tied")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_llama_config(tie_word_embeddings=True)).double()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(str(path))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert "lm_head.weight" not in full
+    ref = _plain_training(model, lambda m, x: m(input_ids=x).logits)
+    assert min(ref["norms"]) > MAX_NORM
     return str(path), ref, full
 
 
@@ -288,7 +320,7 @@ def _check_refusals(per_rank: list[list[str]], untested: list[dict]) -> None:
     assert per_rank[0][-1].endswith("cause: NoneType") and per_rank[1][-1].endswith("cause: KeyError")
 
 
-def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
+def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint, tied_checkpoint):
     path, ref, full = checkpoint
     from ndparallel.hf import seeded_init
 
@@ -300,9 +332,14 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     cases.append({"config_only": {"pp_size": 2}, "expected": expected})
     # two stages per rank; V placement puts the first and the last stage on rank 0
     cases.append({"parallel": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2}})
-    results = run_distributed(_group, 2, path, cases, ref, full, timeout=600)
+    # tied word embeddings: the copies on two ranks (loop placement), and on one (V placement: rank 0)
+    cases.append({"parallel": {"pp_size": 2}, "tied": True})
+    cases.append({"parallel": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2}, "tied": True})
+    results = run_distributed(_group, 2, path, cases, ref, full, tied_checkpoint, timeout=600)
     _check_load([r[0] for r in results], full)
     _check_load([r[4] for r in results], full)
+    _check_load([r[5] for r in results], tied_checkpoint[2])
+    _check_load([r[6] for r in results], tied_checkpoint[2])
     full_bytes = results[0][1]
     meta_bytes = [r[0]["held"] for r in results]
     print("parameter bytes per rank: meta path", meta_bytes, "full path", full_bytes)
@@ -313,29 +350,23 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint):
     assert sorted(n for r in results for n in r[3][0]) == sorted(expected)
 
 
-def test_pp2_cp2_ring_attention_and_pp2_tp2_match_one_process(checkpoint):
+def test_pp2_cp2_ring_attention_and_pp2_tp2_match_one_process(checkpoint, tied_checkpoint):
     path, ref, full = checkpoint
     untested = [{"cp_rotate_method": "alltoall"}, {"cp_rotate_method": "allgather"}]
     cases = [{"parallel": {"pp_size": 2, "cp_size": 2}}, {"parallel": {"pp_size": 2, "tp_size": 2}}]
-    results = run_distributed(_group, 4, path, [*cases, {"refusals": untested}], ref, full, timeout=600)
+    tied = [
+        {"parallel": {"pp_size": 2, "tp_size": 2}, "tied": True},
+        {"parallel": {"pp_size": 2, "dp_shard_size": 2}, "tied": True},
+    ]
+    every = [*cases, {"refusals": untested}, *tied]
+    results = run_distributed(_group, 4, path, every, ref, full, tied_checkpoint, timeout=600)
     for index in range(len(cases)):
         _check_load([r[index] for r in results], full)
     # Ulysses and all-gather cp are untested for HF stages: refused by name (ring is the one proved above)
     _check_refusals([r[2] for r in results], untested)
-
-
-def test_tied_word_embeddings_are_refused_under_pp():
-    from transformers import LlamaForCausalLM
-
-    from ndparallel.parallel.family import family_for
-
-    config = _tiny_llama_config()
-    config.tie_word_embeddings = True
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(ConfigError, match="tie_word_embeddings=True.*set config.tie_word_embeddings=False or use pp"):
-        family_for(model).pipeline_stage(model, [0, 1], True, False)
+    # tied word embeddings: the head's copy split on the vocabulary by tp, or by FSDP, like the embedding's
+    for index in range(len(cases) + 1, len(every)):
+        _check_load([r[index] for r in results], tied_checkpoint[2])
 
 
 def test_stage_of_a_materialised_model_keeps_only_its_own_blocks():
@@ -400,3 +431,111 @@ def test_what_a_stage_does_not_reproduce_is_refused_by_name():
     for model, words in cases:
         with pytest.raises(ConfigError, match=re.escape(words)):
             family_for(model).pipeline_stage(model, [1], False, True)
+
+
+# ------------------------------------------------------- tied word embeddings: checkpoints across pp sizes
+
+
+def _tied_llama(seed: int):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(_tiny_llama_config(tie_word_embeddings=True)).double()
+
+
+def _tied_reference() -> list[dict]:
+    """One process: the tied Llama's parameters after each of the ``STEPS`` steps (AdamW, clipping)."""
+    from tests.parallel.test_pipeline_parity import OPTIM, _batches
+
+    model = _tied_llama(0)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)
+    after = []
+    for x, y in _batches(model.config.vocab_size):
+        torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return after
+
+
+class _TiedRun:
+    """The tied Llama from ``seed`` on one layout: a pipeline (``pp_size > 1``) or parallelize; ``train(steps)``
+    runs the reference recipe on this rank's share; ``error(expected)`` is the worst parameter difference."""
+
+    def __init__(self, parallel: dict, seed: int, lr: float = 0.5):
+        import ndparallel as ndp
+        from ndparallel.config.parallelism import ParallelismConfig
+        from ndparallel.parallel.pipeline import build_pipeline
+        from tests.parallel.test_pipeline_parity import OPTIM
+
+        cfg = ParallelismConfig(**parallel)
+        self.mesh = _mesh(cfg)
+        model = _tied_llama(seed)
+        if cfg.pp_size > 1:
+            self.pipe = build_pipeline(model, cfg, self.mesh, microbatches=4)
+            self.modules = self.pipe.stages
+        else:
+            self.pipe, self.modules = None, [ndp.parallelize(model, cfg, self.mesh)]
+        self.optimizers = [
+            torch.optim.AdamW(m.parameters(), foreach=False, **{**OPTIM, "lr": lr}) for m in self.modules
+        ]
+
+    def train(self, steps: range) -> None:
+        from ndparallel.parallel.clip import clip_grad_norm_
+        from tests.parallel.test_pipeline_parity import BATCH, _batches
+
+        dp, rank = self.mesh.size("dp"), self.mesh.local_rank("dp")
+        per = BATCH // dp
+        batches = _batches(64)
+        for step in steps:
+            x, y = (t[rank * per : (rank + 1) * per] for t in batches[step])
+            if self.pipe is not None:
+                self.pipe.step(x, y)
+                self.pipe.clip_grad_norm_(MAX_NORM)
+            else:
+                logits = self.modules[0](input_ids=x).logits
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+                clip_grad_norm_(self.modules[0].parameters(), MAX_NORM)
+            for optimizer in self.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+    def error(self, expected: dict) -> float:
+        return max(_error(p, expected[n]) for m in self.modules for n, p in one_process_parameters(m))
+
+
+def _tied_checkpoints(root: str, after: list[dict]) -> dict:
+    """Save the tied Llama after 2 steps on pp 2 and on pp 1 x dp_shard 2; load each on the other layouts
+    (pp 2, V placement with both copies on rank 0, pp 1), train steps 3-5: worst difference from one process."""
+    from ndparallel import checkpoint as ckpt
+    from tests.parallel.test_pipeline_parity import OPTIM
+
+    layouts = {
+        "pp2": {"pp_size": 2},
+        "pp2_v": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2},
+        "dp2": {"dp_shard_size": 2},
+    }
+    out = {}
+    for saved in ("pp2", "dp2"):
+        run = _TiedRun(layouts[saved], seed=0, lr=OPTIM["lr"])
+        run.train(range(0, 2))
+        ckpt.save(f"{root}/{saved}", run.modules, run.optimizers, step=2)
+    for saved in ("pp2", "dp2"):
+        for name, parallel in layouts.items():
+            run = _TiedRun(parallel, seed=7)  # other weights, lr 0.5: the checkpoint's must come back
+            ckpt.load(f"{root}/{saved}", run.modules, run.optimizers)
+            assert all(g["lr"] == OPTIM["lr"] for o in run.optimizers for g in o.param_groups)
+            run.train(range(2, 5))
+            out[f"{saved}>{name}"] = run.error(after[-1])
+    return out
+
+
+def test_tied_embeddings_checkpoint_across_pp_sizes_and_resume_exactly(tmp_path):
+    """A weight tied across stages is saved as one process saves it (its optimizer state once, under the
+    embedding's name): a pp 2 checkpoint resumes on pp 1 and on V placement, a pp 1 one on pp 2."""
+    after = _tied_reference()
+    results = run_distributed(_tied_checkpoints, 2, str(tmp_path), after, timeout=600)
+    for rank, errors in enumerate(results):
+        print(rank, {k: f"{v:.1e}" for k, v in errors.items()})
+        assert len(errors) == 6 and max(errors.values()) < TOL, errors

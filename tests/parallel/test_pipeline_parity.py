@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ndparallel.config.pipeline import torch_supports_v_schedules
+from ndparallel.parallel.pipeline.tied import one_process_parameters
 from ndparallel.testing import run_distributed
 
 TOL = 1e-10  # float64; measured <= 2e-14 (docs/pipeline-parallel.md)
@@ -64,12 +65,13 @@ def _transformer_reference(dtype: str) -> dict:
     return ref
 
 
-def _tiny_llama_config():
+def _tiny_llama_config(tie_word_embeddings: bool = False):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="sdpa",
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tie_word_embeddings,
+        attn_implementation="sdpa",
     )  # fmt: skip
 
 
@@ -113,7 +115,7 @@ def _train_pipeline(pipe, ref: dict, vocab_size: int, dp: int = 1, dp_rank: int 
         loss = pipe.step(x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per])
         if step == 0:
             for stage in pipe.stages:
-                for name, param in stage.named_parameters():
+                for name, param in one_process_parameters(stage):
                     assert param.grad is not None, f"{name} has no gradient after the step"
                     err["grad"] = max(err["grad"], _error(param.grad, ref["grads"][name]))
         norm = pipe.clip_grad_norm_(MAX_NORM)
@@ -123,7 +125,7 @@ def _train_pipeline(pipe, ref: dict, vocab_size: int, dp: int = 1, dp_rank: int 
         err["loss"] = max(err["loss"], abs(loss.item() - ref["losses"][step]))
         err["norm"] = max(err["norm"], abs(norm.item() - ref["norms"][step]))
     for stage in pipe.stages:
-        for name, param in stage.named_parameters():
+        for name, param in one_process_parameters(stage):
             err["final"] = max(err["final"], _error(param, ref["final"][name]))
     return err
 

@@ -21,7 +21,7 @@ from torch import nn
 from ndparallel.errors import ConfigError
 from ndparallel.models.seed import name_seed
 
-__all__ = ["init_buffers", "seeded_init"]
+__all__ = ["init_buffers", "seeded_init", "seeded_init_module"]
 
 
 def _owns_tensors(module: nn.Module) -> bool:
@@ -40,11 +40,28 @@ def seeded_init(model: nn.Module, seed: int = 0, init_module: Callable[[nn.Modul
     init_module = init_module or model._init_weights
     cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
     for fqn, module in model.named_modules():
-        if not _owns_tensors(module):
-            continue
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(name_seed(seed, fqn))
-            init_module(module)
+        if _owns_tensors(module):
+            seeded_init_module(module, seed, fqn, init_module, cuda)
+
+
+@torch.no_grad()
+def seeded_init_module(
+    module: nn.Module,
+    seed: int,
+    fqn: str,
+    init_module: Callable[[nn.Module], None],
+    cuda: list[int] | None = None,
+) -> None:
+    """``init_module(module)`` with the RNG seeded by ``(seed, fqn)`` (the caller's RNG state restored): what
+    :func:`seeded_init` gives the module named ``fqn``. ``cuda``: the CUDA devices whose RNG to fork (default:
+    those of the module's tensors)."""
+    if cuda is None:
+        cuda = sorted(
+            {t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"}
+        )
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(name_seed(seed, fqn))
+        init_module(module)
 
 
 @torch.no_grad()

@@ -148,17 +148,20 @@ def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
     # persistent buffers come from the checkpoint (init_buffers recomputes only the non-persistent ones)
     non_persistent = _non_persistent(model)
     wanted.update((n, b) for n, b in model.named_buffers() if n in files or n not in non_persistent)
-    missing = sorted(set(wanted) - set(files))
+    # a pipeline stage's copy of a tied weight is stored once, under the weight's one-process name
+    tied = getattr(model, "tied_weights", {}) or {}
+    stored_as = {name: name if name in files else tied.get(name, name) for name in wanted}
+    missing = sorted(name for name, key in stored_as.items() if key not in files)
     if missing:
         raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; {_renaming_hint(model)}")
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
-        by_file.setdefault(files[name], []).append(name)
+        by_file.setdefault(files[stored_as[name]], []).append(name)
     for file, names in by_file.items():
         with _safetensors(file) as f:
             for name in names:
                 target = wanted[name]
-                stored = f.get_slice(name)
+                stored = f.get_slice(stored_as[name])
                 if tuple(stored.get_shape()) != tuple(target.shape):
                     raise ConfigError(
                         f"{name}: checkpoint shape {tuple(stored.get_shape())} != model shape {tuple(target.shape)}"

@@ -14,16 +14,18 @@ for :func:`ndparallel.hf.load_pretrained_pipeline`, only the buffers (the weight
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
-from ndparallel.models.hf.init import init_buffers, seeded_init
+from ndparallel.models.hf.init import init_buffers, seeded_init, seeded_init_module
 
-__all__ = ["LOAD_MARKER", "HFCausalLMStage"]
+__all__ = ["LOAD_MARKER", "TIED_WEIGHT", "HFCausalLMStage"]
 
 # model_types whose *ForCausalLM forward the stage reproduces: embed_tokens (with Gemma's scaled embedding
 # module) x ``embedding_multiplier`` (Granite), dropout ``embedding_dropout`` (StarCoder 2); layers, each with
@@ -47,6 +49,8 @@ _MASK_KINDS = ("full_attention", "sliding_attention")
 # Set on a meta model by load_pretrained_pipeline: its stages' parameters come from a checkpoint after
 # parallelize, so init_weights leaves them (only the non-persistent buffers are computed).
 LOAD_MARKER = "_ndparallel_weights_from_checkpoint"
+# The one-process name of a tied embedding / lm_head weight (what save_pretrained stores, as transformers does)
+TIED_WEIGHT = "model.embed_tokens.weight"
 
 
 class _Body(nn.Module):
@@ -79,12 +83,8 @@ class HFCausalLMStage(nn.Module):
                 f"pp_size > 1 cannot find the blocks of {type(full).__name__}: a Hugging Face stage needs "
                 "model.embed_tokens / model.layers / model.norm / model.rotary_emb and lm_head; use pp_size=1"
             )
-        if full.lm_head.weight is base.embed_tokens.weight:
-            raise ConfigError(
-                f"{type(full).__name__} ties lm_head to embed_tokens (tie_word_embeddings=True), which pipeline "
-                "stages would hold on different ranks: pp_size > 1 does not support tied word embeddings yet; "
-                "set config.tie_word_embeddings=False or use pp_size=1"
-            )
+        writers = _tie_writers(full)
+        tied = bool(writers)
         self.config = full.config
         self.first, self.last = first, last
         self._kinds = {i: _mask_kind(full.config, i) for i in block_ids}  # layer index -> its mask (and rope) kind
@@ -94,6 +94,9 @@ class HFCausalLMStage(nn.Module):
         # a materialised model's stages must not keep the other stages' weights alive.
         on_meta = any(p.is_meta for p in full.parameters())
         self._init_module = full._init_weights if on_meta else None
+        # the tied weight's modules in the whole model's init order: each copy gets every one's init, as the one
+        # tensor does in one process (the last writer wins)
+        self._tie_writers = writers if on_meta else []
         self._params_from_checkpoint = bool(getattr(full, LOAD_MARKER, False))
         self.model = _Body()
         if first:
@@ -102,7 +105,15 @@ class HFCausalLMStage(nn.Module):
         self.model.rotary_emb = base.rotary_emb
         if last:
             self.model.norm = base.norm
-            self.lm_head = full.lm_head
+            # tied: the last stage holds its own copy (the first stage holds the embedding's); the pipeline
+            # sums the copies' gradients and counts one in the norm (TIED_WEIGHT, docs/pipeline-parallel.md)
+            self.lm_head = copy.deepcopy(full.lm_head) if tied else full.lm_head
+        # this stage's copies of a weight tied across stages: local FQN -> the one-process FQN of the weight
+        self.tied_weights: dict[str, str] = {}
+        if tied and first:
+            self.tied_weights["model.embed_tokens.weight"] = TIED_WEIGHT
+        if tied and last:
+            self.tied_weights["lm_head.weight"] = TIED_WEIGHT
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -117,7 +128,13 @@ class HFCausalLMStage(nn.Module):
         if self._params_from_checkpoint:
             init_buffers(self, self._init_module)  # non-persistent buffers: rotary inv_freq, Gemma's embed_scale
             return
-        seeded_init(self, 0 if seed is None else seed, self._init_module)
+        seed = 0 if seed is None else seed
+        seeded_init(self, seed, self._init_module)
+        for fqn in self.tied_weights:
+            copy_ = self.get_parameter(fqn)
+            for writer_fqn, module, name in self._tie_writers:
+                with _holding(module, name, copy_):
+                    seeded_init_module(module, seed, writer_fqn, self._init_module)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The ``*ForCausalLM`` forward for this stage's part: tokens (first stage) or hidden states in; hidden
@@ -179,3 +196,34 @@ def _mask_kind(config: object, layer: int) -> str:
             f"{getattr(config, 'model_type', None)!r}): a stage builds {' / '.join(_MASK_KINDS)} masks; use pp_size=1"
         )
     return kind
+
+
+_TIE_WRITERS = "_ndparallel_tie_writers"  # on the whole model: its tie, as found before a stage materialised
+
+
+def _tie_writers(full: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(module FQN, module, attribute)`` of every module of ``full`` holding its tied embedding / lm_head weight,
+    in module order; empty when untied. Found once and kept on ``full``: materialising one stage (``to_empty``)
+    replaces its copy of the weight, and the next stage cut from ``full`` must still know the two were one."""
+    if not hasattr(full, _TIE_WRITERS):
+        weight = full.lm_head.weight
+        tied = weight is full.model.embed_tokens.weight
+        writers = [
+            (fqn, module, name)
+            for fqn, module in full.named_modules()
+            for name, p in module.named_parameters(recurse=False)
+            if tied and p is weight
+        ]
+        object.__setattr__(full, _TIE_WRITERS, writers)  # not a submodule: a plain attribute
+    return getattr(full, _TIE_WRITERS)
+
+
+@contextlib.contextmanager
+def _holding(module: nn.Module, name: str, param: nn.Parameter) -> Iterator[None]:
+    """``module.<name>`` is ``param`` for the block (a tied weight's other module, initialising this copy)."""
+    kept = module._parameters[name]
+    module._parameters[name] = param
+    try:
+        yield
+    finally:
+        module._parameters[name] = kept

@@ -49,14 +49,18 @@ class GatherSequence(ParallelStyle):
 
 class TiedColwiseParallel(ColwiseParallel):
     """``lm_head`` sharing the embedding's weight: shard like ColwiseParallel, then reuse the embedding's
-    DTensor parameter (RowwiseParallel on an embedding shards its weight on dim 0 too)."""
+    DTensor parameter (RowwiseParallel on an embedding shards its weight on dim 0 too). Applied to another
+    module than ``output`` (a pipeline stage's own copy of the head, whose embedding is on another stage) it is
+    plain ColwiseParallel: the pipeline keeps the copies one weight (ndparallel/parallel/pipeline/tied.py)."""
 
-    def __init__(self, embedding: nn.Module, **kwargs: Any):
+    def __init__(self, embedding: nn.Module, output: nn.Module, **kwargs: Any):
         super().__init__(**kwargs)
-        self.embedding = embedding
+        self.embedding, self.output = embedding, output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
+        if module is not self.output:
+            return module  # a pipeline stage's own copy of the head (its embedding is another stage's): untied
         shared = self.embedding.weight
         if not isinstance(shared, DTensor) or shared.placements != module.weight.placements:
             raise ConfigError(

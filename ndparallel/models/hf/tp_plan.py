@@ -377,7 +377,7 @@ def _derive_plan(model: nn.Module, overrides: dict[str, ParallelStyle | None]) -
             _check_placeable(model, output_fqn, output, nn.Linear)
             head = dict(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
             tied = output.weight is embedding.weight
-            plan[output_fqn] = TiedColwiseParallel(embedding, **head) if tied else ColwiseParallel(**head)
+            plan[output_fqn] = TiedColwiseParallel(embedding, output, **head) if tied else ColwiseParallel(**head)
     plan.update(overrides)
     plan = {fqn: style for fqn, style in plan.items() if style is not None}
     _check_covered(model, plan)

@@ -20,6 +20,7 @@ from ndparallel.parallel.pipeline.placement import last_stage_rank, stage_ids
 from ndparallel.parallel.pipeline.runtime import Pipeline
 from ndparallel.parallel.pipeline.split import stage_ranges
 from ndparallel.parallel.pipeline.stages import build_stage_modules
+from ndparallel.parallel.pipeline.tied import tied_copies
 from ndparallel.parallel.pipeline.torch_api import make_schedule, make_stage
 
 __all__ = ["build_pipeline"]
@@ -31,11 +32,9 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _ranges(model, family, n_stages: int, explicit) -> list[range]:
+def _ranges(model, family, n_stages: int, explicit, first_part: nn.Module, last_part: nn.Module) -> list[range]:
     blocks = family.blocks(model)
-    first = _numel(family.pipeline_stage(model, [], True, False))
-    last = _numel(family.pipeline_stage(model, [], False, True))
-    return stage_ranges([_numel(b) for b in blocks], n_stages, explicit, first, last)
+    return stage_ranges([_numel(b) for b in blocks], n_stages, explicit, _numel(first_part), _numel(last_part))
 
 
 def _check_untested(family: ModelFamily, cfg: ParallelismConfig) -> None:
@@ -96,7 +95,9 @@ def build_pipeline(
         raise ConfigError(f"pp_size > 1 with cp_size > 1 is not supported for model family {family.name!r} yet")
     _check_untested(family, cfg)
     autocast = forward_autocast_dtype(cfg)
-    ranges = _ranges(model, family, n_stages, cfg.pp_split)
+    # what the first and the last stage hold besides their blocks (the embedding; the norm and head)
+    first_part, last_part = family.pipeline_stage(model, [], True, False), family.pipeline_stage(model, [], False, True)
+    ranges = _ranges(model, family, n_stages, cfg.pp_split, first_part, last_part)
     ids = stage_ids(mesh.local_rank("pp"), cfg.pp_size, per_rank, cfg.pp_schedule)
     modules = build_stage_modules(model, family, ranges, ids, parallelize_config(cfg), mesh, seed)
     if autocast is not None:
@@ -107,4 +108,5 @@ def build_pipeline(
     schedule = make_schedule(cfg.pp_schedule, stages, m, loss_fn or cross_entropy_loss)
     positions_arg = getattr(modules[0], "positions_arg", "positions")
     last = last_stage_rank(cfg.pp_size, per_rank, cfg.pp_schedule)
-    return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg)
+    tied = tied_copies(first_part, last_part, modules, group, last)
+    return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg, tied)

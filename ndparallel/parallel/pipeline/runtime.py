@@ -7,6 +7,8 @@ What the step makes right across stages (docs/pipeline-parallel.md):
 * context parallel: tokens, labels and ``[batch, seq]`` positions are sharded alike on every stage;
 * pure replicate: the schedule runs under ``no_sync`` and gradients are averaged over ``dp_replicate`` once
   after it (FSDP needs nothing: torch's stage drives FSDP's gradient sync itself);
+* weights tied across stages (an embedding and its head): every copy gets the summed gradient, and the
+  clipping norm counts one copy (:mod:`ndparallel.parallel.pipeline.tied`);
 * shapes: torch fixes them at the first step, and a later change hangs: it is refused instead.
 """
 
@@ -24,6 +26,7 @@ from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
+from ndparallel.parallel.pipeline.tied import TiedCopies, sum_tied_grads
 from ndparallel.parallel.replicate import no_sync
 
 __all__ = ["Pipeline"]
@@ -46,6 +49,7 @@ class Pipeline:
         microbatches: int,
         last_stage_rank: int,
         positions_arg: str,
+        tied: TiedCopies | None = None,
     ) -> None:
         self.stages = list(stages)
         self.stage_ids = list(stage_ids)
@@ -54,6 +58,7 @@ class Pipeline:
         self.microbatches = microbatches
         self.last_stage_rank = last_stage_rank
         self.positions_arg = positions_arg
+        self.tied = tied or TiedCopies()
         self.pp_group = mesh["pp"].get_group()
         inner = mesh.without_pp()
         self._inner = inner
@@ -62,9 +67,13 @@ class Pipeline:
         self._shape: tuple | None = None
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """Every parameter of this rank's stages."""
+        """Every parameter of this rank's stages (once, should two stages share one)."""
+        seen: set[int] = set()
         for stage in self.stages:
-            yield from stage.parameters()
+            for param in stage.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
 
     def check_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Refuse (ConfigError, this rank only) a batch the schedule cannot run: not ``[batch, seq]``, a batch the
@@ -145,6 +154,8 @@ class Pipeline:
             run(*args, target=y, losses=losses, return_outputs=False, **kwargs)
         if self._replicate and torch.is_grad_enabled():
             self._average_replicas()
+        if torch.is_grad_enabled():
+            sum_tied_grads(self.tied, self.pp_group)
         return self._global_loss(losses)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""Weights tied across pipeline stages (a Hugging Face embedding and its ``lm_head``): one weight, two copies.
+
+In one process a tied weight is one tensor whose gradient sums both uses. Under pp the first stage holds the
+embedding's copy and the last stage the head's (a stage module lists its copies in ``tied_weights``: local
+FQN -> the weight's one-process FQN). The copies start equal (the stage's init), get the summed gradient after
+every step (:func:`sum_tied_grads`: the two pp ranks swap their local sums, so both add the same two numbers),
+and step alike; the clipping norm counts one of them (the others are marked
+:func:`ndparallel.parallel.clip.mark_counted_elsewhere`). docs/pipeline-parallel.md#tied-word-embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ndparallel.errors import ConfigError
+from ndparallel.parallel.clip import mark_counted_elsewhere
+
+__all__ = ["TiedCopies", "copy_names", "one_process_parameters", "tied_copies", "sum_tied_grads"]
+
+_MAX_DIMS = 8  # a tied weight's dimensions, at most (the shape check's fixed row)
+
+
+@dataclass
+class TiedCopies:
+    """This rank's copies of each weight tied across stages (by one-process FQN), and the pp rank holding the
+    other copies (``None``: this rank holds them all)."""
+
+    params: dict[str, list[nn.Parameter]] = field(default_factory=dict)
+    peer: int | None = None
+
+
+def _tied_names(stage: nn.Module | None) -> dict[str, str]:
+    return dict(getattr(stage, "tied_weights", {}) or {})
+
+
+def copy_names(module: nn.Module) -> dict[str, str]:
+    """``module``'s copies of a tied weight held under another name than the weight's: local FQN -> the
+    weight's one-process FQN (a checkpoint stores their optimizer state once, under the weight's name)."""
+    return {local: one for local, one in _tied_names(module).items() if local != one}
+
+
+def one_process_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module.named_parameters()`` under their one-process names: a tied weight's copy under the weight's
+    (what a one-process model's parameters are compared with)."""
+    copies = copy_names(module)
+    return [(copies.get(name, name), param) for name, param in module.named_parameters()]
+
+
+def tied_copies(
+    first_part: nn.Module,
+    last_part: nn.Module,
+    stages: Sequence[nn.Module],
+    pp_group: dist.ProcessGroup,
+    last_rank: int,
+) -> TiedCopies:
+    """The tied copies of this rank's (parallelised) ``stages``. ``first_part`` / ``last_part``: the first and
+    the last stage without blocks (what a stage holds besides its blocks), which say what is tied; only they
+    may hold tied copies (the embedding and the head), held by pp ranks 0 and ``last_rank``."""
+    first, last = set(_tied_names(first_part).values()), set(_tied_names(last_part).values())
+    if first != last:
+        raise ConfigError(
+            f"weights tied across pipeline stages must have a copy on the first and on the last stage: "
+            f"the first holds {sorted(first)}, the last {sorted(last)}; untie them or use pp_size=1"
+        )
+    copies, pp_rank = TiedCopies(), dist.get_rank(pp_group)
+    if first and last_rank != 0 and pp_rank in (0, last_rank):  # loop placement; V placement holds both on pp rank 0
+        copies.peer = last_rank if pp_rank == 0 else 0
+    for stage in stages:
+        for local, one_process in _tied_names(stage).items():
+            param = stage.get_parameter(local)
+            copies.params.setdefault(one_process, []).append(param)
+            if local != one_process:
+                mark_counted_elsewhere(param)
+    _check_alike(copies, pp_group)
+    return copies
+
+
+def _swap(mine: torch.Tensor, peer: int, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Send ``mine`` to pp rank ``peer`` and receive its tensor of the same shape."""
+    theirs = torch.empty_like(mine)
+    ops = [
+        dist.P2POp(dist.isend, mine, group=pp_group, group_peer=peer),
+        dist.P2POp(dist.irecv, theirs, group=pp_group, group_peer=peer),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return theirs
+
+
+def _check_alike(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
+    """Refuse (on both ranks) copies whose local shards differ in shape from the peer's: their gradients
+    could not be added region by region."""
+    if copies.peer is None:
+        return
+    shapes = [list(_local(p).shape) for _, params in sorted(copies.params.items()) for p in params[:1]]
+    mine = torch.full((len(shapes), _MAX_DIMS), -1, dtype=torch.int64)
+    for row, shape in zip(mine, shapes, strict=True):
+        row[: len(shape)] = torch.tensor(shape)
+    device = next(p.device for params in copies.params.values() for p in params)
+    theirs = _swap(mine.to(device), copies.peer, pp_group).cpu()
+    if not torch.equal(mine, theirs):
+        raise ConfigError(
+            f"weights tied across pipeline stages ({sorted(copies.params)}) are split differently on the first and "
+            f"the last stage (local shapes {mine.tolist()} vs {theirs.tolist()}): shard both alike, untie them "
+            "(config.tie_word_embeddings=False) or use pp_size=1"
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def sum_tied_grads(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
+    """Give every copy of each tied weight the sum of all copies' gradients (every local copy's on this rank,
+    plus the peer's); a frozen weight is left alone. Copies are placed alike (the embedding's and the head's
+    weight are both split on the vocabulary), so their local shards are the same region."""
+    for name, params in sorted(copies.params.items()):
+        unique = list({id(p): p for p in params}.values())  # one Parameter held by two stages counts once
+        if not unique[0].requires_grad:
+            continue
+        grads = [p.grad for p in unique]
+        if any(g is None for g in grads):
+            raise RuntimeError(f"tied weight {name}: a copy has no gradient after the pipeline step")
+        total = _local(grads[0]).clone()
+        for grad in grads[1:]:
+            total += _local(grad)
+        if copies.peer is not None:
+            total = total + _swap(total, copies.peer, pp_group)  # a + b here, b + a there: the same number
+        for grad in grads:
+            _local(grad).copy_(total)
