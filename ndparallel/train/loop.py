@@ -115,13 +115,16 @@ that scancel, a preemption or ``kill`` of the process group also sent each rank 
 class _StopRequest:
     """SIGINT/SIGTERM set a flag; all ranks agree on it at the end of each step, so they stop together.
 
-    A rank usually gets one stop twice (its own signal, and the launcher's forward a few ms later): a
-    repeat within ``_REPEAT_WINDOW_S`` is ignored; a later one (a deliberate second Ctrl-C) stops at once.
+    A rank usually gets one stop twice (its own signal, and the launcher's forward, a few ms later or, on a
+    loaded machine, seconds later): under a launcher (torchrun's ``TORCHELASTIC_RUN_ID``) the first repeat is
+    that forward whenever it comes; alone, a repeat within ``_REPEAT_WINDOW_S`` is. Any later signal (a
+    deliberate second Ctrl-C) stops at once.
     """
 
     def __init__(self) -> None:
         self.local = False
         self._first: float | None = None
+        self._forward_pending = "TORCHELASTIC_RUN_ID" in os.environ  # one repeat is the launcher's forward
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,6 +135,8 @@ class _StopRequest:
         if self._first is None:
             self._first = now
             self.local = True
+        elif self._forward_pending:  # the same request, forwarded by the launcher
+            self._forward_pending = False
         elif now - self._first > _REPEAT_WINDOW_S:  # asked again, later: stop now
             raise KeyboardInterrupt
 
@@ -214,6 +219,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     # What checkpoints hold: the model and its optimizer, or (pp) the lists of stage modules and optimizers.
     saved_model = model.stages if isinstance(model, Pipeline) else model
     optimizer = optimizers if isinstance(model, Pipeline) else optimizers[0]
+    watchdog.phase(f"reading data.path={cfg.data.path!r}" if cfg.data.path else "building the embedded corpus")
     corpus = ByteCorpus(cfg.data.seq_len, cfg.data.path, cfg.data.max_bytes)
     loader = BatchLoader(corpus, t.global_batch, dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"), seed=t.seed)
     train_step = TrainStep(

@@ -350,3 +350,22 @@ def test_hf_configs_too_big_for_this_machine_and_truncated_weights_are_refused(t
             load_pretrained(truncated)
     finally:
         destroy_distributed()
+
+
+def test_a_stall_reading_data_path_is_reported_in_the_reading_phase(tmp_path, monkeypatch):
+    """The watchdog's phase while a rank reads ``data.path`` names that read (before, a rank stuck there was
+    reported as "building the model"). The read here is a FIFO, refused at once; the phase is what it ran in."""
+    import os
+
+    from ndparallel.distributed.watchdog import Watchdog
+    from ndparallel.train import train
+    from ndparallel.train.job_config import TrainConfig
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    phases: list[str] = []
+    real = Watchdog.phase
+    monkeypatch.setattr(Watchdog, "phase", lambda self, name: (phases.append(name), real(self, name))[1])
+    with pytest.raises(ConfigError, match="is a FIFO"):
+        train(TrainConfig.from_dict({"model": {"preset": "tiny"}, "train": {"steps": 1}, "data": {"path": str(fifo)}}))
+    assert phases[-1] == f"reading data.path={str(fifo)!r}", phases

@@ -131,3 +131,37 @@ def test_the_rank_that_judges_waits_until_every_rank_printed_the_verdict(tmp_pat
         err = (tmp_path / f"rank-{rank}.err").read_text()
         assert err.startswith("ndparallel: error: the job hung: rank 1 did not reach the collective within 2s"), err
     assert time.monotonic() - started < 90
+
+
+def test_a_late_launcher_forward_of_the_same_stop_is_not_a_second_stop(monkeypatch):
+    """Under torchrun a rank gets one stop twice (its own signal and the launcher's forward, seconds apart on a
+    loaded machine): that repeat is absorbed whenever it comes; a third signal stops at once. Alone (no
+    launcher), a repeat after the window is a deliberate second Ctrl-C."""
+    import signal
+
+    from ndparallel.train import loop
+
+    def stops_at_once(stop) -> bool:  # a KeyboardInterrupt escaping would end the pytest session
+        try:
+            stop._handle(signal.SIGTERM, None)
+        except KeyboardInterrupt:
+            return True
+        return False
+
+    clock = [100.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])
+    for launched in (True, False):
+        if launched:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        else:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        stop = loop._StopRequest()
+        try:
+            assert not stops_at_once(stop) and stop.local
+            clock[0] += 10 * loop._REPEAT_WINDOW_S  # the forward, late
+            if launched:
+                assert not stops_at_once(stop), "the launcher's late forward stopped the rank before its save"
+                clock[0] += 10 * loop._REPEAT_WINDOW_S
+            assert stops_at_once(stop), launched
+        finally:
+            stop.restore()
