@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 
+from ndparallel.config.parallelism import CPU_RANKS_ENV
 from ndparallel.errors import ConfigError
 
-__all__ = ["check_fits_in_memory", "format_gib", "physical_memory"]
+__all__ = ["check_fits_in_memory", "format_gib", "physical_memory", "ranks_on_this_machine"]
 
 
 def physical_memory() -> int | None:
@@ -21,6 +22,17 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def ranks_on_this_machine() -> int:
+    """The ranks of this job on this machine: torchrun's (and the rank harness's) ``LOCAL_WORLD_SIZE``, else
+    ``--cpu-ranks`` (set for the launcher itself, before its ranks start), else 1. Each holds its own copy of
+    what every rank builds or reads, so a fits-in-memory check counts them all."""
+    for name in ("LOCAL_WORLD_SIZE", CPU_RANKS_ENV):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def format_gib(size: float) -> str:

@@ -367,6 +367,10 @@ class Watchdog:
         self._position = (self._position[0] + 1, label, time.monotonic())
         self._wake.set()  # so that a rank that dies in this phase is last seen in it
 
+    def current_phase(self) -> str:
+        """The label of the phase this rank is in (the last :meth:`phase`), or ``starting``."""
+        return self._position[1] or "starting"
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()

@@ -22,7 +22,7 @@ from ndparallel.config.parallelism import CPU_RANKS_ENV, ParallelismConfig
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
-from ndparallel.distributed.memory import physical_memory
+from ndparallel.distributed.memory import ranks_on_this_machine
 from ndparallel.distributed.process import check_device_type
 from ndparallel.errors import ConfigError, brief_repr
 from ndparallel.models import TransformerConfig
@@ -195,12 +195,11 @@ class TrainConfig:
             if not ok:
                 section, field_name = name.split(".")
                 raise ConfigError(f"{name}={brief_repr(getattr(getattr(self, section), field_name))} {message}")
-        memory = physical_memory()
-        if memory and d.max_bytes > memory:
-            raise ConfigError(
-                f"data.max_bytes={d.max_bytes} is more than this machine's {memory / 2**30:,.1f} GiB of memory "
-                "(every rank holds what it reads); lower data.max_bytes"
-            )
+        ranks = ranks_on_this_machine()
+        fits_in_memory(
+            d.max_bytes, 1, holders=ranks, what=f"data.max_bytes={d.max_bytes} needs",
+            held=f"on this machine's {ranks} rank(s) (every rank holds what it reads)", fix="lower data.max_bytes",
+        )  # fmt: skip
         check_seq_fits(d.seq_len, self.model.max_seq_len)
         if (c.every or c.resume is True) and not c.dir:
             raise ConfigError("checkpoint.every / checkpoint.resume=true need checkpoint.dir (where to save and look)")
@@ -237,9 +236,10 @@ def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) ->
     else:
         what = f"the model ({weights / 1e9:,.1f}B parameters) needs"
         held, fix = f"of {model.dtype} weights and rotary tables", "choose a smaller model"
+    ranks = ranks_on_this_machine()
     fits_in_memory(
-        weights + rotary, model.torch_dtype.itemsize, what=what, held=f"{held} to build on each rank", fix=fix,
-        memory=memory,
+        weights + rotary, model.torch_dtype.itemsize, what=what, fix=fix, memory=memory, holders=ranks,
+        held=f"{held} to build on each of this machine's {ranks} rank(s)",
     )  # fmt: skip
 
 

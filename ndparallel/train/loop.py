@@ -29,7 +29,7 @@ from ndparallel.distributed.peak import device_peak
 from ndparallel.distributed.process import init_distributed
 from ndparallel.distributed.reduce import average_over
 from ndparallel.distributed.watchdog import Watchdog
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, JobError
 from ndparallel.models import Transformer
 from ndparallel.parallel.parallelize import parallelize
 from ndparallel.parallel.pipeline import Pipeline, build_pipeline
@@ -203,6 +203,12 @@ def train(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainResult:
         if lost is None:
             raise
         raise lost from err
+    except MemoryError as err:  # its message is often empty: name the rank and what it was doing
+        raise JobError(
+            f"rank {dist.get_rank()} ran out of host memory while {watchdog.current_phase()} "
+            f"({type(err).__name__}{': ' + str(err) if str(err) else ''}); lower what that phase holds "
+            "(data.max_bytes, the model, the batch) or use more machines"
+        ) from None
     finally:
         watchdog.stop()
 

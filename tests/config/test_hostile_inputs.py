@@ -199,7 +199,7 @@ def test_special_files_and_huge_max_bytes_are_refused(tmp_path, capsys):
     from ndparallel.distributed.process import physical_memory
 
     too_many = physical_memory() + 1
-    _one_line_error(capsys, ["train", f"data.max_bytes={too_many}"], f"data.max_bytes={too_many} is more than")
+    _one_line_error(capsys, ["train", f"data.max_bytes={too_many}"], f"data.max_bytes={too_many} needs")
 
 
 # ------------------------------------------------------------------ 5: YAML alias bombs; bounded error values
@@ -369,3 +369,35 @@ def test_a_stall_reading_data_path_is_reported_in_the_reading_phase(tmp_path, mo
     with pytest.raises(ConfigError, match="is a FIFO"):
         train(TrainConfig.from_dict({"model": {"preset": "tiny"}, "train": {"steps": 1}, "data": {"path": str(fifo)}}))
     assert phases[-1] == f"reading data.path={str(fifo)!r}", phases
+
+
+def test_running_out_of_memory_names_the_rank_and_its_phase(monkeypatch):
+    """A MemoryError's message is often empty ("MemoryError:" was the launcher's whole line): the job's error
+    names the rank and the phase it ran out in. The allocation that fails here is the corpus read."""
+    from ndparallel.errors import JobError
+    from ndparallel.train import data, train
+    from ndparallel.train.job_config import TrainConfig
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(data.ByteCorpus, "__init__", no_memory)
+    with pytest.raises(
+        JobError, match=r"^rank 0 ran out of host memory while building the embedded corpus \(MemoryError\)"
+    ):
+        train(TrainConfig.from_dict({"model": {"preset": "tiny"}, "train": {"steps": 1}}))
+
+
+def test_data_max_bytes_counts_every_rank_on_this_machine(monkeypatch):
+    """Each rank holds what it reads: data.max_bytes times this machine's ranks must fit its memory."""
+    from ndparallel.distributed.memory import physical_memory
+    from ndparallel.train.job_config import TrainConfig
+
+    memory = physical_memory()
+    assert memory, "Linux reports its physical memory (os.sysconf)"
+    config = {"model": {"preset": "tiny"}, "data": {"max_bytes": int(memory * 0.6)}}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    TrainConfig.from_dict(config).validate()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"data.max_bytes=\d+ needs .* GiB on this machine's 2 rank\(s\)"):
+        TrainConfig.from_dict(config).validate()

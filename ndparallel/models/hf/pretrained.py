@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.agree import agree
 from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
+from ndparallel.distributed.memory import ranks_on_this_machine
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.errors import ConfigError
@@ -278,7 +279,7 @@ def _check_fits_this_machine(config: Any, dtype: torch.dtype, mesh: Mesh, source
     count, fields = _parameter_floor(config)
     if not count:
         return
-    here = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), mesh.size())
+    here = min(ranks_on_this_machine(), mesh.size())
     fits_in_memory(
         count, dtype.itemsize, factor=1 / mesh.size(), holders=here, fix="is the config right?",
         what=f"{source}: {fields} gives at least {count:.3g} parameters, which need",
