@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from ndparallel.config.parallelism import CPU_RANKS_ENV, ParallelismConfig
+from ndparallel.config.parallelism import CPU_RANKS_ENV, SIZE_FIELDS, ParallelismConfig, environment_note
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
@@ -219,9 +219,16 @@ class TrainConfig:
         """Everything that depends on the resolved mesh sizes (:func:`ndparallel.config.preflight.check_job`,
         the rule ``ndparallel bench`` and ``ndparallel plan`` apply too); returns the accumulation steps.
 
-        Called before any rank starts (``ndparallel train --cpu-ranks``) and again inside ``train``.
+        Called before any rank starts (``ndparallel train --cpu-ranks``) and again inside ``train``. An error
+        says which sizes an environment variable set (``NDP_TP_SIZE=3 in the environment sets tp_size``).
         """
-        return check_job(sizes, self.job_shape(), self.model.preflight_shape())
+        try:
+            return check_job(sizes, self.job_shape(), self.model.preflight_shape())
+        except ConfigError as err:
+            note = environment_note(SIZE_FIELDS, sizes)
+            if not note:
+                raise
+            raise ConfigError(f"{err}{note}") from None
 
 
 def check_fits_in_memory(model: TransformerConfig, memory: int | None = None) -> None:

@@ -401,3 +401,14 @@ def test_data_max_bytes_counts_every_rank_on_this_machine(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"data.max_bytes=\d+ needs .* GiB on this machine's 2 rank\(s\)"):
         TrainConfig.from_dict(config).validate()
+
+
+def test_job_shape_errors_name_the_environment_variable_that_set_a_size(monkeypatch, capsys, tmp_path):
+    """Not only the mesh's own errors: a job-shape refusal (the sequence tp must divide, the layers pp must
+    split) says that an environment variable set the size it is about."""
+    monkeypatch.setenv("NDP_PP_SIZE", "4")
+    config = tmp_path / "two-layers.yaml"
+    config.write_text("model:\n  preset: tiny\n  n_layers: 2\n")
+    _one_line_error(
+        capsys, ["train", "--config", str(config), "--cpu-ranks", "4"], "(NDP_PP_SIZE=4 in the environment sets pp_size"
+    )
