@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["STAMP", "is_leftover", "leftover_name", "new_token", "replaced_name", "reserved", "write_stamp"]
+__all__ = ["STAMP", "is_leftover", "leftover_name", "leftover_target", "new_token", "reserved", "write_stamp"]
 
 STAMP = "ndparallel_save.json"
 """Written by rank 0 into every directory a save creates, before anything else."""
@@ -60,7 +60,8 @@ def is_leftover(path: Path, name: str | None = None) -> bool:
     return isinstance(stamp, dict) and stamp.get("format") == _FORMAT and stamp.get("name") == match["name"]
 
 
-def replaced_name(path: Path) -> str | None:
-    """``<name>`` if ``path`` is our stamped ``<name>.old-<id>`` (a checkpoint a save was replacing), else None."""
+def leftover_target(path: Path) -> str | None:
+    """``<name>`` if ``path`` is our stamped ``<name>.old-<id>`` (a checkpoint a save was replacing) or
+    ``<name>.tmp-<id>`` (a save's own folder, complete once its marker is written), else None."""
     match = _LEFTOVER.fullmatch(path.name)
-    return match["name"] if match is not None and match["kind"] == "old" and is_leftover(path) else None
+    return match["name"] if match is not None and is_leftover(path) else None

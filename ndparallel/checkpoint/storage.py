@@ -232,13 +232,15 @@ def _is_complete(path: Path) -> bool:
 
 
 def _stranded(root: Path) -> list[tuple[tuple[float, int, str], Path, Path]]:
-    """Complete checkpoints left in a stamped ``<name>.old-<id>`` by a save that died between its two renames
-    (where there is no atomic exchange), while ``<name>`` holds no complete checkpoint: the only copy. As
-    (commit key, the ``.old-`` folder, ``<name>``), in commit order. Once ``<name>`` is complete again (the
-    replacement finished, or the folder was renamed back), its ``.old-`` folder is an ordinary leftover."""
+    """Complete checkpoints a save that died left beside ``<name>`` while ``<name>`` holds no complete one: the
+    previous checkpoint in a stamped ``<name>.old-<id>`` (it died between the two renames of a replacement,
+    where there is no atomic exchange) and the new one in its ``<name>.tmp-<id>`` (it died after writing the
+    marker, before or between the renames). Each is the only copy of its checkpoint. As (commit key, the
+    folder, ``<name>``), in commit order (the new one last). Once ``<name>`` is complete again (the save
+    finished, or a folder was renamed back), they are ordinary leftovers."""
     found = []
     for p in root.iterdir() if root.is_dir() else ():
-        name = leftovers.replaced_name(p)
+        name = leftovers.leftover_target(p)
         if name is None or _is_complete(root / name):
             continue
         try:
@@ -249,10 +251,11 @@ def _stranded(root: Path) -> list[tuple[tuple[float, int, str], Path, Path]]:
     return sorted(found)
 
 
-def _restore_hint(old: Path, target: Path) -> str:
+def _restore_hint(left: Path, target: Path) -> str:
+    which = "new" if left.name.startswith(leftovers.leftover_name(target.name, "tmp", "")) else "previous"
     return (
-        f"a save that died while replacing {str(target)!r} left the complete previous checkpoint in {str(old)!r}: "
-        f"restore it with `mv {shlex.quote(str(old))} {shlex.quote(str(target))}`"
+        f"a save that died while committing {str(target)!r} left the complete {which} checkpoint in "
+        f"{str(left)!r}: restore it with `mv {shlex.quote(str(left))} {shlex.quote(str(target))}`"
     )
 
 

@@ -126,10 +126,13 @@ def _crash_between_renames(root: Path) -> tuple[Path, Path]:
 
 
 def test_a_checkpoint_left_between_the_two_renames_is_offered_back_and_never_pruned(tmp_path):
+    """Both folders are complete and ``last`` is missing: the new checkpoint (``.tmp-``, step 3) is the newest,
+    offered back by name; neither it nor the previous one (``.old-``, step 2) is ever pruned."""
     root = tmp_path / "ckpts"
     old, target = _crash_between_renames(root)
-    restore = re.escape(f"mv {old} {target}")
-    with pytest.raises(CheckpointError, match=f"restore it with `{restore}`, or delete it to use '.*step-1'"):
+    new = root / "last.tmp-00000000deadbeef"
+    restore = re.escape(f"mv {new} {target}")
+    with pytest.raises(CheckpointError, match=f"complete new checkpoint in .*restore it with `{restore}`, or delete"):
         ckpt.latest(root)
     with pytest.raises(CheckpointError, match=f"restore it with `{restore}`"):
         ckpt.resolve_latest(root)  # what --resume asks
@@ -137,21 +140,41 @@ def test_a_checkpoint_left_between_the_two_renames_is_offered_back_and_never_pru
         CheckpointError, match=f"no checkpoint directory at {re.escape(repr(str(target)))}; .*`{restore}`"
     ):
         ckpt.load(target, _tiny())
-    assert ckpt.prune(root, 1) == [] and old.is_dir()
+    assert ckpt.prune(root, 1) == [] and old.is_dir() and new.is_dir()
 
-    # A later save to another name (a job that resumed from step-1): still kept, and still offered back.
-    os.utime(old, (0, 0))  # long before the newest commit, like any leftover prune would remove
+    # A later save to another name (a job that resumed from step-1): both kept, and both offered back.
+    for folder in (old, new):
+        os.utime(folder, (0, 0))  # long before the newest commit, like any leftover prune would remove
     ckpt.save(root / "step-4", _tiny(4), step=4, keep_last=1)
-    assert old.is_dir() and not (root / "step-1").exists()
-    with pytest.warns(UserWarning, match=f"kept: .*`{restore}`, or delete it"):
+    assert old.is_dir() and new.is_dir() and not (root / "step-1").exists()
+    with pytest.warns(UserWarning) as said:
         assert ckpt.latest(root) == str(root / "step-4")
+    kept = sorted(str(w.message) for w in said)
+    assert len(kept) == 2 and re.search(f"kept: .*`{restore}`, or delete it", kept[0]), kept
+    assert "complete previous checkpoint in" in kept[1] and str(old) in kept[1], kept
 
-    # Renamed back as told: it loads bit-exactly, and the next prune treats the folder like any other.
-    os.rename(old, target)
+    # Renamed back as told: the new checkpoint loads bit-exactly, and the previous one is an ordinary leftover.
+    os.rename(new, target)
     net = _tiny()
     ckpt.load(target, net)
-    assert _same_weights(net, _tiny(2))
+    assert _same_weights(net, _tiny(3))
     assert ckpt.latest(root) == str(root / "step-4")
+    assert ckpt.prune(root, 2) == [str(old)]
+
+
+def test_a_first_save_that_died_before_its_rename_is_offered_back(tmp_path):
+    """A save of a new name killed after its marker, before the rename: its complete ``.tmp-`` folder is the
+    only copy of that checkpoint, newer than every committed one: offered back, not pruned."""
+    root = tmp_path / "ckpts"
+    ckpt.save(root / "step-1", _tiny(1), step=1)
+    ckpt.save(tmp_path / "elsewhere" / "step-2", _tiny(2), step=2)
+    new = root / "step-2.tmp-00000000feedf00d"
+    os.rename(tmp_path / "elsewhere" / "step-2", new)
+    restore = re.escape(f"mv {new} {root / 'step-2'}")
+    with pytest.raises(CheckpointError, match=f"restore it with `{restore}`, or delete it to use '.*step-1'"):
+        ckpt.latest(root)
+    os.utime(new, (0, 0))
+    assert ckpt.prune(root, 1) == [] and new.is_dir()
 
 
 def test_an_old_folder_whose_replacement_finished_is_an_ordinary_leftover(tmp_path):
