@@ -112,8 +112,8 @@ def _safetensors(file: Path) -> Iterator[Any]:
         ) from None
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from ``model.safetensors`` or a sharded index."""
+def _stored_files(path: Path) -> dict[str, Path]:
+    """Stored tensor name -> safetensors file, from ``model.safetensors`` or a sharded index."""
     index = path / SAFE_INDEX
     if index.is_file():
         return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
@@ -124,45 +124,63 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _renaming_hint(model: nn.Module) -> str:
-    """Why names can be missing: transformers renames some model types' checkpoint keys on load (GPT-NeoX's
-    ``embed_out``, EXAONE's ``transformer.h``), a conversion the shard reader does not apply."""
+def _weight_files(path: Path, model: nn.Module) -> dict[str, tuple[Path, str]]:
+    """The model's tensor name -> (safetensors file, the name stored there) for ``model``'s checkpoint folder
+    ``path``: transformers' own renaming of the model type's checkpoint keys applied (GPT-NeoX's ``embed_out``,
+    EXAONE's ``transformer.h``), as ``from_pretrained`` applies it. A stored tensor that transformers would
+    convert rather than rename (per-expert weights it fuses into one) is refused by name."""
+    stored = _stored_files(path)
+    renamed = _checkpoint_renaming(model, stored)
+    converted = sorted(key for key, (_, pattern) in renamed.items() if pattern is not None)
+    if converted:
+        raise ConfigError(
+            f"transformers converts the stored tensors {converted[:3]} of model_type="
+            f"{getattr(model.config, 'model_type', None)!r} when it loads them (e.g. per-expert weights fused into "
+            "one), which load_pretrained does not: load it with AutoModelForCausalLM.from_pretrained(path) and pass "
+            "the model to ndparallel.parallelize"
+        )
+    return {renamed[key][0]: (file, key) for key, file in stored.items()}
+
+
+def _checkpoint_renaming(model: nn.Module, stored: dict[str, Path]) -> dict[str, tuple[str, str | None]]:
+    """Stored name -> (the model's name, the pattern of a conversion transformers would apply, or None) by
+    transformers' own loading rule (``get_model_conversion_mapping`` + ``rename_source_key``, public functions
+    of its loader). A transformers without them: names are the model's own."""
     try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:  # a transformers without conversion mappings: keys are the model's own names
-        return "is it the same model?"
-    model_type = getattr(model.config, "model_type", None)
-    # looked up by class name (FSDP's subclass keeps the class in its MRO), then by model type, as transformers does
-    names = [cls.__name__ for cls in type(model).__mro__] + [model_type]
-    if all(get_checkpoint_conversion_mapping(name) is None for name in names):
-        return "is it the same model?"
-    return (
-        f"transformers renames model_type={model_type!r}'s checkpoint keys when it loads them, which "
-        "load_pretrained does not: load it with AutoModelForCausalLM.from_pretrained(path) and pass the model to "
-        "ndparallel.parallelize"
-    )
+        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+        from transformers.core_model_loading import rename_source_key
+    except ImportError:
+        return {key: (key, None) for key in stored}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    names = model.state_dict()  # on the meta device: names and shapes only
+    prefix = getattr(model, "base_model_prefix", None)
+    return {key: rename_source_key(key, renamings, converters, prefix, names) for key in stored}
 
 
 @torch.no_grad()
-def _fill_from_files(model: nn.Module, files: dict[str, Path]) -> None:
+def _fill_from_files(model: nn.Module, files: dict[str, tuple[Path, str]]) -> None:
+    """Read into ``model`` (the whole model or a pipeline stage) the region of each tensor this rank holds;
+    ``files``: :func:`_weight_files`' map."""
     wanted = dict(model.named_parameters())
     # persistent buffers come from the checkpoint (init_buffers recomputes only the non-persistent ones)
     non_persistent = _non_persistent(model)
     wanted.update((n, b) for n, b in model.named_buffers() if n in files or n not in non_persistent)
     # a pipeline stage's copy of a tied weight is stored once, under the weight's one-process name
     tied = getattr(model, "tied_weights", {}) or {}
-    stored_as = {name: name if name in files else tied.get(name, name) for name in wanted}
-    missing = sorted(name for name, key in stored_as.items() if key not in files)
+    source = {name: name if name in files else tied.get(name, name) for name in wanted}
+    missing = sorted(name for name, key in source.items() if key not in files)
     if missing:
-        raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; {_renaming_hint(model)}")
+        raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; is it the same model?")
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
-        by_file.setdefault(files[stored_as[name]], []).append(name)
+        by_file.setdefault(files[source[name]][0], []).append(name)
     for file, names in by_file.items():
         with _safetensors(file) as f:
             for name in names:
                 target = wanted[name]
-                stored = f.get_slice(stored_as[name])
+                stored = f.get_slice(files[source[name]][1])
                 if tuple(stored.get_shape()) != tuple(target.shape):
                     raise ConfigError(
                         f"{name}: checkpoint shape {tuple(stored.get_shape())} != model shape {tuple(target.shape)}"
@@ -247,10 +265,10 @@ def _meta_model(path: str | os.PathLike, model_class: type | None, dtype: torch.
     config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     _check_fits_this_machine(config, dtype, mesh, path / "config.json")
     model_class = model_class or transformers.AutoModelForCausalLM
-    files = _weight_files(path)
     with torch.device("meta"):
         build = getattr(model_class, "from_config", None) or model_class
         model = build(config)
+    files = _weight_files(path, model)
     _cast_parameters(model, dtype)
     return model, files
 
