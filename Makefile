@@ -2,10 +2,12 @@
 # CPU build 2.13.0; e.g. `make test TORCH=torch==2.11.0` or a CUDA build); a torch already
 # importable in .venv is kept. TRANSFORMERS pins the hf extra to the release the tests were measured on
 # (its catalogue of plans changes between releases: docs/models.md); the package itself asks only >=5.24.
+# ACCELERATE likewise for the trainer extra (ndparallel.hf.Trainer; the Trainer imports accelerate).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.25.0
+ACCELERATE ?= accelerate==1.16.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
@@ -19,7 +21,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,hf,plot,notebook,tensorboard]" "$(TRANSFORMERS)"
+	$(PY) -m pip install -q -e ".[dev,hf,trainer,plot,notebook,tensorboard]" "$(TRANSFORMERS)" "$(ACCELERATE)"
 	@touch $@
 
 demo: $(STAMP)

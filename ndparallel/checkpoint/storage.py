@@ -178,6 +178,14 @@ def validate_and_read(path: str | os.PathLike, *, checksums: bool = False) -> tu
         raise CheckpointError(f"no checkpoint directory at {str(path)!r}{hint}")
     marker_path = path / MARKER
     if not marker_path.is_file():
+        foreign = _accelerate_layout(path)
+        if foreign:
+            raise CheckpointError(
+                f"{str(path)!r} was written by 🤗 Accelerate's save_state ({', '.join(foreign)}), not by ndparallel: "
+                "its folders (and pickled random_states_*.pkl, never loaded here) are not read; load the weights with "
+                "Accelerate or from a save_pretrained folder (ndparallel.hf.load_pretrained), then save with "
+                "ndparallel's save_state"
+            )
         hint = "; it holds checkpoints: pass resolve_latest(root) instead" if _candidates(path) else ""
         raise CheckpointError(
             f"{str(path)!r} has no {MARKER}: the save did not complete (crashed or still running) or this "
@@ -189,6 +197,14 @@ def validate_and_read(path: str | os.PathLike, *, checksums: bool = False) -> tu
     if checksums:
         verify_share(path, marker, 0, 1)
     return marker, metadata
+
+
+def _accelerate_layout(path: Path) -> list[str]:
+    """The entries of ``path`` that 🤗 Accelerate's ``save_state`` writes (``pytorch_model_fsdp_0/``,
+    ``optimizer_0/``, ``model.safetensors`` + ``optimizer.bin``, ``random_states_0.pkl``), when some are there."""
+    names = sorted(p.name for p in path.iterdir())
+    theirs = [n for n in names if n.startswith(("pytorch_model_fsdp_", "optimizer_", "random_states_"))]
+    return theirs + [n for n in names if n in ("optimizer.bin", "scheduler.bin")] if theirs else []
 
 
 def _candidates(root: Path) -> list[Path]:

@@ -19,6 +19,13 @@ The public names of the Hugging Face family, whose code lives in ``ndparallel/mo
     from ndparallel.hf import load_pretrained, save_pretrained
     model = load_pretrained("path/to/folder", cfg, mesh)   # meta init, each rank reads its shards
     save_pretrained(model, "path/to/out")                 # full tensors gathered on rank 0
+
+The transformers ``Trainer`` on ndparallel's engine (``ndparallel/accelerator/trainer.py``; needs accelerate, as
+the Trainer does)::
+
+    from ndparallel.hf import Trainer, TrainingArguments
+    Trainer(model, TrainingArguments(...), train_dataset=data, parallelism_config=cfg).train()
+    SFTTrainer = ndparallel.hf.trainer_class(trl.SFTTrainer)   # any Trainer subclass
 """
 
 from ndparallel.models.hf.attention import apply_hf_attention
@@ -45,4 +52,31 @@ __all__ = [
     "save_pretrained",
     "seeded_init",
     "tiny_config",
+    "trainer_class",
+    "Trainer",
+    "TrainingArguments",
 ]
+
+_TRAINERS: dict[str, type] = {}
+
+
+def trainer_class(base: type, name: str | None = None) -> type:
+    """``base`` (``transformers.Trainer`` or a subclass such as ``trl.SFTTrainer``) with ndparallel's engine."""
+    from ndparallel.accelerator.trainer import trainer_class as make
+
+    return make(base, name)
+
+
+def __getattr__(name: str):
+    """``Trainer`` / ``TrainingArguments``: imported on first use (transformers' Trainer imports accelerate)."""
+    if name == "TrainingArguments":
+        from transformers import TrainingArguments
+
+        return TrainingArguments
+    if name == "Trainer":
+        if "Trainer" not in _TRAINERS:
+            from transformers import Trainer
+
+            _TRAINERS["Trainer"] = trainer_class(Trainer)
+        return _TRAINERS["Trainer"]
+    raise AttributeError(f"module 'ndparallel.hf' has no attribute {name!r}")

@@ -1,0 +1,266 @@
+"""The 🤗 transformers ``Trainer`` (and trainers built on it, e.g. TRL's) with ndparallel's engine underneath.
+
+``trainer_class(transformers.Trainer)`` is the Trainer with one thing changed: the accelerator it builds in
+``create_accelerator_and_postprocess`` is ndparallel's :class:`~ndparallel.accelerator.core.Accelerator` (behind
+:class:`TrainerAccelerator`, which adds the Accelerate attributes the Trainer reads), made from the
+``parallelism_config=`` the Trainer is given. Everything else (the loop, logging, callbacks, schedulers) is the
+Trainer's own. What the engine changes, the mixin says here:
+
+* **the loss** under cp: ndparallel's HF loss returns ``cp x`` this rank's token sum ``/ num_items_in_batch``
+  (its cp ranks share a batch, ``ndparallel/models/hf/loss.py``); the Trainer already multiplies every rank's
+  loss by ``dp x cp`` (Accelerate's convention), so the mixin divides by cp once: the gradient is one process's;
+* **clipping**: ndparallel's exact global norm (the Trainer's own skips what it calls mixed meshes);
+* **saving**: ``save_model`` gathers full tensors on every rank (collective) and rank 0 writes transformers'
+  ``model.safetensors`` + ``config.json``; the optimizer is a DCP checkpoint in ``checkpoint-N/ndp_state``
+  (any mesh reads it back); the scheduler is the Trainer's ``scheduler.pt``. ``resume_from_checkpoint``
+  loads the full weights before ``prepare`` (the Trainer's own path) and the optimizer after it;
+* **refused by name**: what would train something else than one process or that this engine does not run
+  (DeepSpeed, the Trainer's FSDP arguments, Accelerate's ``parallelism_config`` in the arguments,
+  ``average_tokens_across_devices=False`` on several ranks, ``pp_size > 1``, ``torch_compile``).
+
+docs/accelerate-migration.md#the-transformers-trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ndparallel.accelerator.core import Accelerator
+from ndparallel.checkpoint import load as load_checkpoint
+from ndparallel.checkpoint import save as save_checkpoint
+from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.errors import ConfigError
+
+__all__ = ["STATE_FOLDER", "NDParallelTrainerMixin", "TrainerAccelerator", "trainer_class"]
+
+STATE_FOLDER = "ndp_state"  # inside the Trainer's checkpoint-N: the optimizer (and model), DCP, any mesh
+_SCHEDULER = "scheduler.pt"  # the Trainer's own name
+
+
+class _TrainerParallelismConfig:
+    """ndparallel's resolved config, plus the names the Trainer and TRL read of Accelerate's (sequence parallel:
+    none here; ``to_json`` for the arguments' dump)."""
+
+    sp_size, sp_enabled, sp_backend = 1, False, None
+
+    def __init__(self, config: ParallelismConfig):
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+    def to_json(self) -> dict[str, Any]:
+        return self._config.to_dict()
+
+
+class _GradientState:
+    """What the Trainer drives of Accelerate's ``gradient_state``: it decides itself when a micro-batch syncs."""
+
+    plugin_kwargs: dict[str, Any] = {}
+
+    def __init__(self, accelerator: Accelerator):
+        self._accelerator = accelerator
+
+    def _set_sync_gradients(self, sync: bool) -> None:  # the Trainer's name
+        self._accelerator.sync_gradients = bool(sync)
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._accelerator.sync_gradients
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self._accelerator._end_of_loader
+
+
+class TrainerAccelerator:
+    """ndparallel's :class:`Accelerator` with the Accelerate attributes the Trainer reads; the rest delegates."""
+
+    def __init__(self, accelerator: Accelerator):
+        from accelerate.utils import DistributedType  # the Trainer compares with Accelerate's enum
+
+        self._accelerator = accelerator
+        self.gradient_state = _GradientState(accelerator)
+        self.state = types.SimpleNamespace(fsdp_plugin=None, deepspeed_plugin=None)  # neither: ndparallel shards
+        self.scaler = None  # bf16 needs none; fp16 is refused without FSDP, unscaled with it (docs/mixed-precision)
+        self.optimizer_step_was_skipped = False
+        self.distributed_type = DistributedType.MULTI_GPU if accelerator.num_processes > 1 else DistributedType.NO
+        self.parallelism_config = _TrainerParallelismConfig(accelerator.parallelism_config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._accelerator.sync_gradients
+
+    def prepare(self, *objects: Any) -> Any:
+        """``Accelerator.prepare`` of what is not prepared yet: the Trainer prepares again after ``evaluate()``
+        or in a second ``train()``; what was prepared is returned as it is."""
+        done = [obj if _is_prepared(obj) else None for obj in objects]
+        todo = [obj for obj, kept in zip(objects, done, strict=True) if kept is None]
+        fresh = iter(_as_tuple(self._accelerator.prepare(*todo)) if todo else ())
+        out = [kept if kept is not None else next(fresh) for kept in done]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
+        return self.prepare(model)
+
+    def free_memory(self, *objects: Any) -> tuple:
+        """The Trainer frees Accelerate's references between runs; ndparallel keeps its prepared model (its
+        parameters are the sharded ones), so nothing is dropped."""
+        return objects
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Over the world, as Accelerate's (the Trainer divides token counts by tp x cp itself)."""
+        return _all_gather(tensor, None)
+
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """Over ``dp`` (each sample once: tp/cp ranks share a batch); 0-dim tensors as one element each."""
+        if not isinstance(data, torch.Tensor):
+            return data
+        return _all_gather(data, self._accelerator.mesh["dp"].get_group())
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad ``tensor`` along ``dim`` to the longest over the world (Accelerate's contract)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return tensor
+        size = torch.tensor([tensor.shape[dim]], device=tensor.device)
+        dist.all_reduce(size, op=dist.ReduceOp.MAX)
+        missing = int(size.item()) - tensor.shape[dim]
+        if missing == 0:
+            return tensor
+        pad = [0, 0] * (tensor.dim() - dim - 1) + ([missing, 0] if pad_first else [0, missing])
+        return torch.nn.functional.pad(tensor, pad, value=pad_index)
+
+
+def _is_prepared(obj: Any) -> bool:
+    from ndparallel.accelerator.core import _PREPARED
+    from ndparallel.accelerator.data import EpochLoader
+
+    return bool(getattr(obj, _PREPARED, False)) or isinstance(obj, EpochLoader)
+
+
+def _as_tuple(result: Any) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts)
+
+
+def _refuse_unsupported(args: Any, config: ParallelismConfig, world_size: int) -> None:
+    """One-line refusals of Trainer arguments this engine does not run or that would train something else."""
+    if getattr(args, "deepspeed", None):
+        raise ConfigError("deepspeed= is not ndparallel's engine: drop it; shard with parallelism_config instead")
+    if getattr(args, "fsdp", None) or getattr(args, "fsdp_config", None) not in (None, {}):
+        raise ConfigError(
+            "fsdp= / fsdp_config= configure Accelerate's FSDP, which ndparallel replaces: drop them and set "
+            "parallelism_config=ParallelismConfig(dp_shard_size=...) (FSDP2 per block)"
+        )
+    if getattr(args, "parallelism_config", None) is not None:
+        raise ConfigError(
+            "TrainingArguments(parallelism_config=...) is Accelerate's: pass ndparallel's ParallelismConfig to the "
+            "Trainer itself (Trainer(..., parallelism_config=cfg))"
+        )
+    if getattr(args, "torch_compile", False):
+        raise ConfigError(
+            "torch_compile=True is not routed through ndparallel: set parallelism_config compile='blocks'"
+        )
+    if world_size > 1 and not getattr(args, "average_tokens_across_devices", True):
+        raise ConfigError(
+            "average_tokens_across_devices=False divides each rank's loss by its own tokens, so the gradient "
+            "differs from one process's: keep the default (True)"
+        )
+    if config.pp_size > 1:
+        raise ConfigError(
+            f"pp_size={config.pp_size}: the Trainer's loop runs one forward and backward per micro-batch, a "
+            "pipeline runs them all in one call; use ndparallel.Accelerator or ndparallel train for pp"
+        )
+
+
+class NDParallelTrainerMixin:
+    """Put before a ``transformers.Trainer`` (sub)class: ``Trainer(..., parallelism_config=cfg)`` trains with
+    ndparallel's engine (see the module docstring)."""
+
+    def __init__(self, *args: Any, parallelism_config: ParallelismConfig | None = None, **kwargs: Any):
+        if parallelism_config is not None and not isinstance(parallelism_config, ParallelismConfig):
+            raise ConfigError(
+                f"parallelism_config must be ndparallel's ParallelismConfig, got {type(parallelism_config).__name__}"
+            )
+        self._ndp_config = parallelism_config or ParallelismConfig()
+        super().__init__(*args, **kwargs)
+
+    # ---------------------------------------------------------------- the engine
+    def create_accelerator_and_postprocess(self) -> None:
+        accelerator = Accelerator(
+            self._ndp_config,
+            mixed_precision=None if self.args.mixed_precision == "no" else self.args.mixed_precision,
+            gradient_accumulation_steps=1,  # the Trainer accumulates (and scales the loss) itself
+            cpu=bool(self.args.use_cpu),
+        )
+        _refuse_unsupported(self.args, accelerator.parallelism_config, accelerator.num_processes)
+        self.accelerator = TrainerAccelerator(accelerator)
+        self.gather_function = self.accelerator.gather_for_metrics
+        self.is_deepspeed_enabled = self.is_fsdp_enabled = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        cp = self.accelerator.parallelism_config.cp_size
+        if cp > 1 and num_items_in_batch is not None:  # the Trainer scaled by dp x cp already (module docstring)
+            return (out[0] / cp, out[1]) if return_outputs else out / cp
+        return out
+
+    def _clip_grad_norm(self, model):
+        return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        return grad_norm
+
+    # ---------------------------------------------------------------- saving and resuming
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every rank (full tensors are gathered); rank 0 writes transformers' layout, tokenizer and arguments."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        from ndparallel.models.hf.pretrained import save_pretrained
+
+        output_dir = output_dir or self.args.output_dir
+        save_pretrained(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_checkpoint(os.path.join(output_dir, STATE_FOLDER), self.model, self.optimizer)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        state = os.path.join(checkpoint, STATE_FOLDER)
+        if not os.path.isdir(state):
+            raise ConfigError(
+                f"{checkpoint!r} has no {STATE_FOLDER}/ (the optimizer state ndparallel's Trainer writes): resume from "
+                "a checkpoint saved by ndparallel.hf.Trainer, or start without resume_from_checkpoint"
+            )
+        load_checkpoint(state, self.model, self.optimizer)
+        scheduler = os.path.join(checkpoint, _SCHEDULER)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def trainer_class(base: type, name: str | None = None) -> type:
+    """``base`` (``transformers.Trainer`` or a subclass, e.g. ``trl.SFTTrainer``) with ndparallel's engine."""
+    return type(name or base.__name__, (NDParallelTrainerMixin, base), {"__module__": __name__})

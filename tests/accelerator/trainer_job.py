@@ -1,0 +1,88 @@
+"""The transformers Trainer as its users write it, with ndparallel's engine: ``ndparallel.hf.Trainer`` and a
+``parallelism_config``. Run under ``ndparallel launch`` (real torchrun) by tests/accelerator/test_trainer.py, or
+in one process with ``--plain`` for transformers' own Trainer (the reference, Accelerate's engine).
+
+``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume"}``
+trains the float64 tiny Llama in ``MODEL_DIR`` on the same 64 sequences (global batch 8, sequential order),
+then ``save_model(out/final)``; rank 0 prints ``RUN <out> <json log history>`` (loss, grad norm per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+torch.set_default_dtype(torch.float64)  # the Trainer's loss accumulator follows it: float64 logs
+
+GLOBAL_BATCH, VOCAB, SEQ, SAMPLES = 8, 64, 16, 64
+
+
+def float64_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
+    """transformers' causal-LM loss (sum / num_items_in_batch, labels shifted) without its float32 upcast: a float64
+    model then has no float32 step in its loss, so layouts are compared to 1e-10 (under tp / cp ndparallel
+    installs its own loss, float64 for float64 logits)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=ignore_index, reduction="sum")
+    count = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / count
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, VOCAB, (SEQ,), generator=generator) for _ in range(SAMPLES)]
+    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+
+
+def arguments(out: str, per_device: int, steps: int, save_steps: int | None):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, learning_rate=1e-2,
+        weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=0.5, logging_steps=1,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], use_cpu=True,
+        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
+    )  # fmt: skip
+
+
+def run(model_dir: str, spec: dict, plain: bool) -> list:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    model.loss_function = float64_loss
+    if plain:
+        from transformers import Trainer
+
+        trainer = Trainer(model=model, args=arguments(spec["out"], GLOBAL_BATCH, spec["steps"], None),
+                          train_dataset=dataset())  # fmt: skip
+    else:
+        import ndparallel as ndp
+        from ndparallel.hf import Trainer
+
+        sizes = spec["sizes"]
+        dp = int(os.environ["WORLD_SIZE"]) // (sizes.get("tp_size", 1) * sizes.get("cp_size", 1))
+        args = arguments(spec["out"], GLOBAL_BATCH // dp, spec["steps"], spec.get("save_steps"))
+        trainer = Trainer(
+            model=model, args=args, train_dataset=dataset(), parallelism_config=ndp.ParallelismConfig(**sizes)
+        )
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    trainer.save_model(os.path.join(spec["out"], "final"))
+    return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def main() -> None:
+    plain = "--plain" in sys.argv
+    model_dir, runs = [a for a in sys.argv[1:] if a != "--plain"]
+    for spec in json.loads(runs):
+        logs = run(model_dir, spec, plain)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RUN", spec["out"], json.dumps(logs), flush=True)
+
+
+if __name__ == "__main__":
+    main()
