@@ -81,7 +81,6 @@ REFUSED = {
     # the zoo sweep's, not in PIPELINE_MODEL_TYPES: their parts are not model.embed_tokens / layers / norm (a stage
     # cannot find them), or the stage measured another loss (nanochat: 4.6e-2 off)
     ("gpt_neox", "pp2"): ("is not supported for model_type='gpt_neox'", "no model.embed_tokens / model.norm"),
-    ("phi", "pp2"): ("is not supported for model_type='phi'", "its final norm is model.final_layernorm"),
     ("nanochat", "pp2"): ("is not supported for model_type='nanochat'", "a stage measured a different loss"),
 }
 # FSDP 2 x TP 2 of Llama, Qwen2, Mistral and Qwen3 runs in tests/models/test_hf.py; the others here, slow

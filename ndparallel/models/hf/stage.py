@@ -28,11 +28,12 @@ from ndparallel.models.hf.init import init_buffers, seeded_init, seeded_init_mod
 __all__ = ["LOAD_MARKER", "TIED_WEIGHT", "HFCausalLMStage"]
 
 # model_types whose *ForCausalLM forward the stage reproduces: embed_tokens (with Gemma's scaled embedding
-# module) x ``embedding_multiplier`` (Granite), dropout ``embedding_dropout`` (StarCoder 2); layers, each with
-# the mask of its ``config.layer_types`` entry (sliding windows: Gemma 2/3, SmolLM3, Qwen) or, without
-# layer_types, the sliding-window mask wherever ``config.sliding_window`` is set (Mistral, Phi-3, StarCoder 2);
-# the rotary of its layer type (Gemma 3's local/global rope); norm; lm_head, then ``logits_scaling`` (Granite,
-# divided), ``logit_scale`` (Cohere) and ``final_logit_softcapping`` (Gemma 2/3). Each is measured exact on pp 2
+# module; Phi's embed_dropout module) x ``embedding_multiplier`` (Granite), dropout ``embedding_dropout``
+# (StarCoder 2); layers, each with the mask of its ``config.layer_types`` entry (sliding windows: Gemma 2/3,
+# SmolLM3, Qwen) or, without layer_types, the sliding-window mask wherever ``config.sliding_window`` is set
+# (Mistral, Phi-3, StarCoder 2); the rotary of its layer type (Gemma 3's local/global rope); the final norm
+# (``norm``, Phi's ``final_layernorm``); lm_head, then ``logits_scaling`` (Granite, divided), ``logit_scale``
+# (Cohere) and ``final_logit_softcapping`` (Gemma 2/3). Each is measured exact on pp 2
 # (tests/models/test_hf_zoo.py: the core in make test, the second line in make zoo's sweep; test_pipeline_hf.py);
 # any other type could train something else silently (nanochat's stage measured a loss 4.6e-2 off), so it is
 # refused by name until a test measures it.
@@ -42,8 +43,11 @@ PIPELINE_MODEL_TYPES = frozenset(
         "smollm3", "starcoder2",
         "arcee", "cohere2", "cwm", "ernie4_5", "exaone", "exaone4", "gemma", "glm", "glm4", "helium",
         "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral3", "olmo", "olmo3", "seed_oss", "vaultgemma",
+        "phi",
     }
 )  # fmt: skip
+# the base model's final norm, by the names the PIPELINE_MODEL_TYPES use (Phi: final_layernorm)
+_FINAL_NORMS = ("norm", "final_layernorm")
 # config.layer_types entries a stage builds a mask for (create_causal_mask / create_sliding_window_causal_mask)
 _MASK_KINDS = ("full_attention", "sliding_attention")
 # Set on a meta model by load_pretrained_pipeline: its stages' parameters come from a checkpoint after
@@ -77,12 +81,15 @@ class HFCausalLMStage(nn.Module):
                 "(use_bidirectional_attention=True): a stage's masks are causal; use pp_size=1"
             )
         base = getattr(full, "model", None)
-        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(full, "lm_head"):
+        parts = ("embed_tokens", "layers", "rotary_emb")
+        norm_name = next((n for n in _FINAL_NORMS if hasattr(base, n)), None)
+        if base is None or not all(hasattr(base, p) for p in parts) or not norm_name or not hasattr(full, "lm_head"):
             raise ConfigError(
                 f"pp_size > 1 cannot find the blocks of {type(full).__name__}: a Hugging Face stage needs "
-                "model.embed_tokens / model.layers / model.norm / model.rotary_emb and lm_head; use pp_size=1"
+                "model.embed_tokens / model.layers / model.norm (or final_layernorm) / model.rotary_emb and lm_head; "
+                "use pp_size=1"
             )
+        self._norm_name = norm_name
         writers = _tie_writers(full)
         tied = bool(writers)
         self.config = full.config
@@ -101,10 +108,12 @@ class HFCausalLMStage(nn.Module):
         self.model = _Body()
         if first:
             self.model.embed_tokens = base.embed_tokens
+            if isinstance(getattr(base, "embed_dropout", None), nn.Dropout):  # Phi: a dropout module after it
+                self.model.embed_dropout = base.embed_dropout
         self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in block_ids})
         self.model.rotary_emb = base.rotary_emb
         if last:
-            self.model.norm = base.norm
+            setattr(self.model, norm_name, getattr(base, norm_name))
             # tied: the last stage holds its own copy (the first stage holds the embedding's); the pipeline
             # sums the copies' gradients and counts one in the norm (TIED_WEIGHT, docs/pipeline-parallel.md)
             self.lm_head = copy.deepcopy(full.lm_head) if tied else full.lm_head
@@ -160,6 +169,8 @@ class HFCausalLMStage(nn.Module):
         """``*Model.forward`` up to the first layer: Gemma's scale is inside its embedding module; Granite's
         ``embedding_multiplier`` and StarCoder 2's ``embedding_dropout`` follow it."""
         h = self.model.embed_tokens(tokens)
+        if hasattr(self.model, "embed_dropout"):
+            h = self.model.embed_dropout(h)
         multiplier = getattr(self.config, "embedding_multiplier", None)
         if multiplier is not None:
             h = h * multiplier
@@ -170,7 +181,7 @@ class HFCausalLMStage(nn.Module):
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """``norm`` and ``lm_head``, then ``*ForCausalLM.forward``'s logit transforms, in HF's order."""
-        logits = self.lm_head(self.model.norm(h))
+        logits = self.lm_head(getattr(self.model, self._norm_name)(h))
         scaling = getattr(self.config, "logits_scaling", None)  # Granite: divided
         if scaling is not None:
             logits = logits / scaling
