@@ -542,7 +542,10 @@ class Watchdog:
     ) -> None:
         """Print ``message``, leave it in torchrun's error file for the launcher's report, call ``before_exit``,
         and end the process: the main thread may be blocked in a collective that will never return."""
-        print(f"ndparallel: error: {message}", file=sys.stderr, flush=True)
+        # One write call: ranks sharing one stderr pipe must not glue their verdicts into one line (print()
+        # writes the text and the newline separately; two ranks' lines came out as one)
+        sys.stderr.write(f"ndparallel: error: {message}\n")
+        sys.stderr.flush()
         path = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if path:
             try:

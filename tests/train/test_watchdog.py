@@ -165,3 +165,36 @@ def test_a_late_launcher_forward_of_the_same_stop_is_not_a_second_stop(monkeypat
             assert stops_at_once(stop), launched
         finally:
             stop.restore()
+
+
+def test_the_verdict_is_one_write_so_ranks_sharing_stderr_never_glue_lines(monkeypatch):
+    """Every rank of a hung job prints its verdict into one shared stderr pipe: text and newline in one write,
+    or two ranks' verdicts come out as one line (seen in a loaded full run: 2 verdict lines of 3)."""
+    import sys
+
+    from ndparallel.distributed import watchdog
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    class Exited(Exception):
+        pass
+
+    def no_exit(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    monkeypatch.setattr(watchdog.os, "_exit", no_exit)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    try:
+        watchdog.Watchdog._exit(124, "the job hung: rank 1 did not reach the collective within 4s")
+    except Exited:
+        pass
+    assert writes == ["ndparallel: error: the job hung: rank 1 did not reach the collective within 4s\n"], writes
