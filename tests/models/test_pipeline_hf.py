@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from ndparallel.config.pipeline import torch_supports_v_schedules  # noqa: E402
+from ndparallel.config.pipeline import torch_compiles_pipeline_stages, torch_supports_v_schedules  # noqa: E402
 from ndparallel.errors import ConfigError  # noqa: E402
 from ndparallel.parallel.pipeline.tied import one_process_parameters  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
@@ -327,7 +327,9 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint, tied_
     whole = _tiny_llama()
     seeded_init(whole, seed=7)
     expected = {n: p.detach() for n, p in whole.named_parameters()}
-    untested = [{"activation_checkpointing": "full"}, {"compile": "blocks"}]
+    untested = [{"activation_checkpointing": "full"}]
+    if torch_compiles_pipeline_stages():  # torch 2.11 refuses compile under pp before the HF rule, on its version
+        untested.append({"compile": "blocks"})
     cases = [{"parallel": {"pp_size": 2}}, {"bytes": {"pp_size": 2}}, {"refusals": untested}]
     cases.append({"config_only": {"pp_size": 2}, "expected": expected})
     # two stages per rank; V placement puts the first and the last stage on rank 0
