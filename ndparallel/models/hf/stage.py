@@ -25,7 +25,7 @@ from torch import nn
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.init import init_buffers, seeded_init, seeded_init_module
 
-__all__ = ["LOAD_MARKER", "TIED_WEIGHT", "HFCausalLMStage"]
+__all__ = ["LOAD_MARKER", "HFCausalLMStage"]
 
 # model_types whose *ForCausalLM forward the stage reproduces: embed_tokens (with Gemma's scaled embedding
 # module; Phi's embed_dropout module) x ``embedding_multiplier`` (Granite), dropout ``embedding_dropout``
@@ -43,22 +43,27 @@ PIPELINE_MODEL_TYPES = frozenset(
         "smollm3", "starcoder2",
         "arcee", "cohere2", "cwm", "ernie4_5", "exaone", "exaone4", "gemma", "glm", "glm4", "helium",
         "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral3", "olmo", "olmo3", "seed_oss", "vaultgemma",
-        "phi",
+        "phi", "gpt_neox",
     }
 )  # fmt: skip
-# the base model's final norm, by the names the PIPELINE_MODEL_TYPES use (Phi: final_layernorm)
-_FINAL_NORMS = ("norm", "final_layernorm")
+# the base model's parts, by the names the PIPELINE_MODEL_TYPES use (Phi: final_layernorm; GPT-NeoX: embed_in,
+# final_layer_norm), and the dropout module some apply after the embedding (Phi, GPT-NeoX)
+_PARTS = {
+    "embed": ("embed_tokens", "embed_in"),
+    "layers": ("layers",),
+    "norm": ("norm", "final_layernorm", "final_layer_norm"),
+    "rotary": ("rotary_emb",),
+}
+_EMBED_DROPOUTS = ("embed_dropout", "emb_dropout")
 # config.layer_types entries a stage builds a mask for (create_causal_mask / create_sliding_window_causal_mask)
 _MASK_KINDS = ("full_attention", "sliding_attention")
 # Set on a meta model by load_pretrained_pipeline: its stages' parameters come from a checkpoint after
 # parallelize, so init_weights leaves them (only the non-persistent buffers are computed).
 LOAD_MARKER = "_ndparallel_weights_from_checkpoint"
-# The one-process name of a tied embedding / lm_head weight (what save_pretrained stores, as transformers does)
-TIED_WEIGHT = "model.embed_tokens.weight"
 
 
 class _Body(nn.Module):
-    """Holds the base model's parts under ``model.``."""
+    """Holds the base model's parts under its attribute (``model.``)."""
 
 
 class HFCausalLMStage(nn.Module):
@@ -80,16 +85,18 @@ class HFCausalLMStage(nn.Module):
                 f"pp_size > 1 does not build the bidirectional masks of {type(full).__name__} "
                 "(use_bidirectional_attention=True): a stage's masks are causal; use pp_size=1"
             )
-        base = getattr(full, "model", None)
-        parts = ("embed_tokens", "layers", "rotary_emb")
-        norm_name = next((n for n in _FINAL_NORMS if hasattr(base, n)), None)
-        if base is None or not all(hasattr(base, p) for p in parts) or not norm_name or not hasattr(full, "lm_head"):
+        # the base model's attribute (``model``; GPT-NeoX: ``gpt_neox``) and its parts' names: the stage holds them
+        # under the same FQNs as the whole model
+        self._prefix = getattr(full, "base_model_prefix", None) or "model"
+        base = getattr(full, self._prefix, None)
+        names = {part: next((n for n in options if hasattr(base, n)), None) for part, options in _PARTS.items()}
+        if base is None or None in names.values() or not hasattr(full, "lm_head"):
             raise ConfigError(
                 f"pp_size > 1 cannot find the blocks of {type(full).__name__}: a Hugging Face stage needs "
-                "model.embed_tokens / model.layers / model.norm (or final_layernorm) / model.rotary_emb and lm_head; "
-                "use pp_size=1"
+                f"{self._prefix}.{{{' / '.join('|'.join(o) for o in _PARTS.values())}}} and lm_head; use pp_size=1"
             )
-        self._norm_name = norm_name
+        self._embed_name, self._norm_name = names["embed"], names["norm"]
+        dropout = next((n for n in _EMBED_DROPOUTS if isinstance(getattr(base, n, None), nn.Dropout)), None)
         writers = _tie_writers(full)
         tied = bool(writers)
         self.config = full.config
@@ -105,24 +112,33 @@ class HFCausalLMStage(nn.Module):
         # tensor does in one process (the last writer wins)
         self._tie_writers = writers if on_meta else []
         self._params_from_checkpoint = bool(getattr(full, LOAD_MARKER, False))
-        self.model = _Body()
+        body = _Body()
+        setattr(self, self._prefix, body)
         if first:
-            self.model.embed_tokens = base.embed_tokens
-            if isinstance(getattr(base, "embed_dropout", None), nn.Dropout):  # Phi: a dropout module after it
-                self.model.embed_dropout = base.embed_dropout
-        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in block_ids})
-        self.model.rotary_emb = base.rotary_emb
+            setattr(body, self._embed_name, getattr(base, self._embed_name))
+            if dropout is not None:  # Phi, GPT-NeoX: a dropout module after the embedding
+                setattr(body, dropout, getattr(base, dropout))
+        self._dropout_name = dropout
+        body.layers = nn.ModuleDict({str(i): base.layers[i] for i in block_ids})
+        body.rotary_emb = base.rotary_emb
         if last:
-            setattr(self.model, norm_name, getattr(base, norm_name))
+            setattr(body, self._norm_name, getattr(base, self._norm_name))
             # tied: the last stage holds its own copy (the first stage holds the embedding's); the pipeline
-            # sums the copies' gradients and counts one in the norm (TIED_WEIGHT, docs/pipeline-parallel.md)
+            # sums the copies' gradients and counts one in the norm (docs/pipeline-parallel.md#tied-word-embeddings)
             self.lm_head = copy.deepcopy(full.lm_head) if tied else full.lm_head
-        # this stage's copies of a weight tied across stages: local FQN -> the one-process FQN of the weight
+        # this stage's copies of a weight tied across stages: local FQN -> the one-process FQN of the weight (the
+        # embedding's, as transformers stores it)
         self.tied_weights: dict[str, str] = {}
+        embedding = f"{self._prefix}.{self._embed_name}.weight"
         if tied and first:
-            self.tied_weights["model.embed_tokens.weight"] = TIED_WEIGHT
+            self.tied_weights[embedding] = embedding
         if tied and last:
-            self.tied_weights["lm_head.weight"] = TIED_WEIGHT
+            self.tied_weights["lm_head.weight"] = embedding
+
+    @property
+    def _body(self) -> nn.Module:
+        """The base model's parts this stage holds (``self.model``; GPT-NeoX: ``self.gpt_neox``)."""
+        return getattr(self, self._prefix)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -157,10 +173,10 @@ class HFCausalLMStage(nn.Module):
         args = {"config": config, "inputs_embeds": h, "attention_mask": None, "cache": None}
         masks = {kind: make[kind](**args, position_ids=position_ids) for kind in kinds}
         if self._rope_per_kind:
-            rotary = {kind: self.model.rotary_emb(h, position_ids, kind) for kind in kinds}
+            rotary = {kind: self._body.rotary_emb(h, position_ids, kind) for kind in kinds}
         else:
-            rotary = dict.fromkeys(kinds, self.model.rotary_emb(h, position_ids=position_ids))
-        for i, layer in self.model.layers.items():
+            rotary = dict.fromkeys(kinds, self._body.rotary_emb(h, position_ids=position_ids))
+        for i, layer in self._body.layers.items():
             kind = self._kinds[int(i)]
             h = layer(h, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=position_ids)
         return self._head(h) if self.last else h
@@ -168,9 +184,9 @@ class HFCausalLMStage(nn.Module):
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``*Model.forward`` up to the first layer: Gemma's scale is inside its embedding module; Granite's
         ``embedding_multiplier`` and StarCoder 2's ``embedding_dropout`` follow it."""
-        h = self.model.embed_tokens(tokens)
-        if hasattr(self.model, "embed_dropout"):
-            h = self.model.embed_dropout(h)
+        h = getattr(self._body, self._embed_name)(tokens)
+        if self._dropout_name is not None:
+            h = getattr(self._body, self._dropout_name)(h)
         multiplier = getattr(self.config, "embedding_multiplier", None)
         if multiplier is not None:
             h = h * multiplier
@@ -181,7 +197,7 @@ class HFCausalLMStage(nn.Module):
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """``norm`` and ``lm_head``, then ``*ForCausalLM.forward``'s logit transforms, in HF's order."""
-        logits = self.lm_head(getattr(self.model, self._norm_name)(h))
+        logits = self.lm_head(getattr(self._body, self._norm_name)(h))
         scaling = getattr(self.config, "logits_scaling", None)  # Granite: divided
         if scaling is not None:
             logits = logits / scaling
@@ -218,7 +234,7 @@ def _tie_writers(full: nn.Module) -> list[tuple[str, nn.Module, str]]:
     replaces its copy of the weight, and the next stage cut from ``full`` must still know the two were one."""
     if not hasattr(full, _TIE_WRITERS):
         weight = full.lm_head.weight
-        tied = weight is full.model.embed_tokens.weight
+        tied = weight is full.get_input_embeddings().weight
         writers = [
             (fqn, module, name)
             for fqn, module in full.named_modules()
