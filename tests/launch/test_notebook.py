@@ -17,12 +17,17 @@ pytestmark = pytest.mark.jobs  # real launchers, torchrun, CLI processes or sign
 NOTEBOOK = REPO / "examples" / "notebook_launcher.ipynb"
 
 
-def test_notebook_trains_on_two_forked_ranks():
+def test_notebook_trains_on_two_forked_ranks(tmp_path):
     nbformat = pytest.importorskip("nbformat", reason="needs the notebook extra: pip install 'ndparallel[notebook]'")
     nbclient = pytest.importorskip("nbclient", reason="needs the notebook extra: pip install 'ndparallel[notebook]'")
+    from jupyter_client.manager import KernelManager
+
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     resources = {"metadata": {"path": REPO}}  # the kernel starts in the repository root
-    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources=resources)
+    # IPC sockets, not TCP: jupyter_client picks free TCP ports and releases them before the kernel binds, so a
+    # gloo store of a parallel test could take one in between (a CI run lost the kernel that way).
+    manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
+    client = nbclient.NotebookClient(notebook, timeout=300, km=manager, resources=resources)
     client.execute()  # a failing assertion in a cell raises CellExecutionError
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     shown = "".join(o.get("data", {}).get("text/plain", "") for o in outputs)
