@@ -1,6 +1,6 @@
 """Expert parallel on 4 ranks, float64, against one process: ep 2 with the experts' FSDP over the other 2 ranks of
-dp_shard (ep_fsdp 2), and ep 4 (each rank owns one expert) with the sigmoid router. Plus the mesh's ep views
-and the ep rules.
+dp_shard (ep_fsdp 2), ep 4 (each rank owns one expert) with the sigmoid router, and ep 2 x cp 2 (ep borrowing
+from dp_shard x cp, ring attention). Plus the mesh's ep views and the ep rules.
 
 Each rank must hold only its own experts (n_experts / ep of them, never a replica), and the loss, grad norm
 (clipped), step-1 gradients and parameters after 5 AdamW steps equal one process to 1e-10.
@@ -13,12 +13,14 @@ import pytest
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import format_rank_table, rank_groups
 from ndparallel.errors import ConfigError
-from tests.parallel.test_moe_parity import COMMON, MODEL, SIGMOID, _reference, moe_loss_fn, param_error
+from tests.parallel.test_moe_parity import COMMON, MODEL, SIGMOID, _reference, moe_cp_loss_fn, moe_loss_fn, param_error
 from tests.parity import FLOAT64_TOL, assert_parity, run_cached
 
 LAYOUTS = {
     "ep2 x ep_fsdp2": ({"dp_shard_size": 4, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
     "ep4 sigmoid": ({"dp_shard_size": 4, "ep_size": 4}, dict(model=SIGMOID, loss_fn=moe_loss_fn)),
+    # ep borrows from cp too: the ep ranks of dp_shard x cp, routed tokens from every cp shard
+    "ep2 x cp2": ({"dp_shard_size": 2, "cp_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_cp_loss_fn)),
 }
 RUNS = [(parallel, {**COMMON, **kwargs}) for parallel, kwargs in LAYOUTS.values()]
 
@@ -58,7 +60,6 @@ def test_mesh_ep_views():
         ({"dp_shard_size": 4, "ep_size": 3}, "ep_size=3 does not divide dp_shard_size x cp_size = 4"),
         ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, "ep_size=2 with tp_size=2 is not proved"),
         ({"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}, "with dp_replicate_size=2"),
-        ({"dp_shard_size": 2, "cp_size": 2, "ep_size": 2}, "with cp_size=2"),
     ],
 )
 def test_ep_mesh_rules(fields, message):
