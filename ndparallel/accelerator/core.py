@@ -207,7 +207,7 @@ class Accelerator:
                 stepping.step_only_when_syncing(obj, ("step",), lambda: self.sync_gradients)
                 self._schedulers.append(obj)
             prepared.append(obj)
-        params_after = [dict(m.named_parameters()) for m in prepared_models]
+        params_after = [_parameters_by_name(m) for m in prepared_models]
         for obj in optimizers:
             stepping.repoint(obj, names_before, params_after, drop_absent=self._pp)
             stepping.step_only_when_syncing(obj, ("step", "zero_grad"), lambda: self.sync_gradients)
@@ -426,3 +426,13 @@ class Accelerator:
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """``dataloader``'s next pass without its first ``num_batches`` batches (resuming inside an epoch)."""
         return data.skip_first_batches(dataloader, num_batches)
+
+
+def _parameters_by_name(model: nn.Module | PipelineModel) -> dict[str, list[nn.Parameter]]:
+    """The prepared model's parameters under the names the unprepared one gave them: under pp a tied weight's
+    copies all under the weight's name (the embedding's; the one-process model lists the one tensor once)."""
+    named = model.one_process_parameters() if isinstance(model, PipelineModel) else model.named_parameters()
+    by_name: dict[str, list[nn.Parameter]] = {}
+    for name, param in named:
+        by_name.setdefault(name, []).append(param)
+    return by_name

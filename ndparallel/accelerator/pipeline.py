@@ -31,6 +31,7 @@ from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.loss import token_loss_sum
 from ndparallel.parallel.pipeline import Pipeline, build_pipeline
+from ndparallel.parallel.pipeline.tied import one_process_parameters
 
 __all__ = ["IGNORE_INDEX", "PipelineModel", "PipelineOutput", "loss_kind", "prepare_pipeline"]
 
@@ -124,6 +125,11 @@ class PipelineModel:
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         for stage in self.stages:
             yield from stage.named_parameters(*args, **kwargs)
+
+    def one_process_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their one-process names: a tied weight's copy (the last stage's
+        ``lm_head``) under the weight's name, as the one-process model lists the one tensor."""
+        return [item for stage in self.stages for item in one_process_parameters(stage)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for stage in self.stages:

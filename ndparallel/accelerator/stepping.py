@@ -32,9 +32,14 @@ GATE_ATTRIBUTE = "_ndp_steps_when_syncing"  # on a gated optimizer / scheduler: 
 
 
 def repoint(
-    optimizer: torch.optim.Optimizer, old: dict[int, tuple[int, str]], new: list[dict[str, Any]], drop_absent=False
+    optimizer: torch.optim.Optimizer,
+    old: dict[int, tuple[int, str]],
+    new: list[dict[str, list[Any]]],
+    drop_absent: bool = False,
 ) -> None:
     """Replace the optimizer's parameters (pre-parallelize objects) by the model's current ones, by name.
+    ``new[i]`` maps a name to every parameter now holding it: one, or under pp each copy of a weight tied
+    across stages that this rank holds (each copy must step, or the copies drift apart).
     ``drop_absent`` (pipeline parallel): a parameter this rank's stages do not hold leaves the optimizer (its
     group stays, possibly empty, so LR schedulers keep their group indices)."""
     if optimizer.state:
@@ -47,7 +52,7 @@ def repoint(
                 continue
             model_index, name = old[id(param)]
             if name in new[model_index] or not drop_absent:
-                replaced.append(new[model_index][name])
+                replaced.extend(new[model_index][name])
         group["params"] = replaced
 
 

@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ndparallel.config.pipeline import torch_supports_v_schedules
 from ndparallel.testing import run_distributed
 
 TOL = 1e-10  # float64
+V_OR_LOOPED = "zbv" if torch_supports_v_schedules() else "interleaved_1f1b"  # V: both tied copies on one rank
 STEPS, BATCH, SEQ, MAX_NORM = 4, 8, 16, 0.5
 OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 TINY = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, seed=0)
@@ -34,11 +36,18 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def _model(hf: bool):
-    if hf:
+def _model(kind: str):
+    if kind == "hf":
         from tests.parallel.test_pipeline_parity import _tiny_llama
 
         return _tiny_llama()
+    if kind == "hf-tied":  # the embedding and lm_head one tensor: under pp a copy on each end stage
+        from transformers import LlamaForCausalLM
+
+        from tests.parallel.test_pipeline_parity import _tiny_llama_config
+
+        torch.manual_seed(0)
+        return LlamaForCausalLM(_tiny_llama_config(tie_word_embeddings=True)).double()
     from ndparallel.models import Transformer, TransformerConfig
 
     return Transformer(TransformerConfig(dtype="float64", **TINY))
@@ -55,9 +64,10 @@ def _schedule(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
 
 
-def _reference(hf: bool) -> dict:
+def _reference(kind: str) -> dict:
     """One process, the whole model, each global batch at once."""
-    model = _model(hf)
+    hf = kind != "transformer"
+    model = _model(kind)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)
     scheduler = _schedule(optimizer)
     tokens, labels = _data()
@@ -86,24 +96,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) -> dict:
+def _train(acc, kind: str, ref: dict, ckpt: str, resume_from: int | None = None) -> dict:
     """The Accelerate loop on this rank; steps ``resume_from``.. after loading ``ckpt`` when given."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from ndparallel.errors import ConfigError
 
+    hf = kind != "transformer"
     if hf:
-        model = _model(hf)  # Hugging Face stages keep the weights of the model built on every rank
+        model = _model(kind)  # Hugging Face stages keep the weights of the model built on every rank
     else:
         with torch.device("meta"):  # no rank allocates a block it does not hold
-            model = _model(hf)
+            model = _model(kind)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)  # built before prepare
     scheduler = _schedule(optimizer)
     tokens, labels = _data()
     loader = DataLoader(TensorDataset(tokens, labels), batch_size=BATCH // acc.mesh.size("dp"), shuffle=False)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     held = {id(p) for p in model.parameters()}
-    assert all(id(p) in held for g in optimizer.param_groups for p in g["params"])  # others dropped
+    # the stages' parameters exactly, a tied weight's copies included (others dropped)
+    assert held == {id(p) for g in optimizer.param_groups for p in g["params"]}
     err = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "eval": 0.0, "final": 0.0}
     first = None
     start = 0
@@ -119,7 +131,7 @@ def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) 
             out = model(input_ids=x, labels=y) if hf else model(x, shift_labels=y)
             acc.backward(out.loss)
         if step == 0:
-            for name, param in model.named_parameters():
+            for name, param in model.one_process_parameters():  # a tied copy: the one weight's gradient
                 err["grad"] = max(err["grad"], (_full(param.grad) - ref["grads"][name]).abs().max().item())
         norm = acc.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
@@ -131,28 +143,38 @@ def _train(acc, hf: bool, ref: dict, ckpt: str, resume_from: int | None = None) 
             acc.save_state(ckpt)
     model.eval()
     eval_x, eval_y = next(iter(loader))
-    with torch.no_grad():
-        out = model(input_ids=eval_x, labels=eval_y) if hf else model(eval_x, shift_labels=eval_y)
-    err["eval"] = abs(out.loss.item() - ref["eval"])
     refusals = []
+    wrong_calls: tuple = ()
+    if acc._config.pp_schedule in ("zbv", "dualpipev"):
+        # torch's V schedules cannot run forward-only: refused on every rank before the schedule starts
+        with pytest.raises(ConfigError, match="fails inside torch's V schedules"), torch.no_grad():
+            model(input_ids=eval_x, labels=eval_y)
+    else:
+        with torch.no_grad():
+            out = model(input_ids=eval_x, labels=eval_y) if hf else model(eval_x, shift_labels=eval_y)
+        err["eval"] = abs(out.loss.item() - ref["eval"])
+        assert out.logits is None
     wrong_calls = (
-        lambda: model(eval_x),
-        lambda: acc.backward(out.loss),
-        lambda: acc.backward(out.loss * 1.0),
-        lambda: acc.no_sync(model),
-        # one rank's batch shape changes: every rank refuses it before the schedule (else the others would hang)
-        lambda: (
-            model(eval_x[:, :-1], shift_labels=eval_y[:, :-1])
-            if acc.process_index == 0
-            else model(eval_x, shift_labels=eval_y)
-        ),
+        ()
+        if acc._config.pp_schedule in ("zbv", "dualpipev")
+        else (
+            lambda: model(eval_x),
+            lambda: acc.backward(out.loss),
+            lambda: acc.backward(out.loss * 1.0),
+            lambda: acc.no_sync(model),
+            # one rank's batch shape changes: every rank refuses it before the schedule (else the others would hang)
+            lambda: (
+                model(eval_x[:, :-1], shift_labels=eval_y[:, :-1])
+                if acc.process_index == 0
+                else model(eval_x, shift_labels=eval_y)
+            ),
+        )
     )
     for bad in wrong_calls:
         try:
             bad()
         except ConfigError as e:
             refusals.append(str(e))
-    assert out.logits is None
     state = acc.get_state_dict(model)
     acc.save_model(model, f"{ckpt}-weights")  # rank 0 writes every stage's full weights
     if state:
@@ -179,17 +201,17 @@ def _cases(cases: list[dict], refs: dict, root: str) -> list[dict]:
         key = tuple(cfg.sizes.values())
         meshes[key] = meshes.get(key) or init_distributed(cfg)
         acc = Accelerator(cfg, mesh=meshes[key])
-        ref, ckpt = refs[case.get("ref", "transformer")], f"{root}/ckpt{i}"
-        hf = case.get("ref") == "hf"
-        run = _train(acc, hf, ref, ckpt)
-        resumed = _train(acc, hf, ref, ckpt, resume_from=2)
+        kind = case.get("ref", "transformer")
+        ref, ckpt = refs[kind], f"{root}/ckpt{i}"
+        run = _train(acc, kind, ref, ckpt)
+        resumed = _train(acc, kind, ref, ckpt, resume_from=2)
         results.append({**run, "resumed": resumed["err"], "dp_rank": acc.mesh.local_rank("dp")})
     return results
 
 
 @pytest.fixture(scope="module")
 def refs() -> dict:
-    out = {"transformer": _reference(False), "hf": _reference(True)}  # transformers: the [hf] extra, make test
+    out = {kind: _reference(kind) for kind in ("transformer", "hf", "hf-tied")}  # transformers: the [hf] extra
     assert min(out["transformer"]["norms"]) > MAX_NORM  # clipping is active on every step
     return out
 
@@ -206,6 +228,8 @@ def _check(results: list[list[dict]], cases: list[dict]) -> None:
             same = [o for o in per_rank if o["dp_rank"] == r["dp_rank"]]
             assert all(torch.equal(o["first_batch"], r["first_batch"]) for o in same)
             assert len(same) == 2  # pp2
+        if case["parallel"].get("pp_schedule") in ("zbv", "dualpipev"):
+            continue  # eval refused (asserted in _train), so no eval output to misuse
         for r in per_rank:
             assert "pipeline batch shape changed" in r["refusals"][4], r["refusals"]
         refusals = per_rank[0]["refusals"]
@@ -219,6 +243,9 @@ def test_pp2_accelerate_loop_matches_one_process(refs, tmp_path):
     cases = [
         {"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}},
         {"parallel": {"pp_size": 2, "pp_schedule": "gpipe"}, "ref": "hf"},
+        # tied word embeddings: the embedding on pp rank 0, the head's copy on pp rank 1; then both on one rank
+        {"parallel": {"pp_size": 2}, "ref": "hf-tied"},
+        {"parallel": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2}, "ref": "hf-tied"},
     ]
     results = run_distributed(_cases, 2, cases, refs, str(tmp_path), timeout=600)
     _check(results, cases)

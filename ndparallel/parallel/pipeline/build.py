@@ -109,4 +109,4 @@ def build_pipeline(
     positions_arg = getattr(modules[0], "positions_arg", "positions")
     last = last_stage_rank(cfg.pp_size, per_rank, cfg.pp_schedule)
     tied = tied_copies(first_part, last_part, modules, group, last)
-    return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg, tied)
+    return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg, tied, cfg.pp_schedule)

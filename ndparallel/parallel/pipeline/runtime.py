@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ndparallel.config.pipeline import schedule_spec
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.clip import clip_grad_norm_
@@ -50,10 +51,12 @@ class Pipeline:
         last_stage_rank: int,
         positions_arg: str,
         tied: TiedCopies | None = None,
+        schedule_name: str = "",
     ) -> None:
         self.stages = list(stages)
         self.stage_ids = list(stage_ids)
         self.schedule = schedule
+        self.schedule_name = schedule_name
         self.mesh = mesh
         self.microbatches = microbatches
         self.last_stage_rank = last_stage_rank
@@ -138,6 +141,13 @@ class Pipeline:
         """Forward only (torch's ``schedule.eval``, no gradients): the global mean loss, as :meth:`step`'s."""
         if not hasattr(self.schedule, "eval"):
             raise ConfigError(f"pipeline eval needs torch's schedule.eval, which torch {torch.__version__} lacks")
+        if self.schedule_name and schedule_spec(self.schedule_name).style == "v":
+            # torch's V schedules keep their backward actions in eval and fail mid-schedule (or hang): refuse first
+            raise ConfigError(
+                f"pipeline eval under pp_schedule={self.schedule_name!r} fails inside torch's V schedules (their "
+                "eval still runs backward actions); evaluate a model trained with pp_schedule='interleaved_1f1b' "
+                "or '1f1b', or evaluate the saved weights in one process"
+            )
         with torch.no_grad():
             return self._run(tokens, labels, self.schedule.eval)
 
