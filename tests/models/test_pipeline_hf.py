@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from ndparallel.config.pipeline import torch_compiles_pipeline_stages, torch_supports_v_schedules  # noqa: E402
 from ndparallel.errors import ConfigError  # noqa: E402
-from ndparallel.parallel.pipeline.tied import one_process_parameters  # noqa: E402
+from ndparallel.parallel.pipeline.tied import copy_names, one_process_parameters  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.parallel.test_pipeline_parity import (  # noqa: E402
     MAX_NORM,
@@ -435,6 +435,43 @@ def test_what_a_stage_does_not_reproduce_is_refused_by_name():
             family_for(model).pipeline_stage(model, [1], False, True)
 
 
+def _load_head_stored_twice(stale: str, equal: str) -> list[str]:
+    """load_pretrained (pp 1) and load_pretrained_pipeline (pp 2) of a tied checkpoint whose stored head
+    differs (refused), then the pipeline of one whose stored head equals the embedding (loads, still tied)."""
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.hf import load_pretrained, load_pretrained_pipeline
+
+    errors = []
+    for parallel, load in (({"dp_shard_size": 2}, load_pretrained), ({"pp_size": 2}, load_pretrained_pipeline)):
+        cfg = ParallelismConfig(**parallel)
+        with pytest.raises(ConfigError, match="transformers would untie them on load") as refused:
+            load(path=stale, cfg=cfg, mesh=_mesh(cfg))
+        errors.append(str(refused.value))
+    cfg = ParallelismConfig(pp_size=2)
+    pipe = load_pretrained_pipeline(equal, cfg, _mesh(cfg))
+    assert pipe.tied.names == ["model.embed_tokens.weight"]
+    return errors
+
+
+def test_a_tied_weight_stored_twice_loads_only_if_both_are_equal(tied_checkpoint, tmp_path):
+    """transformers unties a tied weight stored twice with other values (one process then trains two
+    tensors): both loaders refuse that on every rank; stored twice with one value, it loads tied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folders = {}
+    for kind in ("stale", "equal"):
+        folders[kind] = tmp_path / kind
+        shutil.copytree(tied_checkpoint[0], folders[kind])
+        stored = load_file(f"{folders[kind]}/model.safetensors")
+        embedding = stored["model.embed_tokens.weight"]
+        stored["lm_head.weight"] = torch.zeros_like(embedding) if kind == "stale" else embedding.clone()
+        save_file(stored, f"{folders[kind]}/model.safetensors", metadata={"format": "pt"})
+    for errors in run_distributed(_load_head_stored_twice, 2, str(folders["stale"]), str(folders["equal"])):
+        assert all("'model.embed_tokens.weight' also as ['lm_head.weight']" in e for e in errors), errors
+
+
 # ------------------------------------------------------- tied word embeddings: checkpoints across pp sizes
 
 
@@ -530,7 +567,17 @@ def _tied_checkpoints(root: str, after: list[dict]) -> dict:
             assert all(g["lr"] == OPTIM["lr"] for o in run.optimizers for g in o.param_groups)
             run.train(range(2, 5))
             out[f"{saved}>{name}"] = run.error(after[-1])
-    return out
+    # the head's copy frozen by its own name only: one process has one flag, so every pp rank refuses the step
+    frozen = []
+    for name in ("pp2", "pp2_v"):
+        run = _TiedRun(layouts[name], seed=0)
+        for module in run.modules:
+            for local in copy_names(module):
+                module.get_parameter(local).requires_grad_(False)
+        with pytest.raises(ConfigError, match=r"frozen on one copy only") as refused:
+            run.train(range(0, 1))
+        frozen.append(str(refused.value))
+    return {"errors": out, "frozen": frozen}
 
 
 def test_tied_embeddings_checkpoint_across_pp_sizes_and_resume_exactly(tmp_path):
@@ -538,6 +585,8 @@ def test_tied_embeddings_checkpoint_across_pp_sizes_and_resume_exactly(tmp_path)
     embedding's name): a pp 2 checkpoint resumes on pp 1 and on V placement, a pp 1 one on pp 2."""
     after = _tied_reference()
     results = run_distributed(_tied_checkpoints, 2, str(tmp_path), after, timeout=600)
-    for rank, errors in enumerate(results):
+    for rank, result in enumerate(results):
+        errors = result["errors"]
         print(rank, {k: f"{v:.1e}" for k, v in errors.items()})
         assert len(errors) == 6 and max(errors.values()) < TOL, errors
+        assert len(result["frozen"]) == 2 and all("model.embed_tokens.weight" in m for m in result["frozen"])

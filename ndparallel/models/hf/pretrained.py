@@ -142,6 +142,31 @@ def _weight_files(path: Path, model: nn.Module) -> dict[str, tuple[Path, str]]:
     return {renamed[key][0]: (file, key) for key, file in stored.items()}
 
 
+def _check_tied_stored_alike(model: nn.Module, files: dict[str, tuple[Path, str]]) -> None:
+    """Refuse a checkpoint that stores a tied weight under two of its names with different values (a stale
+    ``lm_head.weight`` beside the embedding): transformers then unties them on load, so one process would
+    train two tensors where this load keeps one. Equal copies are fine (either is the weight). Only such a
+    checkpoint costs every rank a whole read of both tensors."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for names in names_of.values():
+        stored = [n for n in names if n in files]
+        if len(stored) < 2:
+            continue
+        values = []
+        for name in stored:
+            file, key = files[name]
+            with _safetensors(file) as f:
+                values.append(f.get_slice(key)[:])
+        if not all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values[1:]):
+            raise ConfigError(
+                f"the checkpoint stores the tied weight {stored[0]!r} also as {stored[1:]} with other values: "
+                "transformers would untie them on load; set tie_word_embeddings=false in its config.json (two "
+                "tensors) or drop the stale tensor from the safetensors file"
+            )
+
+
 def _checkpoint_renaming(model: nn.Module, stored: dict[str, Path]) -> dict[str, tuple[str, str | None]]:
     """Stored name -> (the model's name, the pattern of a conversion transformers would apply, or None) by
     transformers' own loading rule (``get_model_conversion_mapping`` + ``rename_source_key``, public functions
@@ -167,9 +192,10 @@ def _fill_from_files(model: nn.Module, files: dict[str, tuple[Path, str]]) -> No
     # persistent buffers come from the checkpoint (init_buffers recomputes only the non-persistent ones)
     non_persistent = _non_persistent(model)
     wanted.update((n, b) for n, b in model.named_buffers() if n in files or n not in non_persistent)
-    # a pipeline stage's copy of a tied weight is stored once, under the weight's one-process name
+    # a pipeline stage's copy of a tied weight reads the weight's one-process name (the embedding's); a head
+    # tensor stored beside it holds the same values (_check_tied_stored_alike)
     tied = getattr(model, "tied_weights", {}) or {}
-    source = {name: name if name in files else tied.get(name, name) for name in wanted}
+    source = {name: tied[name] if tied.get(name) in files else name for name in wanted}
     missing = sorted(name for name, key in source.items() if key not in files)
     if missing:
         raise ConfigError(f"checkpoint lacks tensors {missing[:4]} of {type(model).__name__}; is it the same model?")
@@ -269,6 +295,7 @@ def _meta_model(path: str | os.PathLike, model_class: type | None, dtype: torch.
         build = getattr(model_class, "from_config", None) or model_class
         model = build(config)
     files = _weight_files(path, model)
+    _check_tied_stored_alike(model, files)
     _cast_parameters(model, dtype)
     return model, files
 

@@ -28,11 +28,14 @@ _MAX_DIMS = 8  # a tied weight's dimensions, at most (the shape check's fixed ro
 
 @dataclass
 class TiedCopies:
-    """This rank's copies of each weight tied across stages (by one-process FQN), and the pp rank holding the
-    other copies (``None``: this rank holds them all)."""
+    """This rank's copies of each weight tied across stages (by one-process FQN), the pp rank holding the
+    other copies (``None``: this rank holds them all), every tied weight's name (the same on every pp rank,
+    holder or not) and this rank's device."""
 
     params: dict[str, list[nn.Parameter]] = field(default_factory=dict)
     peer: int | None = None
+    names: list[str] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def _tied_names(stage: nn.Module | None) -> dict[str, str]:
@@ -68,7 +71,8 @@ def tied_copies(
             f"weights tied across pipeline stages must have a copy on the first and on the last stage: "
             f"the first holds {sorted(first)}, the last {sorted(last)}; untie them or use pp_size=1"
         )
-    copies, pp_rank = TiedCopies(), dist.get_rank(pp_group)
+    copies, pp_rank = TiedCopies(names=sorted(first)), dist.get_rank(pp_group)
+    copies.device = next((p.device for stage in stages for p in stage.parameters()), copies.device)
     if first and last_rank != 0 and pp_rank in (0, last_rank):  # loop placement; V placement holds both on pp rank 0
         copies.peer = last_rank if pp_rank == 0 else 0
     for stage in stages:
@@ -120,7 +124,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def sum_tied_grads(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
     """Give every copy of each tied weight the sum of all copies' gradients (every local copy's on this rank,
     plus the peer's); a frozen weight is left alone. Copies are placed alike (the embedding's and the head's
-    weight are both split on the vocabulary), so their local shards are the same region."""
+    weight are both split on the vocabulary), so their local shards are the same region. Copies frozen
+    differently (one ``requires_grad=False``) are refused on both ranks: one process has one flag."""
+    _check_frozen_alike(copies, pp_group)
     for name, params in sorted(copies.params.items()):
         unique = list({id(p): p for p in params}.values())  # one Parameter held by two stages counts once
         if not unique[0].requires_grad:
@@ -135,3 +141,25 @@ def sum_tied_grads(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
             total = total + _swap(total, copies.peer, pp_group)  # a + b here, b + a there: the same number
         for grad in grads:
             _local(grad).copy_(total)
+
+
+def _check_frozen_alike(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
+    """Refuse (ConfigError, on every pp rank, before any gradient is swapped) a tied weight whose copies do
+    not all share one ``requires_grad``: frozen by one of its names, the copies would step apart (or the
+    ranks would wait on each other's swap forever). One all-reduce over pp, every rank joining."""
+    if not copies.names:
+        return
+    # per weight: does some copy train, is some copy frozen (a rank holding none adds 0, 0)
+    flags = torch.zeros((len(copies.names), 2), dtype=torch.int64)
+    for row, name in zip(flags, copies.names, strict=True):
+        for param in copies.params.get(name, []):
+            row[0 if param.requires_grad else 1] = 1
+    flags = flags.to(copies.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pp_group)
+    bad = [name for name, row in zip(copies.names, flags.cpu().tolist(), strict=True) if row == [1, 1]]
+    if bad:
+        raise ConfigError(
+            f"weights tied across pipeline stages {bad} are frozen on one copy only (requires_grad differs "
+            "between the embedding's and the head's): one process holds one tensor with one flag; set "
+            "requires_grad alike on every copy (the embedding's and the head's) or untie them"
+        )
