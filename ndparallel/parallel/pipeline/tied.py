@@ -106,8 +106,7 @@ def _check_alike(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
     mine = torch.full((len(shapes), _MAX_DIMS), -1, dtype=torch.int64)
     for row, shape in zip(mine, shapes, strict=True):
         row[: len(shape)] = torch.tensor(shape)
-    device = next(p.device for params in copies.params.values() for p in params)
-    theirs = _swap(mine.to(device), copies.peer, pp_group).cpu()
+    theirs = _swap(mine.to(copies.device), copies.peer, pp_group).cpu()
     if not torch.equal(mine, theirs):
         raise ConfigError(
             f"weights tied across pipeline stages ({sorted(copies.params)}) are split differently on the first and "
