@@ -114,6 +114,25 @@ def full_grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return grads
 
 
+def full_params(named) -> dict[str, np.ndarray]:
+    """Full values of ``named`` parameters (name, param) as numpy arrays in fp32 or wider (a collective under
+    DTensor)."""
+    out = {}
+    for name, param in named:
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        out[name] = full.detach().to(torch.promote_types(full.dtype, torch.float32)).cpu().numpy().copy()
+    return out
+
+
+def record_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, result: dict, step: int) -> None:
+    """After a backward: keep step 1's gradients and the grad norm (not clipped), then step and zero."""
+    if step == 0:
+        result["grads"] = full_grads(model)
+    result["grad_norms"].append(clip_grad_norm_(model.parameters(), NO_CLIP).item())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def local_bytes(tensors) -> int:
     """Bytes this rank holds for ``tensors`` (a DTensor counts its local shard)."""
     total = 0

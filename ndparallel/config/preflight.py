@@ -110,8 +110,8 @@ def ep_problem(ep_size: int, experts: tuple[str, int] | None, p: ParallelismConf
         return None
     if experts is None or experts[1] == 0:
         return (
-            f"ep_size={ep_size} but the model is dense (no routed experts its family shards: Hugging Face MoE "
-            "models are not expert-parallel yet); use ep_size=1, or the reference MoE (model.preset: tiny-moe)"
+            f"ep_size={ep_size} but the model is dense (no routed experts its family shards); use ep_size=1, or a "
+            "mixture of experts (the reference model.preset: tiny-moe, or a Hugging Face MoE such as Mixtral)"
         )
     name, count = experts
     if count % ep_size:

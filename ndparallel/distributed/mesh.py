@@ -14,7 +14,9 @@ view           dims                            used for
 =============  ==============================  ==========================================
 
 Expert parallelism borrows its ranks: ``dp_shard_cp`` is split into ``(ep_fsdp, ep)``, ep inner, so the ranks of
-one ep group are neighbours in dp_shard x cp (with cp > 1, ep groups would take cp ranks first).
+one ep group are neighbours in dp_shard x cp (with cp > 1, ep groups would take cp ranks first). With
+dp_replicate > 1 the experts replicate over it too: ``Mesh.experts_fsdp`` is then the 2-D ``(ep_replicate,
+ep_fsdp)`` mesh of their HSDP.
 
 ``mesh["pp"]`` is the 1-D pipeline mesh; ``mesh.without_pp()`` the same Mesh minus the pp dim (what each
 stage is parallelised over). ``rank_groups(cfg)`` computes every group's global ranks without starting processes (what
@@ -152,14 +154,28 @@ class Mesh:
         replicate, or no data parallelism). Built here, with the views, on every rank at once: HSDP with
         cp > 1 may need new process groups."""
         self.experts = self._build_expert_mesh()
-        """ep_size > 1: the 2-D ``(ep_fsdp, ep)`` mesh split out of ``dp_shard_cp`` (new process groups, built on
-        every rank at once); None otherwise. ``mesh["ep"]`` and ``mesh["ep_fsdp"]`` are its dims."""
+        """ep_size > 1: the ``(ep_fsdp, ep)`` mesh split out of ``dp_shard_cp``, ``(ep_replicate, ep_fsdp, ep)``
+        out of ``dp_cp`` when dp_replicate > 1 (new process groups, built on every rank at once); None otherwise.
+        ``mesh["ep"]`` and ``mesh["ep_fsdp"]`` are its dims."""
 
     def _build_expert_mesh(self) -> DeviceMesh | None:
         if self.config.ep_size == 1:
             return None
         sizes = _ep_sizes(self.config)
-        return _unflatten(self["dp_shard_cp"], (sizes["ep_fsdp"], sizes["ep"]), ("ep_fsdp", "ep"))
+        if self.size("dp_replicate") == 1:
+            return _unflatten(self["dp_shard_cp"], (sizes["ep_fsdp"], sizes["ep"]), ("ep_fsdp", "ep"))
+        shape = (self.size("dp_replicate"), sizes["ep_fsdp"], sizes["ep"])
+        return _unflatten(self["dp_cp"], shape, ("ep_replicate", "ep_fsdp", "ep"))
+
+    @property
+    def experts_fsdp(self) -> DeviceMesh | None:
+        """The mesh the experts' FSDP shards over (ep_size > 1): ``mesh["ep_fsdp"]``, or the 2-D
+        ``(ep_replicate, ep_fsdp)`` HSDP mesh when dp_replicate > 1; None when ep_size is 1."""
+        if self.experts is None:
+            return None
+        if self.size("dp_replicate") == 1:
+            return self.experts["ep_fsdp"]
+        return self.experts["ep_replicate", "ep_fsdp"]
 
     def _build_fsdp_mesh(self) -> DeviceMesh | None:
         if self.size("dp_shard_cp") == 1:

@@ -3,9 +3,11 @@
 A family declares its MoE modules (``ModelFamily.moe_modules``); each follows the contract of the reference
 :class:`ndparallel.models.transformer.moe.MoE` (this planner never imports it):
 
-- a ``reduce_counts`` attribute, the seam for the tokens per expert of the global batch;
-- an ``experts`` submodule with stacked weights ``w1, w3, w2`` (expert on dim 0), ``n_experts``, a static
-  ``compute(x, counts, w1, w3, w2)`` and a ``dispatcher`` seam.
+- a ``reduce_counts`` attribute, the seam for the tokens per expert of the global batch (a family that makes its
+  statistics global another way, as the HF family does, has none);
+- an ``experts`` submodule whose own parameters are all stacked by expert on dim 0 (the reference's ``w1, w3,
+  w2``; an HF model's ``gate_up_proj, down_proj``, adapted by ``ndparallel/models/hf/moe.py``), ``n_experts``,
+  ``compute(x, counts, *those parameters in order)`` and a ``dispatcher`` seam.
 
 :func:`apply_router_statistics` (dp x cp > 1): ``reduce_counts`` all-reduces the counts over ``dp_cp``, so the
 load-balancing loss uses the token fractions of the global batch, as one process does.
@@ -35,7 +37,10 @@ from ndparallel.errors import ConfigError
 
 __all__ = ["ExpertDispatcher", "all_to_all", "apply_expert_parallel", "apply_router_statistics", "expert_modules"]
 
-_EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+def expert_weight_names(experts: nn.Module) -> list[str]:
+    """The stacked expert weights of an experts module: its own parameters, in registration order."""
+    return [name for name, _ in experts.named_parameters(recurse=False)]
 
 
 def expert_modules(moe_layers: Sequence[nn.Module]) -> list[nn.Module]:
@@ -61,7 +66,8 @@ def apply_router_statistics(moe_layers: Sequence[nn.Module], mesh: Mesh) -> None
         return
     reducer = _SumOver(mesh["dp_cp"].get_group())
     for layer in moe_layers:
-        layer.reduce_counts = reducer
+        if hasattr(layer, "reduce_counts"):
+            layer.reduce_counts = reducer
 
 
 class _AllToAll(torch.autograd.Function):
@@ -112,7 +118,9 @@ class ExpertDispatcher:
         by_expert = [s * local + e for e in range(local) for s in range(ep)]
         chunks = rows.split(sizes)
         rows = torch.cat([chunks[i] for i in by_expert])
-        weights = [_ScaleGrad.apply(getattr(experts, name).to_local(), 1.0 / ep) for name in _EXPERT_WEIGHTS]
+        weights = [
+            _ScaleGrad.apply(getattr(experts, name).to_local(), 1.0 / ep) for name in expert_weight_names(experts)
+        ]
         out = experts.compute(rows, received.sum(0).tolist(), *weights)
         out_chunks = out.split([sizes[i] for i in by_expert])
         back = [out_chunks[e * ep + s] for s in range(ep) for e in range(local)]
@@ -132,7 +140,7 @@ def apply_expert_parallel(moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
         if n_experts % ep:
             raise ConfigError(f"ep_size={ep} does not divide the {n_experts} experts of {type(layer).__name__}")
         local = n_experts // ep
-        for name in _EXPERT_WEIGHTS:
+        for name in expert_weight_names(experts):
             full = getattr(experts, name)
             if full.device.type == "meta":
                 raise ConfigError(

@@ -8,11 +8,13 @@ this order, and never anything else about the model (it has no branch on a famil
     tp_plan(model)                     the TP + SP table {fqn_pattern: ParallelStyle}, when tp > 1
     check(model, cfg, mesh)            pre-flight refusals, raised before the model is touched
     moe_modules / moe_layers(model)    mixture-of-experts modules: global router statistics, expert parallel
+    expert_count(layer)                (field, routed experts) of one MoE module: ep must divide it
     split_fields, heads_field          model.config fields tp must divide; the query heads Ulysses splits over cp
     fsdp_groups(model)                 FSDP units besides the blocks, as lists of FQNs
     apply_attention(model, mesh, cfg)  after TP: how tp/cp reach the attention (by default: cp swaps the
                                        modules in cp_attention for ring attention, and fills the forward
                                        argument positions_arg with each rank's global positions)
+    apply_moe(model, layers, mesh)     after the attention: router statistics over dp x cp, experts over ep
     pipeline_stage(model, ids, f, l)   pp > 1: a module holding blocks ``ids`` under the unsplit FQNs (plus the
                                        embedding when ``f``, the head when ``l``); stage_blocks(stage) its blocks
     compile_loss_head(model)           compile: blocks: compile the loss head too, if the family has one
@@ -37,6 +39,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.context_parallel import apply_context_parallel
+from ndparallel.parallel.expert_parallel import apply_expert_parallel, apply_router_statistics
 from ndparallel.parallel.fqn import fqn_matches
 
 __all__ = [
@@ -111,6 +114,16 @@ class ModelFamily:
             if name
             and any(isinstance(module, t) if isinstance(t, type) else fqn_matches(name, t) for t in self.moe_modules)
         ]
+
+    def expert_count(self, layer: nn.Module) -> tuple[str, int]:
+        """The field that names one MoE module's routed experts, and their number (ep must divide it)."""
+        return "n_experts", layer.experts.n_experts
+
+    def apply_moe(self, model: nn.Module, moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
+        """After the attention: count the routers' tokens over ``mesh["dp_cp"]`` (the global batch's balancing
+        loss) and shard the experts over ``mesh["ep"]`` (:mod:`ndparallel.parallel.expert_parallel`)."""
+        apply_router_statistics(moe_layers, mesh)
+        apply_expert_parallel(moe_layers, mesh)
 
     def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
         """FSDP units besides the blocks, as lists of FQNs (each list is one unit; the rest is the root unit)."""

@@ -8,7 +8,7 @@ Order (each step sees the module tree the previous one left, FQNs never change):
     4. activation checkpointing     per block           recompute block activations in backward
     5. torch.compile                model or per block  graphs include the TP collectives
     6. data parallel                FSDP2 on mesh["dp_shard_cp"], HSDP on (dp_replicate, dp_shard_cp),
-                                    or bucketed all-reduce on mesh["dp_replicate"]; experts on mesh["ep_fsdp"]
+                                    or bucketed all-reduce on mesh["dp_replicate"]; experts on mesh.experts_fsdp
 
 Why this order: TP must see plain ``nn.Linear`` weights and produce DTensors that FSDP then
 shards on the outer dims (FSDP2 composes with a DTensor parameter, not the reverse);
@@ -34,7 +34,7 @@ from ndparallel.distributed.process import init_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.activation_checkpoint import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile, check_compile
-from ndparallel.parallel.expert_parallel import apply_expert_parallel, apply_router_statistics, expert_modules
+from ndparallel.parallel.expert_parallel import expert_modules
 from ndparallel.parallel.family import ModelFamily, config_sizes, family_for
 from ndparallel.parallel.fully_shard import apply_fully_shard, fsdp_mesh
 from ndparallel.parallel.master_weights import apply_master_weights
@@ -156,7 +156,7 @@ def parallelize(
         _check_alltoall_heads(model, family, tp, cp)
     check_compile(cfg.compile, tp)
     moe_layers = family.moe_layers(model)
-    experts = ("n_experts", moe_layers[0].experts.n_experts) if moe_layers else None
+    experts = family.expert_count(moe_layers[0]) if moe_layers else None
     problem = ep_problem(mesh.size("ep"), experts, cfg)
     if problem:
         raise ConfigError(problem)  # every refusal happens before the model is touched
@@ -166,8 +166,7 @@ def parallelize(
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
     model = family.apply_attention(model, mesh, cfg)  # tp/cp: attention seam, positions, input checks
-    apply_router_statistics(moe_layers, mesh)
-    apply_expert_parallel(moe_layers, mesh)
+    family.apply_moe(model, moe_layers, mesh)  # router statistics of the global batch; experts over ep
     apply_activation_checkpointing(block_list, cfg.activation_checkpointing)
     apply_compile(model, block_list, cfg.compile, tp)
     if cfg.compile == "blocks":
@@ -176,7 +175,7 @@ def parallelize(
     dp_mesh = fsdp_mesh(mesh)
     if dp_mesh is not None:
         ep = mesh.size("ep") > 1
-        experts_kwargs = dict(experts=expert_modules(moe_layers), experts_mesh=mesh["ep_fsdp"]) if ep else {}
+        experts_kwargs = dict(experts=expert_modules(moe_layers), experts_mesh=mesh.experts_fsdp) if ep else {}
         apply_fully_shard(model, dp_mesh, cfg, block_list, fsdp_groups, **experts_kwargs)
     else:
         if cfg.mixed_precision != "no":

@@ -26,7 +26,7 @@ transformers = pytest.importorskip(
 
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.models.test_hf import hf_loss  # noqa: E402
-from tests.parity import NO_CLIP, assert_parity, full_grads, make_batches  # noqa: E402
+from tests.parity import NO_CLIP, assert_parity, full_grads, full_params, make_batches, record_and_step  # noqa: E402
 
 STEPS, BATCH, SEQ, LR = 3, 4, 16, 1e-2
 # model_type -> tiny-config overrides (the rest comes from tiny_config)
@@ -145,7 +145,6 @@ def train(
     ``float64_softmax``: an eager model's attention softmax in float64, the floor of its float32 cast)."""
     import ndparallel as ndp
     from ndparallel.distributed.reduce import average_over
-    from ndparallel.parallel.clip import clip_grad_norm_
 
     if parallel is not None and parallel.get("pp_size", 1) > 1:
         return _train_pipeline(build(model_type, pp=True), parallel, steps)
@@ -169,12 +168,8 @@ def train(
             loss.backward()
             loss_sum += loss.item() if mesh is None else average_over(mesh["dp_cp"], loss)
         result["losses"].append(loss_sum)
-        if step == 0:
-            result["grads"] = full_grads(model)
-        result["grad_norms"].append(clip_grad_norm_(model.parameters(), NO_CLIP).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    result["params"] = {name: _full(p) for name, p in model.named_parameters()}
+        record_and_step(model, optimizer, result, step)
+    result["params"] = full_params(model.named_parameters())
     return result
 
 
@@ -208,15 +203,8 @@ def _train_pipeline(model, parallel: dict, steps: int) -> dict:
         result["grad_norms"].append(pipe.clip_grad_norm_(NO_CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
-    result["params"] = {n: _full(p) for stage in pipe.stages for n, p in stage.named_parameters()}
+    result["params"] = full_params((n, p) for stage in pipe.stages for n, p in stage.named_parameters())
     return result
-
-
-def _full(param) -> np.ndarray:
-    from torch.distributed.tensor import DTensor
-
-    full = param.full_tensor() if isinstance(param, DTensor) else param
-    return full.detach().numpy().copy()
 
 
 def run_group(layouts: dict, archs: tuple = tuple(ARCHS), steps: int = STEPS) -> dict:

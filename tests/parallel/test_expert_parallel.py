@@ -21,6 +21,8 @@ LAYOUTS = {
     "ep4 sigmoid": ({"dp_shard_size": 4, "ep_size": 4}, dict(model=SIGMOID, loss_fn=moe_loss_fn)),
     # ep borrows from cp too: the ep ranks of dp_shard x cp, routed tokens from every cp shard
     "ep2 x cp2": ({"dp_shard_size": 2, "cp_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_cp_loss_fn)),
+    # HSDP: the experts replicate over dp_replicate too, sharded over ep (ep_fsdp is 1)
+    "ep2 hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
 }
 RUNS = [(parallel, {**COMMON, **kwargs}) for parallel, kwargs in LAYOUTS.values()]
 
@@ -40,7 +42,11 @@ def test_expert_parallel_four_ranks_equals_one_process(results):
             assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
             assert got["coordinate"]["ep"] == rank % ep, label
             dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
-            assert dims == ("ep_fsdp", "ep") and "Replicate()" not in placements, (label, dims, placements)
+            if parallel.get("dp_replicate_size", 1) > 1:  # replicated over ep_replicate only, as HSDP does
+                assert dims == ("ep_replicate", "ep_fsdp", "ep") and placements[0] == "R", (label, dims, placements)
+                assert placements[-1] == "S(0)" and local == (2, 32, 64), (label, placements, local)
+                continue
+            assert dims == ("ep_fsdp", "ep") and "R" not in placements, (label, dims, placements)
             assert placements[-1] == "S(0)" and local == (1, 32, 64), (label, placements, local)
 
 
@@ -59,7 +65,7 @@ def test_mesh_ep_views():
     [
         ({"dp_shard_size": 4, "ep_size": 3}, "ep_size=3 does not divide dp_shard_size x cp_size = 4"),
         ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, "ep_size=2 with tp_size=2 is not proved"),
-        ({"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}, "with dp_replicate_size=2"),
+        ({"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "ep_size=2 with pp_size=2 is not proved"),
     ],
 )
 def test_ep_mesh_rules(fields, message):

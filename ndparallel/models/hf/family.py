@@ -17,8 +17,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.models.hf.attention import apply_hf_attention, check_attention, route_hf_attention
+from ndparallel.models.hf.moe import adapt_experts, hf_moe_layers, install_global_router_loss
 from ndparallel.models.hf.stage import HFCausalLMStage
 from ndparallel.models.hf.tp_plan import hf_fsdp_groups, hf_tp_plan, is_hf_model
+from ndparallel.parallel.expert_parallel import apply_expert_parallel
 from ndparallel.parallel.family import ModelFamily
 
 __all__ = ["FAMILY", "HuggingFaceFamily", "hf_parallelize_kwargs"]
@@ -46,6 +48,21 @@ class HuggingFaceFamily(ModelFamily):
 
     def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
         return hf_fsdp_groups(model)
+
+    def moe_layers(self, model: nn.Module) -> list[nn.Module]:
+        return hf_moe_layers(model)  # every sparse MoE block of transformers 5 (ndparallel/models/hf/moe.py)
+
+    def expert_count(self, layer: nn.Module) -> tuple[str, int]:
+        return "num_experts", layer.experts.num_experts
+
+    def apply_moe(self, model: nn.Module, moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
+        """The router aux loss of the global batch (the model's own function on every rank's logits), and the
+        experts over ep through the expert-parallel contract."""
+        install_global_router_loss(model, mesh)
+        if mesh.size("ep") > 1:
+            for layer in moe_layers:
+                adapt_experts(layer.experts)
+        apply_expert_parallel(moe_layers, mesh)
 
     def apply_attention(self, model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> nn.Module:
         if isinstance(model, HFCausalLMStage):  # the pipeline runtime shards tokens, labels, position_ids

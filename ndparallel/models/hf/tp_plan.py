@@ -54,8 +54,8 @@ STYLES = {
 }
 # transformers' style name -> why ndparallel refuses it (each names the module and the way out when raised)
 REFUSED = {
-    "moe_tp_experts": "tensor parallel of fused MoE experts is not implemented (experts are sharded by expert "
-    "parallel, ep_size, its own issue)",
+    "moe_tp_experts": "tensor parallel of fused MoE experts is not implemented (shard the experts by expert "
+    "parallel instead, ep_size: docs/expert-parallel.md)",
     "moe_identity_expert": "it belongs to MoE tensor parallel of the experts, which is not implemented",
     "packed_colwise": "packed 3-D expert weights belong to MoE tensor parallel, which is not implemented",
     "packed_rowwise": "packed 3-D expert weights belong to MoE tensor parallel, which is not implemented",

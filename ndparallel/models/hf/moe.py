@@ -1,0 +1,154 @@
+"""Hugging Face mixtures of experts on a mesh: the balancing loss of the global batch, and expert parallelism.
+
+transformers 5 runs every MoE family's routed experts through one module kind (``@use_experts_implementation``):
+stacked 3-D weights, expert on dim 0 (``gate_up_proj``, ``down_proj``, gpt-oss's biases), called as
+``experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])`` and returning ``sum_k expert(x) * weight``.
+
+- **Balancing loss.** With ``output_router_logits`` the causal LM adds ``router_aux_loss_coef x
+  load_balancing_loss_func(router_logits, ...)`` to ``outputs.loss``, from this rank's tokens only: its token
+  fractions are not the global batch's (the classic MoE bug). Under dp x cp > 1 :func:`install_global_router_loss`
+  replaces that term by the same function of every rank's router logits, all-gathered with a gradient
+  (:func:`ndparallel.distributed.reduce.all_gather_rows`): the model's own formula on the global batch, so the
+  mean over ``dp_cp`` that FSDP takes is one process's loss and gradient. ``outputs.aux_loss`` is the global one.
+- **Expert parallelism.** :func:`adapt_experts` gives an HF experts module the contract of
+  :mod:`ndparallel.parallel.expert_parallel` (``n_experts``, a ``dispatcher`` seam, ``compute``): its forward
+  sorts the (token, k) rows by expert, hands them to the dispatcher, and weights and sums the outputs as the HF
+  forward does. ``compute`` runs transformers' own forward (eager, or grouped_mm where it has a kernel) on
+  this rank's experts only, one expert per row and weight 1, so every family's expert math is its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ndparallel.distributed.mesh import Mesh
+from ndparallel.distributed.reduce import all_gather_rows
+from ndparallel.errors import ConfigError
+
+__all__ = ["adapt_experts", "hf_moe_layers", "install_global_router_loss", "is_hf_experts"]
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """A transformers experts module (its class wears ``@use_experts_implementation``)."""
+    return all(hasattr(module, name) for name in ("num_experts", "is_concatenated", "has_gate", "config"))
+
+
+def hf_moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE blocks of an HF model: the modules whose ``experts`` child is an HF experts module."""
+    return [
+        m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module) and is_hf_experts(m.experts)
+    ]
+
+
+# ------------------------------------------------------------------------------------ balancing loss
+
+
+def _balancing_loss(model: nn.Module) -> Callable[..., Any] | None:
+    """The ``load_balancing_loss_func`` of the model's modeling module (34 families carry the same one); the
+    class's own module, not that of a wrapper class FSDP derives from it."""
+    for cls in type(model).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if found is not None:
+            return found
+    return None
+
+
+def _global_router_loss_hook(group: dist.ProcessGroup):
+    def hook(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
+        local, logits = getattr(outputs, "aux_loss", None), getattr(outputs, "router_logits", None)
+        if local is None:
+            return outputs
+        balancing = _balancing_loss(model)
+        if balancing is None or not isinstance(logits, tuple):
+            raise ConfigError(
+                f"{type(model).__name__} returned a router aux loss that ndparallel cannot compute over the global "
+                "batch (no load_balancing_loss_func in its module): it would be this rank's alone; pass "
+                "output_router_logits=False, or use dp_shard_size x cp_size = 1"
+            )
+        mask = kwargs.get("attention_mask")
+        gathered = tuple(all_gather_rows(layer, group) for layer in logits)
+        mask = None if mask is None else all_gather_rows(mask, group)
+        total = balancing(gathered, model.num_experts, model.num_experts_per_tok, mask)
+        if outputs.loss is not None:  # the model added coef x its local term: the same expression, swapped
+            coef = model.router_aux_loss_coef
+            outputs.loss = outputs.loss - coef * local.to(outputs.loss.device) + coef * total.to(outputs.loss.device)
+        outputs.aux_loss = total
+        return outputs
+
+    return hook
+
+
+def install_global_router_loss(model: nn.Module, mesh: Mesh) -> None:
+    """Under dp x cp > 1, make an HF MoE causal LM's router aux loss (and its share of ``outputs.loss``) the
+    global batch's; a no-op for a dense model or a single data rank."""
+    if mesh.size("dp_cp") == 1 or not hasattr(model, "router_aux_loss_coef"):
+        return
+    model.register_forward_hook(_global_router_loss_hook(mesh["dp_cp"].get_group()), with_kwargs=True)
+
+
+# ------------------------------------------------------------------------------------ expert parallel
+
+
+class _LocalExperts:
+    """An HF experts module seen with only some of its experts: transformers' forward runs on it as ``self``."""
+
+    def __init__(self, experts: nn.Module, weights: dict[str, torch.Tensor], count: int):
+        self.__dict__.update(_experts=experts, _weights=weights, num_experts=count)
+
+    def __getattr__(self, name: str) -> Any:
+        weights = self.__dict__["_weights"]
+        return weights[name] if name in weights else getattr(self.__dict__["_experts"], name)
+
+
+def _compute(experts: nn.Module) -> Callable[..., torch.Tensor]:
+    forward = type(experts).forward  # transformers' implementation switch, then the family's expert math
+    names = [name for name, _ in experts.named_parameters(recurse=False)]
+
+    def compute(rows: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> torch.Tensor:
+        """``counts[e]`` consecutive rows through local expert ``e``, unweighted (weight 1, one expert a row)."""
+        local = len(counts)
+        index = torch.repeat_interleave(
+            torch.arange(local, device=rows.device), torch.tensor(counts, device=rows.device)
+        )[:, None]
+        out = forward(_LocalExperts(experts, dict(zip(names, weights, strict=True)), local), rows, index,
+                      rows.new_ones(rows.shape[0], 1))  # fmt: skip
+        # an expert no row reaches gets a zero gradient, as in one process (its stacked weight has one)
+        return out + sum(w.flatten()[:0].sum() for w in weights).to(out.dtype)
+
+    return compute
+
+
+def _routed_forward(experts: nn.Module) -> Callable[..., torch.Tensor]:
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        flat = top_k_index.reshape(-1)
+        if flat.numel() and int(flat.max()) >= experts.n_experts:
+            raise ConfigError(
+                f"{type(experts).__name__} got an expert index >= its {experts.n_experts} experts: a router that "
+                "masks experts (transformers' own expert parallel) cannot run under ndparallel's ep_size > 1"
+            )
+        order = flat.argsort(stable=True)  # rows sorted by expert, the router's order within one
+        token = order // top_k_index.shape[-1]
+        counts = torch.bincount(flat, minlength=experts.n_experts).tolist()
+        rows = hidden[token]
+        if experts.dispatcher is None:  # every expert is here
+            out = experts.compute(rows, counts, *(p for _, p in experts.named_parameters(recurse=False)))
+        else:
+            out = experts.dispatcher(experts, rows, counts)
+        out = out * top_k_weights.reshape(-1)[order, None]  # as transformers weights each expert's output
+        return torch.zeros_like(hidden).index_add_(0, token, out.to(hidden.dtype))
+
+    return forward
+
+
+def adapt_experts(experts: nn.Module) -> None:
+    """Give an HF experts module the expert-parallel contract (its FQNs and weights stay as they are)."""
+    experts.n_experts = experts.num_experts
+    experts.compute = _compute(experts)
+    experts.dispatcher = None
+    experts.forward = _routed_forward(experts)

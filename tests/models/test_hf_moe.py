@@ -1,0 +1,226 @@
+"""Hugging Face mixtures of experts on a mesh, float64, against the plain model in one process.
+
+Each family is built tiny and random (:func:`ndparallel.hf.tiny_config`: 4 experts, top-2) with
+``output_router_logits=True`` and ``router_aux_loss_coef=0.1``, so ``outputs.loss`` carries transformers'
+load-balancing loss (DeepSeek-V3 has none: its router is balanced by a bias). Trained ``STEPS`` AdamW steps on
+the same global batch; losses, grad norms, step-1 gradients and the final parameters are compared.
+
+- dp_shard 2 and cp 2: the aux loss is the global batch's (a per-rank one differs: ``local_aux_differs``);
+- ep 2 (over dp_shard 2), ep 2 x ep_fsdp 2 (dp_shard 4), ep 2 x cp 2: each rank owns half of the experts.
+
+These models cast the router to fp32 inside (softmax of ``logits.float()``, transformers' fp32 aux sums), so
+their floor is fp32's where rows are summed in another order (cp); see docs/expert-parallel.md.
+One spawned group of 2 gloo ranks, one of 4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face tests need the hf extra: pip install 'ndparallel[hf]' (make test does)"
+)
+
+from ndparallel.testing import run_distributed  # noqa: E402
+from tests.parity import full_params, make_batches, record_and_step  # noqa: E402
+
+STEPS, BATCH, SEQ, LR, AUX = 3, 4, 16, 1e-2, 0.1
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+LAYOUTS = {
+    2: {"dp2": {"dp_shard_size": 2}, "cp2": {"cp_size": 2}, "ep2": {"dp_shard_size": 2, "ep_size": 2}},
+    4: {
+        "ep2 x ep_fsdp2": {"dp_shard_size": 4, "ep_size": 2},
+        "ep2 x cp2": {"dp_shard_size": 2, "cp_size": 2, "ep_size": 2},
+        "ep2 hsdp": {"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2},
+    },
+}
+FOUR_RANK_FAMILIES = ("mixtral", "deepseek_v3")
+EXPERTS = {  # a routed-expert weight of each family, and its stacked shape [experts, ...]
+    "mixtral": "model.layers.0.mlp.experts.gate_up_proj",
+    "qwen3_moe": "model.layers.0.mlp.experts.gate_up_proj",
+    "deepseek_v3": "model.layers.1.mlp.experts.gate_up_proj",
+    "gpt_oss": "model.layers.0.mlp.experts.gate_up_proj",
+}
+
+
+OVERRIDES = {"deepseek_v3": {"num_key_value_heads": 4}}  # MLA: one kv head per query head
+
+
+def build(model_type: str, seed: int = 0) -> torch.nn.Module:
+    from ndparallel.hf import tiny_config
+
+    overrides = OVERRIDES.get(model_type, {})
+    config = tiny_config(model_type, output_router_logits=True, router_aux_loss_coef=AUX, **overrides)
+    torch.manual_seed(seed)
+    attn = "eager" if model_type == "gpt_oss" else "sdpa"  # gpt-oss has no SDPA path in transformers
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
+
+
+def _outputs(model, tokens, mesh, **kwargs):
+    """The model's outputs; under cp the tokens (and ``labels``, if given) are sequence-sharded."""
+    if mesh is None or mesh.size("cp") == 1:
+        return model(input_ids=tokens, **kwargs)
+    from ndparallel.parallel.context_parallel import context_parallel
+
+    buffers = [tokens.clone(), *kwargs.values()]
+    buffers = [b.clone() for b in buffers]
+    with context_parallel(mesh, buffers, seq_dims=[1] * len(buffers), no_restore=buffers):
+        return model(input_ids=buffers[0], **dict(zip(kwargs, buffers[1:], strict=True)))
+
+
+def _loss(model, tokens, labels, mesh) -> tuple[torch.Tensor, float]:
+    """Cross entropy in float64 (transformers' ``outputs.loss`` upcasts only to fp32) + AUX x ``outputs.aux_loss``,
+    and the aux loss alone (0 for a model without one)."""
+    from ndparallel.parallel.loss import cross_entropy_loss
+
+    outputs = _outputs(model, tokens, mesh)
+    labels = _local_labels(labels, mesh)
+    aux = getattr(outputs, "aux_loss", None)
+    loss = cross_entropy_loss(outputs.logits, labels)
+    return (loss if aux is None else loss + AUX * aux), (0.0 if aux is None else float(aux.detach()))
+
+
+def _local_labels(labels, mesh):
+    if mesh is None or mesh.size("cp") == 1:
+        return labels
+    from ndparallel.parallel.context_parallel import shard_sequence
+
+    return shard_sequence(labels, 1, mesh.size("cp"), mesh.local_rank("cp"), mesh.config.cp_load_balance)
+
+
+def hf_outputs_loss(model, tokens, mesh) -> float:
+    """transformers' own ``outputs.loss`` (labels = the tokens; it shifts them), averaged over dp x cp."""
+    from ndparallel.distributed.reduce import average_over
+
+    with torch.no_grad():
+        loss = _outputs(model, tokens, mesh, labels=tokens.clone()).loss
+    return average_over(mesh["dp_cp"] if mesh else None, loss)
+
+
+def train(model_type: str, parallel: dict | None, halves: bool = False) -> dict:
+    """``STEPS`` AdamW steps; ``parallel=None``: one process, the plain HF model (``halves``: each batch as two
+    accumulated halves, the model's own round-off floor)."""
+    import ndparallel as ndp
+    from ndparallel.distributed.reduce import average_over
+
+    model, mesh, dp, dp_rank = build(model_type), None, 1, 0
+    if parallel is not None:
+        mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
+        model = ndp.parallelize(model, mesh.config, mesh)
+        dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    per_rank = BATCH // dp
+    result: dict = {"losses": [], "aux": [], "grad_norms": []}
+    for step, (tokens, labels) in enumerate(make_batches(STEPS, BATCH, SEQ, model.config.vocab_size)):
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        if step == 0:
+            result["outputs_loss"] = hf_outputs_loss(model, tokens[rows], mesh)
+        if halves:
+            for part in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
+                (_loss(model, tokens[part], labels[part], mesh)[0] / 2).backward()
+            loss, aux = _loss(model, tokens, labels, mesh)  # for the record: its value, not its gradient
+            loss = loss.detach()
+        else:
+            loss, aux = _loss(model, tokens[rows], labels[rows], mesh)
+            loss.backward()
+        result["losses"].append(average_over(mesh["dp_cp"] if mesh else None, loss))
+        result["aux"].append(aux)
+        record_and_step(model, optimizer, result, step)
+    result["params"] = full_params(model.named_parameters())
+    weight = model.get_parameter(EXPERTS[model_type])
+    if hasattr(weight, "device_mesh"):  # experts owned: ep shards them, the experts' FSDP splits an owner's rows
+        result["expert_layout"] = (weight.device_mesh.mesh_dim_names, [str(p) for p in weight.placements])
+        result["experts_owned"] = weight.to_local().shape[0] * mesh.size("ep_fsdp")
+    return result
+
+
+def local_aux_differs() -> float:
+    """The per-rank aux loss (the classic bug) against the global one, on dp_shard 2's first batch."""
+    import ndparallel as ndp
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=2))
+    tokens, labels = make_batches(1, BATCH, SEQ, 64)[0]
+    rows = slice(mesh.local_rank("dp") * 2, mesh.local_rank("dp") * 2 + 2)
+    plain = build("mixtral")
+    with torch.no_grad():
+        local = plain(input_ids=tokens[rows], labels=labels[rows]).aux_loss
+        model = ndp.parallelize(build("mixtral"), mesh.config, mesh)
+        global_ = model(input_ids=tokens[rows], labels=labels[rows]).aux_loss
+    return abs(float(local) - float(global_))
+
+
+def run_group(world: int) -> dict:
+    families = FAMILIES if world == 2 else FOUR_RANK_FAMILIES
+    runs = {(m, label): train(m, parallel) for label, parallel in LAYOUTS[world].items() for m in families}
+    return {"runs": runs, "local_aux_differs": local_aux_differs() if world == 2 else None}
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return {world: run_distributed(functools.partial(run_group, world), world, timeout=600) for world in LAYOUTS}
+
+
+@functools.cache
+def reference(model_type: str) -> dict:
+    return train(model_type, None)
+
+
+def _rel(a, b) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-300) for x, y in zip(a, b, strict=True))
+
+
+def differences(got: dict, ref: dict) -> dict[str, float]:
+    return {
+        "loss": max(abs(x - y) for x, y in zip(got["losses"], ref["losses"], strict=True)),
+        "grad_norm": _rel(got["grad_norms"], ref["grad_norms"]),
+        "grads": max(float(np.abs(got["grads"][k] - v).max()) for k, v in ref["grads"].items()),
+        "params": max(float(np.abs(got["params"][k] - v).max()) for k, v in ref["params"].items()),
+    }
+
+
+TOL = 1e-10
+# transformers sums the balancing loss in fp32: under cp (rows in another order) its value moves by fp32 ulps
+AUX_VALUE_TOL = AUX * 8 * float(torch.finfo(torch.float32).eps)
+FLOOR_MULTIPLE = 4
+FP32_INSIDE = ("deepseek_v3",)  # an fp32 router weight in a float64 model: its gradient sums in fp32
+
+
+@functools.cache
+def tolerance(model_type: str) -> float:
+    """1e-10, or FLOOR_MULTIPLE x the model's own floor where it computes in fp32 inside (measured here)."""
+    if model_type not in FP32_INSIDE:
+        return TOL
+    return FLOOR_MULTIPLE * max(differences(train(model_type, None, halves=True), reference(model_type)).values())
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_hf_moe_equals_one_process(groups, world):
+    failures = []
+    for rank, per_rank in enumerate(groups[world]):
+        for (model_type, label), got in per_rank["runs"].items():
+            ref = reference(model_type)
+            assert set(got["grads"]) == set(ref["grads"]), (model_type, label)
+            diff, tol = differences(got, ref), tolerance(model_type)
+            if rank == 0:
+                print(model_type, label, f"tol {tol:.1e}", {k: f"{v:.1e}" for k, v in diff.items()})
+            extra = {"loss": AUX_VALUE_TOL * max(ref["aux"])} if "cp_size" in LAYOUTS[world][label] else {}
+            failures += [
+                f"{model_type} {label} rank {rank}: {k} {v:.2e}" for k, v in diff.items() if v > tol + extra.get(k, 0)
+            ]
+            outputs_loss = abs(got["outputs_loss"] - ref["outputs_loss"])  # transformers' loss: fp32 cross entropy
+            assert outputs_loss < 1e-6, (model_type, label, outputs_loss)
+            ep = LAYOUTS[world][label].get("ep_size", 1)
+            if ep > 1:  # each rank owns its 4 / ep experts, no replica
+                dims, placements = got["expert_layout"]
+                assert dims[-1] == "ep" and placements[-1] == "S(0)", (model_type, label, dims, placements)
+                replicated = [p for p, d in zip(placements, dims, strict=True) if p == "R" and d != "ep_replicate"]
+                assert not replicated and got["experts_owned"] == 4 // ep, (model_type, label, placements)
+    assert not failures, failures
+
+
+def test_a_per_rank_aux_loss_would_differ(groups):
+    assert all(per_rank["local_aux_differs"] > 1e-4 for per_rank in groups[2])
