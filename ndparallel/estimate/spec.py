@@ -21,6 +21,7 @@ from ndparallel.config.preflight import ModelShape
 from ndparallel.distributed.peak import GPU_PEAK_BF16
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.hardware import GPU_KINDS
+from ndparallel.models.hf.tp_plan import expert_count
 from ndparallel.models.transformer.presets import PRESETS, TP_SPLIT_FIELDS, TransformerConfig
 
 __all__ = [
@@ -94,6 +95,16 @@ def parse_count(value: str | float, name: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- model
+
+
+def _moe_refusal(name: str, experts: str) -> str:
+    return (
+        f"model {name!r} is a mixture of experts ({experts}): the planner models dense decoders only (its experts' "
+        "memory, all-to-all and compute are not in the cost model yet, docs/planning.md); plan a dense model, "
+        "or measure the MoE with ndparallel bench"
+    )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A Llama-style decoder's shape: all the estimator needs to know about a model."""
@@ -170,6 +181,8 @@ class ModelSpec:
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: TransformerConfig, name: str = "custom") -> ModelSpec:
+        if cfg.n_experts:
+            raise ConfigError(_moe_refusal(name, f"n_experts={cfg.n_experts}"))
         return cls(
             dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=int(cfg.n_kv_heads or cfg.n_heads),
             ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, name=name,
@@ -188,6 +201,9 @@ class ModelSpec:
         missing = [key for key in required if key not in config]
         if missing:
             raise ConfigError(f"HF config is missing {missing}; it needs {list(required)} (+ num_key_value_heads)")
+        experts = expert_count(config)
+        if experts:
+            raise ConfigError(_moe_refusal(str(config.get("model_type") or name), f"{experts} routed experts"))
         return cls(
             dim=int(config["hidden_size"]),
             n_layers=int(config["num_hidden_layers"]),
@@ -211,12 +227,12 @@ def model_spec(model: str | os.PathLike | Mapping[str, Any] | TransformerConfig 
     if isinstance(model, Mapping):
         if "hidden_size" in model:
             return ModelSpec.from_hf_config(model)
+        if "preset" in model:  # a training YAML's model section: TransformerConfig fields, checked there
+            return ModelSpec.from_config(TransformerConfig.from_dict(dict(model)), name=str(model["preset"]))
         known = set(ModelSpec.__dataclass_fields__)
-        unknown = sorted(set(model) - known - {"preset"})
+        unknown = sorted(set(model) - known)
         if unknown:
             raise ConfigError(f"unknown model field(s) {unknown}; raw counts use {sorted(known)}")
-        if "preset" in model:
-            return ModelSpec.from_config(TransformerConfig.from_dict(dict(model)), name=str(model["preset"]))
         values = dict(model)
         values.setdefault("n_kv_heads", values.get("n_heads"))
         try:

@@ -69,6 +69,15 @@ def test_bad_model_input_names_the_fix():
         model_spec("missing/config.json")
 
 
+def test_a_mixture_of_experts_is_refused_not_planned_as_dense():
+    with pytest.raises(ConfigError, match=r"model 'tiny-moe' is a mixture of experts \(n_experts=4\)"):
+        model_spec("tiny-moe")
+    with pytest.raises(ConfigError, match=r"model 'mixtral' is a mixture of experts \(8 routed experts\)"):
+        model_spec({**LLAMA3_8B_HF, "model_type": "mixtral", "num_local_experts": 8})
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        model_spec({"preset": "tiny", "n_experts": 4})
+
+
 def test_parse_sizes_and_bandwidths():
     assert parse_bytes("80GiB") == 80 * GiB
     assert parse_bytes("80GB") == 80e9

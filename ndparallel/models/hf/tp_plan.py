@@ -37,7 +37,7 @@ from ndparallel.models.hf.styles import GatherSequence, PerShardNorm, Replicated
 from ndparallel.parallel.family import block_list
 from ndparallel.parallel.fqn import fqn_matches, matching_modules
 
-__all__ = ["REFUSED", "STYLES", "hf_fsdp_groups", "hf_tp_plan", "is_hf_model"]
+__all__ = ["REFUSED", "STYLES", "expert_count", "hf_fsdp_groups", "hf_tp_plan", "is_hf_model"]
 
 # transformers' style name -> what ndparallel does with it (docs/huggingface.md, "The style table")
 STYLES = {
@@ -388,11 +388,12 @@ _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def _expert_count(config: object) -> int | None:
-    """The routed experts per MoE layer the config declares, or None for a dense model."""
+def expert_count(config: object) -> int | None:
+    """The routed experts per MoE layer a config (a transformers config, or a ``config.json`` dict) declares, or
+    None for a dense model."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in _EXPERT_COUNT_KEYS:
-        value = getattr(text, key, None)
+        value = text.get(key) if isinstance(text, Mapping) else getattr(text, key, None)
         if isinstance(value, int) and value > 1:
             return value
     return None
@@ -400,7 +401,7 @@ def _expert_count(config: object) -> int | None:
 
 def _packed_experts(model: nn.Module) -> list[str]:
     """Modules holding experts fused into one ``[n_experts, out, in]`` weight (a convolution's is 3-D too)."""
-    n_experts = _expert_count(model.config)
+    n_experts = expert_count(model.config)
     found = []
     for name, param in model.named_parameters():
         owner = name.rpartition(".")[0]
