@@ -37,7 +37,7 @@ def apply_defaults_overrides(data: Mapping[str, Any], overrides: list[str]) -> d
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ndparallel.bench.harness import inside_launcher, run_cases
-    from ndparallel.bench.report import format_comm_table, format_table, plot, write_json
+    from ndparallel.bench.report import plot, write_json
     from ndparallel.bench.sweep import cases_from_config
     from ndparallel.distributed.peak import Peak, device_peak
 
@@ -74,9 +74,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not rank0 or not results:
         return 0
     print()
-    print(format_table(results))
-    print()
-    print(format_comm_table(results))
+    print_tables(results)
     out = args.out
     start = {"load_average_start": load}
     path = write_json(os.path.join(out, "results.json"), results, peak, config=str(args.config), machine=start)
@@ -90,14 +88,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replot(args: argparse.Namespace) -> int:
-    """Print the tables of a saved results.json and redraw its plots into ``--out``."""
-    from ndparallel.bench.report import format_comm_table, format_table, plot, read_json
+def print_tables(results) -> None:  # noqa: ANN001
+    """The case table, the collectives table, and for MoE cases the router and all-to-all table."""
+    from ndparallel.bench.report import format_comm_table, format_experts_table, format_table
 
-    _doc, results = read_json(args.from_json)
     print(format_table(results))
     print()
     print(format_comm_table(results))
+    experts = format_experts_table(results)
+    if experts:
+        print()
+        print(experts)
+
+
+def _replot(args: argparse.Namespace) -> int:
+    """Print the tables of a saved results.json and redraw its plots into ``--out``."""
+    from ndparallel.bench.report import plot, read_json
+
+    _doc, results = read_json(args.from_json)
+    print_tables(results)
     files = [] if args.no_plot else plot(results, args.out)
     if files:
         print("wrote " + ", ".join(map(str, files)))

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ndparallel.bench.case import BenchCase
 from ndparallel.bench.result import CaseResult, combine
 from ndparallel.config.dims import MESH_DIMS
-from ndparallel.distributed.mesh import VIEWS, Mesh
+from ndparallel.distributed.mesh import EP_VIEWS, VIEWS, Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.models import Transformer
 
@@ -96,7 +96,8 @@ class _Job:
         """One training step, exactly as ``ndparallel train`` runs it (:class:`ndparallel.train.step.TrainStep`)."""
         self.steps_taken += 1
         inputs, labels = self.tokens[:, :-1].clone(), self.tokens[:, 1:].clone()
-        return self.train_step(inputs, labels, self.accumulation, self.steps_taken).loss
+        self.last = self.train_step(inputs, labels, self.accumulation, self.steps_taken)
+        return self.last.loss
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         states = [state for opt in self.optimizers for state in opt.state.values()]
@@ -152,6 +153,11 @@ def group_labels(mesh: Mesh) -> dict[str, str]:
         if mesh.size(name) > 1:
             dims = [d for d in VIEWS.get(name, (name,)) if mesh.size(d) > 1]
             labels.setdefault(mesh[name].get_group().group_name, " x ".join(dims))
+    if mesh.size("ep") > 1:  # the experts' groups; one that equals a dim's group shows both names
+        for name in EP_VIEWS:
+            if mesh.size(name) > 1:
+                group = mesh[name].get_group().group_name
+                labels[group] = f"{labels[group]} = {name}" if group in labels else name
     if dist.is_initialized():
         labels.setdefault(dist.group.WORLD.group_name, "world")
     return labels
@@ -182,6 +188,18 @@ def _instrumented_step(job: _Job) -> tuple[list[dict[str, Any]], int]:
     return comm, (memory.peak_bytes if memory is not None else -1)
 
 
+def _routing_bytes(job: _Job) -> int:
+    """The least all-to-all payload one step's routing needs on this rank (0 without ep): every routed row
+    (local tokens x top_k) leaves and comes back, in forward and again in backward, per MoE block."""
+    if job.mesh.size("ep") == 1:
+        return 0
+    mcfg = job.case.model_config()
+    rows = job.tokens[:, :-1].numel() // job.mesh.size("cp") * mcfg.top_k
+    precision = job.mesh.config.mixed_precision
+    element = 2 if precision in ("bf16", "fp16") else mcfg.torch_dtype.itemsize
+    return 4 * mcfg.n_layers * rows * mcfg.dim * element
+
+
 def _measure(case: BenchCase, twin: bool) -> dict[str, Any]:
     """Time ``case``; the real run (not ``twin``) is also instrumented (communication, memory)."""
     from ndparallel.bench.memory import state_bytes
@@ -195,6 +213,15 @@ def _measure(case: BenchCase, twin: bool) -> dict[str, Any]:
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(job.device)
             out["memory_method"] = "cuda max_memory_allocated over the timed steps"
         out["comm"], cpu_peak = _instrumented_step(job)
+        loads = getattr(job.last, "router_loads", None)
+        if loads:  # an MoE: the instrumented step's tokens per expert (global: every rank holds the same)
+            from ndparallel.train.progress import router_health
+
+            out["experts"] = {
+                **router_health(loads),
+                "tokens_per_expert": [load.tolist() for load in loads],
+                "all_to_all_min_bytes": _routing_bytes(job),
+            }
         if job.device.type == "cpu":
             out["peak_memory_bytes"] = cpu_peak
             out["memory_method"] = "live tensor storage bytes (TorchDispatchMode), one step"

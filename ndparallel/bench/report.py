@@ -22,6 +22,7 @@ __all__ = [
     "SCHEMA",
     "bus_factor",
     "format_comm_table",
+    "format_experts_table",
     "format_table",
     "machine_info",
     "plot",
@@ -93,11 +94,14 @@ def format_table(results: Sequence[CaseResult]) -> str:
 
 
 def bus_factor(kind: str, group_size: int) -> float:
-    """Bytes a rank sends per payload byte with ring algorithms: (n-1)/n, 2(n-1)/n for all-reduce, 1 for P2P."""
+    """Bytes a rank sends per payload byte with ring algorithms: (n-1)/n, 2(n-1)/n for all-reduce, 1 for P2P; an
+    all-to-all's (n-1)/n assumes balanced routing."""
     n = group_size
     if n <= 0:
         return float("nan")
-    return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n}.get(kind, 1.0)
+    # all-to-all: a rank keeps 1/n of what it sends (the rows routed to its own experts, when balanced)
+    ring = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n}
+    return {**ring, "all_reduce": 2 * (n - 1) / n}.get(kind, 1.0)
 
 
 def format_comm_table(results: Sequence[CaseResult]) -> str:
@@ -110,6 +114,23 @@ def format_comm_table(results: Sequence[CaseResult]) -> str:
             rows.append([f"{r.case['sweep']}/{r.case['label']}", row["dims"], row["kind"], str(row["calls"]),
                          _mib(row["bytes"]), _mib(row["bytes"] * factor)])  # fmt: skip
     return _table(header, rows) if rows else "(no collectives)"
+
+
+def format_experts_table(results: Sequence[CaseResult]) -> str:
+    """MoE cases: the router's health and the ep all-to-all volume of one step against the routing's minimum
+    (empty when no case is an MoE)."""
+    header = ["case", "ep", "experts max/mean", "dropped", "all-to-all MiB", "routing minimum MiB", "x minimum"]
+    rows = []
+    for r in results:
+        if not r.experts:
+            continue
+        sent = sum(row["bytes"] for row in r.comm if row["kind"] == "all_to_all")
+        least = r.experts.get("all_to_all_min_bytes", 0)
+        ep = str(r.case["parallelism"].get("ep_size", 1))
+        ratio = f"{sent / least:.4f}" if least else "-"
+        rows.append([f"{r.case['sweep']}/{r.case['label']}", ep, f"{r.experts['imbalance']:.2f}",
+                     str(r.experts["dropped"]), _mib(sent), _mib(least), ratio])  # fmt: skip
+    return _table(header, rows) if rows else ""
 
 
 def machine_info(peak: Peak) -> dict[str, Any]:

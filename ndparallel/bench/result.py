@@ -51,6 +51,10 @@ class CaseResult:
     """Why the case was not measured; its numbers are then NaN / -1, never a measurement (the report shows it)."""
     pipeline: dict[str, Any] = field(default_factory=dict)
     """pp cases: ``schedule``, ``microbatches``, ``stages_per_rank`` and the cost model's ``bubble`` fraction."""
+    experts: dict[str, Any] = field(default_factory=dict)
+    """MoE cases: the router health of the instrumented step (``imbalance``: the worst router's max / mean tokens
+    per expert over the global batch; ``dropped`` tokens; ``tokens_per_expert`` per router), and
+    ``all_to_all_min_bytes``, the least all-to-all payload the routing needs on one rank (balanced experts)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -110,4 +114,5 @@ def combine(case: BenchCase, ranks: list[dict[str, Any]], twins: list[list[float
         exposed_comm_s=None if twin_min is None else min(step_s) - twin_min,
         losses=ranks[0]["losses"],
         pipeline=pipeline_info(case),
+        experts=ranks[0].get("experts", {}),
     )

@@ -171,3 +171,31 @@ def test_default_config_parses_and_gpu_script_dry_run(tmp_path, monkeypatch):
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"]) for r in doc["results"])
     assert doc["correctness"]["fsdp"]["ok"] and doc["correctness"]["fsdp_tp"]["ok"]
     sys.modules.pop("gpu", None)
+
+
+def test_an_moe_case_reports_router_health_and_its_all_to_all_bytes():
+    """ep 2 on 2 ranks (the ep group is the whole dp_shard group): rank 0's all-to-all payload is exactly what
+    its routing needs. Per MoE block it sends its own routed rows out and their gradients back (``rows``), the
+    outputs and input gradients of the rows its experts received (the global tokens of experts 0..E/2-1),
+    and the counts (an int64 per expert)."""
+    from ndparallel.bench import BenchCase, run_cases
+    from ndparallel.bench.report import format_experts_table
+
+    model = {"preset": "tiny-moe"}
+    case = BenchCase("moe", "ep2", model, {"dp_shard_size": 2, "ep_size": 2, "mixed_precision": "no"},
+                     seq_len=16, global_batch=4, warmup=1, steps=1, compute_twin=False)  # fmt: skip
+    [result] = run_cases([case], peak_flops=1e12, verbose=False)
+    cfg = TransformerConfig.from_dict(model)
+    experts = result.experts
+    assert experts["dropped"] == 0 and len(experts["tokens_per_expert"]) == cfg.n_layers
+    rows = 2 * 16 * cfg.top_k  # this rank's sequences x tokens x top_k
+    element = 4  # fp32
+    received = [sum(load[: cfg.n_experts // 2]) for load in experts["tokens_per_expert"]]
+    expected = sum((2 * rows + 2 * got) * cfg.dim * element + cfg.n_experts * 8 for got in received)
+    sent = sum(row["bytes"] for row in result.comm if row["kind"] == "all_to_all")
+    assert sent == expected
+    assert {row["dims"] for row in result.comm if row["kind"] == "all_to_all"} == {"dp_shard = ep"}
+    assert experts["all_to_all_min_bytes"] == 4 * cfg.n_layers * rows * cfg.dim * element
+    peak = max(max(load) / (sum(load) / len(load)) for load in experts["tokens_per_expert"])
+    assert experts["imbalance"] == pytest.approx(peak)
+    assert "moe/ep2" in format_experts_table([result])
