@@ -29,6 +29,7 @@ from ndparallel.testing import run_distributed  # noqa: E402
 from tests.parity import full_params, make_batches, record_and_step  # noqa: E402
 
 STEPS, BATCH, SEQ, LR, AUX = 3, 4, 16, 1e-2, 0.1
+SAVED_AT = 2  # resumes: saved on ep 2 after 2 steps, loaded on dp_shard 2 (ep 1), ep 4 and one process
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 LAYOUTS = {
     2: {"dp2": {"dp_shard_size": 2}, "cp2": {"cp_size": 2}, "ep2": {"dp_shard_size": 2, "ep_size": 2}},
@@ -101,10 +102,21 @@ def hf_outputs_loss(model, tokens, mesh) -> float:
     return average_over(mesh["dp_cp"] if mesh else None, loss)
 
 
-def train(model_type: str, parallel: dict | None, halves: bool = False) -> dict:
-    """``STEPS`` AdamW steps; ``parallel=None``: one process, the plain HF model (``halves``: each batch as two
-    accumulated halves, the model's own round-off floor)."""
+def train(
+    model_type: str,
+    parallel: dict | None,
+    halves: bool = False,
+    *,
+    start: int = 0,
+    load: str | None = None,
+    save: str | None = None,
+    export: str | None = None,
+) -> dict:
+    """AdamW steps ``[start, STEPS)``; ``parallel=None``: one process, the plain HF model (``halves``: each batch
+    as two accumulated halves, the model's own round-off floor). ``load`` a checkpoint (model + AdamW) first;
+    ``save`` one after step ``SAVED_AT`` and ``export`` the weights to safetensors there (then stop)."""
     import ndparallel as ndp
+    from ndparallel import checkpoint as ckpt
     from ndparallel.distributed.reduce import average_over
 
     model, mesh, dp, dp_rank = build(model_type), None, 1, 0
@@ -113,9 +125,17 @@ def train(model_type: str, parallel: dict | None, halves: bool = False) -> dict:
         model = ndp.parallelize(model, mesh.config, mesh)
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    if load is not None:
+        ckpt.load(load, model, optimizer, restore_rng=False)
     per_rank = BATCH // dp
     result: dict = {"losses": [], "aux": [], "grad_norms": []}
     for step, (tokens, labels) in enumerate(make_batches(STEPS, BATCH, SEQ, model.config.vocab_size)):
+        if step < start:
+            continue
+        if save is not None and step == SAVED_AT:
+            ckpt.save(save, model, optimizer)
+            ckpt.export_safetensors(model, export)
+            break
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         if step == 0:
             result["outputs_loss"] = hf_outputs_loss(model, tokens[rows], mesh)
@@ -153,15 +173,28 @@ def local_aux_differs() -> float:
     return abs(float(local) - float(global_))
 
 
-def run_group(world: int) -> dict:
+RESUME_ON = {2: {"ep2 -> dp2": {"dp_shard_size": 2}}, 4: {"ep2 -> ep4": {"dp_shard_size": 4, "ep_size": 4}}}
+
+
+def run_group(world: int, root: str) -> dict:
     families = FAMILIES if world == 2 else FOUR_RANK_FAMILIES
     runs = {(m, label): train(m, parallel) for label, parallel in LAYOUTS[world].items() for m in families}
-    return {"runs": runs, "local_aux_differs": local_aux_differs() if world == 2 else None}
+    if world == 2:  # the checkpoint every resume loads, and its safetensors export
+        train("mixtral", LAYOUTS[2]["ep2"], save=f"{root}/ep2", export=f"{root}/ep2.safetensors")
+    resumes = {
+        label: train("mixtral", on, start=SAVED_AT, load=f"{root}/ep2") for label, on in RESUME_ON[world].items()
+    }
+    return {"runs": runs, "resumes": resumes, "local_aux_differs": local_aux_differs() if world == 2 else None}
 
 
 @pytest.fixture(scope="module")
-def groups():
-    return {world: run_distributed(functools.partial(run_group, world), world, timeout=600) for world in LAYOUTS}
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf_moe"))
+
+
+@pytest.fixture(scope="module")
+def groups(root):
+    return {world: run_distributed(functools.partial(run_group, world, root), world, timeout=600) for world in LAYOUTS}
 
 
 @functools.cache
@@ -224,3 +257,37 @@ def test_hf_moe_equals_one_process(groups, world):
 
 def test_a_per_rank_aux_loss_would_differ(groups):
     assert all(per_rank["local_aux_differs"] > 1e-4 for per_rank in groups[2])
+
+
+def _resumed_differences(got: dict, ref: dict) -> dict[str, float]:
+    return {
+        "loss": max(abs(x - y) for x, y in zip(got["losses"], ref["losses"][SAVED_AT:], strict=True)),
+        "params": max(float(np.abs(got["params"][k] - v).max()) for k, v in ref["params"].items()),
+    }
+
+
+def test_a_checkpoint_saved_on_ep2_resumes_on_other_meshes_exactly(groups, root):
+    """Saved on ep 2 after 2 steps; loaded on dp_shard 2 (no ep), ep 4 and one process; the last step equals
+    the uninterrupted one-process run."""
+    ref = reference("mixtral")
+    resumed = {label: per_rank["resumes"][label] for world in LAYOUTS for per_rank in groups[world] for label in
+               per_rank["resumes"]}  # fmt: skip
+    resumed["ep2 -> one process"] = train("mixtral", None, start=SAVED_AT, load=f"{root}/ep2")
+    for label, got in resumed.items():
+        diff = _resumed_differences(got, ref)
+        print(label, {k: f"{v:.1e}" for k, v in diff.items()})
+        assert all(v <= TOL for v in diff.values()), (label, diff)
+    # a resume from the wrong step (the checkpoint is one step behind) would differ: the check can fail
+    stale = train("mixtral", None, start=SAVED_AT - 1, load=f"{root}/ep2")["params"]
+    assert max(float(np.abs(stale[k] - v).max()) for k, v in ref["params"].items()) > 1e-6
+
+
+def test_the_safetensors_export_has_transformers_keys_and_full_experts(groups, root):
+    from safetensors.torch import load_file
+
+    exported = load_file(f"{root}/ep2.safetensors")
+    plain = build("mixtral").state_dict()
+    assert set(exported) == set(plain)
+    assert all(exported[k].shape == v.shape for k, v in plain.items())
+    weight = "model.layers.0.mlp.experts.gate_up_proj"
+    assert exported[weight].shape[0] == 4  # every expert, gathered from both ep ranks
