@@ -24,9 +24,14 @@ is a smoke check held to ``FP32_TOL``, a bound measured on several CPU capabilit
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
+import hashlib
+import json
 import math
+import pickle
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -317,18 +322,49 @@ def run_many(runs: list[Run]) -> list[dict[str, Any]]:
 
 
 _CACHE: dict[tuple[int, str], list[list[dict[str, Any]]]] = {}
+SHARED_CACHE_DIR: Path | None = None
+"""Set by tests/conftest.py under pytest-xdist: a folder every worker of this run sees, so that a group two test
+files share (test_parallelize's and test_memory's, on different workers) is spawned once, not once per worker."""
+
+
+def _runs_key(world_size: int, runs: list[Run]) -> str:
+    """The same text in every process for the same runs (functions by name, not by address)."""
+
+    def named(o: Any) -> str:
+        if not callable(o) or not hasattr(o, "__qualname__"):
+            return repr(o)  # a partial's repr holds an address: such runs are computed per process
+        line = getattr(getattr(o, "__code__", None), "co_firstlineno", "")  # two lambdas of one module differ
+        return f"{o.__module__}.{o.__qualname__}:{line}"
+
+    return json.dumps([world_size, runs], default=named, sort_keys=True)
 
 
 def run_cached(world_size: int, runs: list[Run], timeout: float = 600.0) -> list[list[dict[str, Any]]]:
-    """``run_distributed(run_many, world_size, runs)`` once per pytest process: ``[rank][run] -> result``.
+    """``run_distributed(run_many, world_size, runs)`` once per pytest run: ``[rank][run] -> result``.
 
-    Parity and memory tests share the same spawned runs through this cache.
+    Parity and memory tests share the same spawned runs through this cache: in this process, and under xdist
+    through pickles in ``SHARED_CACHE_DIR`` (the first worker to ask spawns, the others wait on its lock).
     """
     from ndparallel.testing import run_distributed
 
-    key = (world_size, repr(runs))
-    if key not in _CACHE:
+    key = (world_size, _runs_key(world_size, runs))
+    if key in _CACHE:
+        return _CACHE[key]
+    if SHARED_CACHE_DIR is None:
         _CACHE[key] = run_distributed(run_many, world_size, runs, timeout=timeout)
+        return _CACHE[key]
+    SHARED_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    stem = SHARED_CACHE_DIR / hashlib.sha256(key[1].encode()).hexdigest()[:24]
+    with open(stem.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
+        done = stem.with_suffix(".pkl")
+        if done.exists():
+            _CACHE[key] = pickle.loads(done.read_bytes())
+        else:
+            _CACHE[key] = run_distributed(run_many, world_size, runs, timeout=timeout)
+            partial = stem.with_suffix(".tmp")
+            partial.write_bytes(pickle.dumps(_CACHE[key]))
+            partial.replace(done)
     return _CACHE[key]
 
 

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # two spawned groups, ~15 s: make test, not make test-fast
+
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face tests need the hf extra: pip install 'ndparallel[hf]' (make test does)"
 )
