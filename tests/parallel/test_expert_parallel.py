@@ -1,6 +1,7 @@
 """Expert parallel on 4 ranks, float64, against one process: ep 2 with the experts' FSDP over the other 2 ranks of
-dp_shard (ep_fsdp 2), ep 4 (each rank owns one expert) with the sigmoid router, and ep 2 x cp 2 (ep borrowing
-from dp_shard x cp, ring attention). Plus the mesh's ep views and the ep rules.
+dp_shard (ep_fsdp 2), ep 4 (each rank owns one expert) with the sigmoid router, ep 2 x cp 2 (ep borrowing
+from dp_shard x cp, ring attention) and ep 2 with HSDP; ep 2 in fp32 and bf16 within measured bounds; one 8-rank
+shape (HSDP x dp_shard 2 x cp 2, ep 2). Plus the mesh's ep views and the ep rules.
 
 Each rank must hold only its own experts (n_experts / ep of them, never a replica), and the loss, grad norm
 (clipped), step-1 gradients and parameters after 5 AdamW steps equal one process to 1e-10.
@@ -24,7 +25,22 @@ LAYOUTS = {
     # HSDP: the experts replicate over dp_replicate too, sharded over ep (ep_fsdp is 1)
     "ep2 hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
 }
+# Lower precision, against the fp32 one process. Measured (torch 2.13 CPU, 5 AdamW steps clipped at 0.5), worst
+# rank: ep2 fp32 loss 9.5e-7, grad-norm rel 1.3e-7, step-1 grads 2.2e-8, params 1.3e-6 (FSDP 4 fp32: 4.8e-7,
+# 6.8e-8, 2.2e-8, 1.3e-6); ep2 bf16 (FSDP's policy) 2.3e-4, 1.2e-3, 6.3e-4, 5.9e-3 (FSDP 4 bf16: 2.3e-4, 1.1e-3,
+# 6.3e-4, 5.9e-3: ep adds nothing to bf16's rounding). Bounds 5-10x above.
+F32 = dict(model=MODEL, loss_fn=moe_loss_fn, dtype="float32")
+LOW_PRECISION = {
+    "ep2 fp32": ({"dp_shard_size": 4, "ep_size": 2}, F32, dict(loss_tol=1e-5, norm_rtol=1e-5, grad_tol=1e-6), 1e-5),
+    "ep2 bf16": (
+        {"dp_shard_size": 4, "ep_size": 2, "mixed_precision": "bf16"},
+        F32,
+        dict(loss_tol=2e-3, norm_rtol=1e-2, grad_tol=5e-3),
+        5e-2,
+    ),
+}
 RUNS = [(parallel, {**COMMON, **kwargs}) for parallel, kwargs in LAYOUTS.values()]
+RUNS += [(parallel, {**COMMON, **kwargs}) for parallel, kwargs, _, _ in LOW_PRECISION.values()]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +64,36 @@ def test_expert_parallel_four_ranks_equals_one_process(results):
                 continue
             assert dims == ("ep_fsdp", "ep") and "R" not in placements, (label, dims, placements)
             assert placements[-1] == "S(0)" and local == (1, 32, 64), (label, placements, local)
+
+
+def test_expert_parallel_in_fp32_and_bf16_within_measured_bounds(results):
+    for index, (label, (_parallel, kwargs, tol, param_tol)) in enumerate(LOW_PRECISION.items(), start=len(LAYOUTS)):
+        ref = _reference({**COMMON, **kwargs})
+        for rank, per_rank in enumerate(results):
+            assert_parity(per_rank[index], ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"], **tol)
+            assert param_error(per_rank[index], ref) <= param_tol, label
+    bf16 = results[0][len(LAYOUTS) + 1]
+    assert param_error(bf16, _reference({**COMMON, **F32})) > 1e-4  # bf16 really ran: it is not fp32
+
+
+# One 8-rank composed shape: HSDP x dp_shard x cp with ep borrowing from dp_shard x cp (ep_fsdp 2), ring attention
+EIGHT = (
+    {"dp_replicate_size": 2, "dp_shard_size": 2, "cp_size": 2, "ep_size": 2},
+    dict(model=MODEL, loss_fn=moe_cp_loss_fn),
+)
+
+
+@pytest.mark.slow
+def test_expert_parallel_on_eight_ranks_hsdp_x_cp():
+    parallel, kwargs = EIGHT
+    results = run_cached(8, [(parallel, {**COMMON, **kwargs})])
+    ref = _reference({**COMMON, **kwargs})
+    for rank, [got] in enumerate(results):
+        assert_parity(got, ref, label=f"8 ranks, rank {rank}", max_norm=COMMON["max_norm"])
+        assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], "params after 5 steps differ"
+        dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
+        assert dims == ("ep_replicate", "ep_fsdp", "ep") and placements[0] == "R" and placements[-1] == "S(0)"
+        assert local == (1, 32, 64), local  # 4 experts / ep 2 / ep_fsdp 2
 
 
 def test_mesh_ep_views():
