@@ -14,9 +14,17 @@ Trainer's own. What the engine changes, the mixin says here:
   ``model.safetensors`` + ``config.json``; the optimizer is a DCP checkpoint in ``checkpoint-N/ndp_state``
   (any mesh reads it back); the scheduler is the Trainer's ``scheduler.pt``. ``resume_from_checkpoint``
   loads the full weights before ``prepare`` (the Trainer's own path) and the optimizer after it;
+* **evaluation**: under cp each rank's eval loss is its share of the batch's (as in training), so it is averaged
+  over the cp group; the predictions of a cp rank are a sequence shard, so under cp only the loss is computed
+  (``compute_metrics`` and ``predict()`` are refused); under tp the vocabulary-sharded logits are gathered.
+  ``predict()`` returns its rows in the dataset's order (the dp sampler interleaves them). A dataset whose
+  size dp does not divide is refused: the sampler would drop its last samples;
+* **load_best_model_at_end**: the best checkpoint's weights come from its ``ndp_state`` (any mesh);
 * **refused by name**: what would train something else than one process or that this engine does not run
   (DeepSpeed, the Trainer's FSDP arguments, Accelerate's ``parallelism_config`` in the arguments,
-  ``average_tokens_across_devices=False`` on several ranks, ``pp_size > 1``, ``torch_compile``).
+  ``average_tokens_across_devices=False`` on several ranks, ``pp_size > 1``, ``torch_compile``; under tp or cp a
+  ``compute_loss_func`` or ``label_smoothing_factor``, which see one rank's logits; on several data ranks a model
+  whose loss takes no ``num_items_in_batch``, whose per-rank means differ from one process's).
 
 docs/accelerate-migration.md#the-transformers-trainer.
 """
@@ -27,8 +35,10 @@ import os
 import types
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ndparallel.accelerator.core import Accelerator
 from ndparallel.checkpoint import load as load_checkpoint
@@ -36,7 +46,7 @@ from ndparallel.checkpoint import save as save_checkpoint
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.errors import ConfigError
 
-__all__ = ["STATE_FOLDER", "NDParallelTrainerMixin", "TrainerAccelerator", "trainer_class"]
+__all__ = ["STATE_FOLDER", "NDParallelTrainerMixin", "TrainerAccelerator", "dataset_order", "trainer_class"]
 
 STATE_FOLDER = "ndp_state"  # inside the Trainer's checkpoint-N: the optimizer (and model), DCP, any mesh
 _SCHEDULER = "scheduler.pt"  # the Trainer's own name
@@ -187,6 +197,64 @@ def _refuse_unsupported(args: Any, config: ParallelismConfig, world_size: int) -
         )
 
 
+def _refuse_loss_overrides(trainer: Any, config: ParallelismConfig) -> None:
+    """A loss the Trainer computes from the logits itself sees one rank's shard of them under tp or cp."""
+    if config.tp_size == 1 and config.cp_size == 1:
+        return
+    mesh = f"tp_size={config.tp_size}, cp_size={config.cp_size}"
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise ConfigError(
+            f"compute_loss_func under {mesh} would see this rank's shard of the logits (vocabulary under tp, sequence "
+            "under cp), not the batch's: use the model's own loss (labels=), or tp_size=cp_size=1"
+        )
+    if getattr(trainer.args, "label_smoothing_factor", 0):
+        raise ConfigError(
+            f"label_smoothing_factor={trainer.args.label_smoothing_factor} under {mesh}: the Trainer's label smoother "
+            "works on one rank's shard of the logits; set it to 0, or use tp_size=cp_size=1"
+        )
+
+
+def _check_eval_size(dataset: Any, dp: int, what: str) -> None:
+    """The dp sampler drops the last ``len % dp`` samples of a pass: refused for evaluation and prediction."""
+    if dataset is None or dp == 1 or not hasattr(dataset, "__len__"):
+        return
+    datasets = dataset.values() if isinstance(dataset, dict) else [dataset]
+    for data in datasets:
+        if len(data) % dp:
+            raise ConfigError(
+                f"{what} has {len(data)} samples, which dp={dp} data ranks do not divide: the last {len(data) % dp} "
+                f"would not be evaluated; use a multiple of {dp} samples"
+            )
+
+
+def dataset_order(samples: int, dp: int, batch: int) -> np.ndarray:
+    """The dataset index of each row the evaluation loop gathers: step by step, each dp rank's batch in rank
+    order, rank ``r`` holding samples ``r, r + dp, ...`` (the prepared loader's sampler)."""
+    per_rank = samples // dp
+    order = []
+    for start in range(0, per_rank, batch):
+        for rank in range(dp):
+            order += [rank + dp * i for i in range(start, min(start + batch, per_rank))]
+    return np.asarray(order)
+
+
+def _in_dataset_order(value: Any, inverse: np.ndarray) -> Any:
+    if isinstance(value, (tuple, list)):
+        return type(value)(_in_dataset_order(v, inverse) for v in value)
+    if isinstance(value, np.ndarray) and value.ndim and value.shape[0] == len(inverse):
+        return value[inverse]
+    return value
+
+
+def _full_tensors(value: Any) -> Any:
+    """Vocabulary-sharded logits (tp) as full tensors, inside the Trainer's nested outputs."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_full_tensors(v) for v in value)
+    return value
+
+
 class NDParallelTrainerMixin:
     """Put before a ``transformers.Trainer`` (sub)class: ``Trainer(..., parallelism_config=cfg)`` trains with
     ndparallel's engine (see the module docstring)."""
@@ -213,11 +281,70 @@ class NDParallelTrainerMixin:
         self.is_deepspeed_enabled = self.is_fsdp_enabled = False
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        config = self.accelerator.parallelism_config
+        _refuse_loss_overrides(self, config)
+        if model.training and self.accelerator.mesh.size("dp_cp") > 1 and not self.model_accepts_loss_kwargs:
+            raise ConfigError(
+                f"{type(self.accelerator.unwrap_model(model)).__name__}'s forward takes no num_items_in_batch: each of "
+                "the dp x cp ranks would average its own tokens, which is one process's loss only when every rank "
+                "has as many; give its forward **kwargs (and its loss num_items_in_batch), or train on one data rank"
+            )
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         cp = self.accelerator.parallelism_config.cp_size
         if cp > 1 and num_items_in_batch is not None:  # the Trainer scaled by dp x cp already (module docstring)
             return (out[0] / cp, out[1]) if return_outputs else out / cp
         return out
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        if self.accelerator.parallelism_config.cp_size > 1 and self.compute_metrics is not None:
+            raise ConfigError(
+                "compute_metrics under cp_size > 1 would see one cp rank's shard of each sequence's predictions: "
+                "evaluate the loss only (compute_metrics=None), or evaluate with cp_size=1"
+            )
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        _check_eval_size(data, self.accelerator.mesh.size("dp"), "the eval dataset")
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
+        """transformers' ``predict``, its rows put back in the dataset's order."""
+        if self.accelerator.parallelism_config.cp_size > 1:
+            raise ConfigError(
+                "predict() under cp_size > 1 would return one cp rank's shard of each sequence: predict with "
+                "cp_size=1 (a model trained under cp loads on any mesh)"
+            )
+        dp = self.accelerator.mesh.size("dp")
+        _check_eval_size(test_dataset, dp, "the test dataset")
+        out = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        if dp == 1:
+            return out
+        inverse = np.argsort(dataset_order(len(test_dataset), dp, self.args.eval_batch_size))
+        return type(out)(
+            predictions=_in_dataset_order(out.predictions, inverse),
+            label_ids=_in_dataset_order(out.label_ids, inverse),
+            metrics=out.metrics,
+            **({"num_samples": out.num_samples} if hasattr(out, "num_samples") else {}),
+        )
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        cp = self.accelerator.parallelism_config.cp_size
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only or cp > 1, ignore_keys)
+        if cp > 1 and loss is not None:  # each cp rank holds its share of the batch's loss (module docstring)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.accelerator.mesh["cp"].get_group())
+            loss = loss / cp
+        return loss, _full_tensors(logits), labels
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's weights from its ``ndp_state`` (the Trainer's own path reads full tensors into
+        what are sharded parameters here)."""
+        state = os.path.join(self.state.best_model_checkpoint, STATE_FOLDER)
+        if not os.path.isdir(state):
+            raise ConfigError(
+                f"load_best_model_at_end: {self.state.best_model_checkpoint!r} has no {STATE_FOLDER}/ (ndparallel's "
+                "model and optimizer state); it was not saved by ndparallel.hf.Trainer"
+            )
+        load_checkpoint(state, self.model, restore_rng=False)
 
     def _clip_grad_norm(self, model):
         return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)

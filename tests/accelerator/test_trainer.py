@@ -26,6 +26,7 @@ from tests.command import REPO, clean_env, run_ndparallel  # noqa: E402
 JOB = str(Path(__file__).with_name("trainer_job.py"))
 TOL = 1e-10
 STEPS = 4
+EVAL_MESHES = ("hsdp", "dp2_cp2")  # dp 4 (predict's row order), and cp 2 (its eval loss is shared by 2 ranks)
 MESHES = {
     "dp_shard4": {"dp_shard_size": 4},
     "hsdp": {"dp_replicate_size": 2, "dp_shard_size": 2},
@@ -35,9 +36,11 @@ MESHES = {
 }
 
 
-def _runs(printed: str) -> dict[str, list]:
+def _runs(printed: str, tag: str = "RUN") -> dict[str, list]:
     return {
-        line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in printed.splitlines() if line.startswith("RUN ")
+        line.split()[1]: json.loads(line.split(" ", 2)[2])
+        for line in printed.splitlines()
+        if line.startswith(f"{tag} ")
     }
 
 
@@ -62,15 +65,23 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory) -> tuple[list, dict]:
-    out = tmp_path_factory.mktemp("plain")
-    runs = json.dumps([{"out": str(out), "steps": STEPS}])
+def plain_runs(model_dir, tmp_path_factory) -> tuple[Path, str]:
+    """transformers' own Trainer in one process: the training run, and one with evaluation (``eval``)."""
+    root = tmp_path_factory.mktemp("plain")
+    runs = json.dumps([{"out": str(root / "train"), "steps": STEPS}, {"out": str(root / "eval"), "steps": STEPS,
+                                                                       "eval": True}])  # fmt: skip
     done = subprocess.run(
         [sys.executable, JOB, str(model_dir), runs, "--plain"], capture_output=True, text=True, timeout=300,
         cwd=REPO, env=clean_env(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return _runs(done.stdout)[str(out)], _params(out / "final")
+    return root, done.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(plain_runs) -> tuple[list, dict]:
+    root, printed = plain_runs
+    return _runs(printed)[str(root / "train")], _params(root / "train" / "final")
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +94,12 @@ def launched(model_dir, tmp_path_factory) -> tuple[Path, dict]:
         {"out": str(root / "resumed_tp2_cp2"), "sizes": MESHES["tp2_cp2"], "steps": STEPS, "resume": checkpoint}
     )
     runs.append({"out": str(root / "resumed_dp4"), "sizes": MESHES["dp_shard4"], "steps": STEPS, "resume": checkpoint})
+    for name in EVAL_MESHES:  # evaluation, predict() and load_best_model_at_end (trainer_job.py: "eval")
+        spec = {"out": str(root / f"eval_{name}"), "sizes": MESHES[name], "steps": STEPS, "eval": True}
+        runs.append({**spec, "predict": MESHES[name].get("cp_size", 1) == 1})
     done = run_ndparallel("launch", "--cpu-ranks", "4", "--", JOB, str(model_dir), json.dumps(runs), timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    return root, _runs(done.stdout)
+    return root, {**_runs(done.stdout), **{f"EVAL {k}": v for k, v in _runs(done.stdout, "EVAL").items()}}
 
 
 def _worst(logs: list, ref: list, first_step: int = 1) -> float:
@@ -126,6 +140,52 @@ def test_trainer_resumes_its_checkpoint_on_other_meshes_exactly(reference, launc
     # transformers' from_pretrained reads what save_model wrote
     model = transformers.AutoModelForCausalLM.from_pretrained(str(root / "tp2_cp2" / "final"))
     assert model.config.vocab_size == 64
+
+
+@pytest.mark.slow
+@pytest.mark.jobs
+def test_evaluation_predict_and_load_best_model_equal_transformers_trainer(plain_runs, launched):
+    """Eval losses every 2 steps, ``predict()`` in the dataset's order (hsdp: dp 4 interleaves the rows), and
+    ``load_best_model_at_end`` (the worst checkpoint by design: checkpoint-2, not the last weights), against
+    transformers' Trainer in one process."""
+    plain_root, printed = plain_runs
+    ref = _runs(printed, "EVAL")[str(plain_root / "eval")]
+    ref_final = _params(plain_root / "eval" / "final")
+    root, runs = launched
+    assert [step for step, _ in ref["losses"]] == [2, 4] and ref["losses"][0][1] > ref["losses"][1][1]
+    for name in EVAL_MESHES:
+        got = runs[f"EVAL {root / f'eval_{name}'}"]
+        assert [s for s, _ in got["losses"]] == [2, 4], name
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got["losses"], ref["losses"], strict=True)) < TOL, name
+        final = _params(root / f"eval_{name}" / "final")
+        assert max(float(np.abs(final[k] - ref_final[k]).max()) for k in ref_final) < TOL, name  # checkpoint-2's
+        last = _params(root / name / "final")  # the same mesh's run without evaluation: the last weights
+        assert max(float(np.abs(final[k] - last[k]).max()) for k in last) > 1e-6, name  # loading really happened
+        if "argmax" in got:
+            assert got["label_ids"] == ref["label_ids"] and got["argmax"] == ref["argmax"], name
+            assert max(abs(a - b) for a, b in zip(got["logits_sum"], ref["logits_sum"], strict=True)) < 1e-9, name
+
+
+def test_trainer_refusals_and_the_dp_row_order():
+    from types import SimpleNamespace
+
+    from ndparallel.accelerator.trainer import _check_eval_size, _refuse_loss_overrides, dataset_order
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.errors import ConfigError
+
+    cp2, tp2 = ParallelismConfig(cp_size=2), ParallelismConfig(tp_size=2)
+    custom = SimpleNamespace(compute_loss_func=lambda *a, **k: 0, args=SimpleNamespace(label_smoothing_factor=0))
+    smooth = SimpleNamespace(compute_loss_func=None, args=SimpleNamespace(label_smoothing_factor=0.1))
+    with pytest.raises(ConfigError, match="compute_loss_func under tp_size=1, cp_size=2"):
+        _refuse_loss_overrides(custom, cp2)
+    with pytest.raises(ConfigError, match="label_smoothing_factor=0.1 under tp_size=2"):
+        _refuse_loss_overrides(smooth, tp2)
+    _refuse_loss_overrides(smooth, ParallelismConfig(dp_shard_size=2))  # one rank's logits are whole: allowed
+    with pytest.raises(ConfigError, match="has 10 samples, which dp=4 data ranks do not divide: the last 2"):
+        _check_eval_size(list(range(10)), 4, "the eval dataset")
+    _check_eval_size(list(range(12)), 4, "the eval dataset")
+    # 10 samples on dp 2 in batches of 2: rank 0 holds 0 2 4 6 8, rank 1 1 3 5 7 9; each step gathers both
+    assert dataset_order(10, 2, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]
 
 
 _ACCELERATE_SAVE_STATE = """

@@ -2,9 +2,13 @@
 ``parallelism_config``. Run under ``ndparallel launch`` (real torchrun) by tests/accelerator/test_trainer.py, or
 in one process with ``--plain`` for transformers' own Trainer (the reference, Accelerate's engine).
 
-``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume"}``
+``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume", "eval"}``
 trains the float64 tiny Llama in ``MODEL_DIR`` on the same 64 sequences (global batch 8, sequential order),
 then ``save_model(out/final)``; rank 0 prints ``RUN <out> <json log history>`` (loss, grad norm per step).
+``eval``: 16 other sequences evaluated every 2 steps, a checkpoint every 2 steps, the *worst* one loaded at the
+end (``load_best_model_at_end`` with ``greater_is_better``: the last weights are not the best, so loading
+shows); then ``EVAL <out> <json>``: every eval loss, and unless ``"predict": false`` the predictions' argmax and
+label ids of ``predict()`` on the eval sequences.
 """
 
 from __future__ import annotations
@@ -39,49 +43,76 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in rows]
 
 
-def arguments(out: str, per_device: int, steps: int, save_steps: int | None):
+def eval_dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(6)
+    rows = [torch.randint(0, VOCAB, (SEQ,), generator=generator) for _ in range(EVAL_SAMPLES)]
+    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+
+
+EVAL_SAMPLES, EVAL_BATCH = 16, 2  # per device: 4 ranks x 2 = 8 a step, 2 steps; one process: 8 steps of 2
+
+
+def arguments(out: str, per_device: int, steps: int, save_steps: int | None, evaluate: bool = False):
     from transformers import TrainingArguments
 
+    every = {}
+    if evaluate:
+        save_steps = 2
+        every = dict(
+            eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=EVAL_BATCH, load_best_model_at_end=True,
+            metric_for_best_model="eval_loss", greater_is_better=True,
+        )  # fmt: skip
     return TrainingArguments(
         output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, learning_rate=1e-2,
         weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=0.5, logging_steps=1,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], use_cpu=True,
-        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
+        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0, **every,
     )  # fmt: skip
 
 
-def run(model_dir: str, spec: dict, plain: bool) -> list:
+def run(model_dir: str, spec: dict, plain: bool) -> tuple[list, dict | None]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     model.loss_function = float64_loss
+    evaluate = bool(spec.get("eval"))
+    data = {"train_dataset": dataset(), "eval_dataset": eval_dataset() if evaluate else None}
     if plain:
         from transformers import Trainer
 
-        trainer = Trainer(model=model, args=arguments(spec["out"], GLOBAL_BATCH, spec["steps"], None),
-                          train_dataset=dataset())  # fmt: skip
+        args = arguments(spec["out"], GLOBAL_BATCH, spec["steps"], None, evaluate)
+        trainer = Trainer(model=model, args=args, **data)
     else:
         import ndparallel as ndp
         from ndparallel.hf import Trainer
 
         sizes = spec["sizes"]
         dp = int(os.environ["WORLD_SIZE"]) // (sizes.get("tp_size", 1) * sizes.get("cp_size", 1))
-        args = arguments(spec["out"], GLOBAL_BATCH // dp, spec["steps"], spec.get("save_steps"))
-        trainer = Trainer(
-            model=model, args=args, train_dataset=dataset(), parallelism_config=ndp.ParallelismConfig(**sizes)
-        )
+        args = arguments(spec["out"], GLOBAL_BATCH // dp, spec["steps"], spec.get("save_steps"), evaluate)
+        trainer = Trainer(model=model, args=args, parallelism_config=ndp.ParallelismConfig(**sizes), **data)
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     trainer.save_model(os.path.join(spec["out"], "final"))
-    return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    logs = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    if not evaluate:
+        return logs, None
+    evals = {"losses": [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]}
+    if spec.get("predict", True):
+        out = trainer.predict(eval_dataset())
+        evals["argmax"] = out.predictions.argmax(-1).tolist()
+        evals["logits_sum"] = out.predictions.sum(axis=(1, 2)).tolist()
+        evals["label_ids"] = out.label_ids.tolist()
+    return logs, evals
 
 
 def main() -> None:
     plain = "--plain" in sys.argv
     model_dir, runs = [a for a in sys.argv[1:] if a != "--plain"]
     for spec in json.loads(runs):
-        logs = run(model_dir, spec, plain)
+        logs, evals = run(model_dir, spec, plain)
         if int(os.environ.get("RANK", "0")) == 0:
             print("RUN", spec["out"], json.dumps(logs), flush=True)
+            if evals is not None:
+                print("EVAL", spec["out"], json.dumps(evals), flush=True)
 
 
 if __name__ == "__main__":
