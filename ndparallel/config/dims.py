@@ -12,7 +12,7 @@ SIZE_FIELDS: tuple[str, ...] = tuple(f"{d}_size" for d in MESH_DIMS)
 EP_BORROWS: tuple[str, ...] = ("dp_shard", "cp")
 """The dims expert parallelism takes its ranks from (their inner ``ep`` ranks); not a mesh dim of its own."""
 # Dims that expert parallelism is not yet proved against one process with (refused until a parity test says so).
-_EP_UNTESTED = ("pp", "tp")
+_EP_UNTESTED = ("tp",)
 
 
 def ep_mesh_problem(cfg: Any) -> str | None:
@@ -30,7 +30,7 @@ def ep_mesh_problem(cfg: Any) -> str | None:
         if getattr(cfg, f"{dim}_size") != 1:
             return (
                 f"ep_size={ep} with {dim}_size={getattr(cfg, f'{dim}_size')} is not proved against one process yet "
-                f"(ep composes with dp_shard, cp and dp_replicate only); use {dim}_size=1 or ep_size=1"
+                f"(ep composes with dp_shard, cp, dp_replicate and pp only); use {dim}_size=1 or ep_size=1"
             )
     return None
 

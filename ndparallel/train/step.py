@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ndparallel.config.precision import forward_autocast_dtype
@@ -159,10 +160,17 @@ class TrainStep:
         return StepResult(loss, grad_norm, applied, loads)
 
     def _end_routing(self, applied: bool) -> list[torch.Tensor]:
-        """The routers' global tokens per expert of this step; then move the balancing biases (an applied step
-        only) and reset the counts for the next."""
-        modules = self.model.stages if isinstance(self.model, Pipeline) else [self.model]
-        loads = [load for module in modules for load in router_loads(module)]
+        """The routers' global tokens per expert of this step (under pp every stage's, in stage order, on every
+        rank); then move the balancing biases (an applied step only) and reset the counts for the next."""
+        pipeline = isinstance(self.model, Pipeline)
+        modules = self.model.stages if pipeline else [self.model]
+        loads = [router_loads(module) for module in modules]
         for module in modules:
             update_router_biases(module, self.router_bias_rate if applied else 0.0)
-        return loads
+        if not pipeline or self.model.aux_losses is None:
+            return [load for per_module in loads for load in per_module]
+        mine = [(sid, [load.tolist() for load in per]) for sid, per in zip(self.model.stage_ids, loads, strict=True)]
+        every: list = [None] * self.model.mesh.size("pp")
+        dist.all_gather_object(every, mine, group=self.model.pp_group)
+        stages = sorted(stage for rank in every for stage in rank)
+        return [torch.tensor(load, dtype=torch.float64) for _, per in stages for load in per]

@@ -124,11 +124,6 @@ class TransformerFamily(ModelFamily):
                 "ndparallel.models.Transformer and the Hugging Face families; register a ModelFamily with "
                 "pipeline_stage for another model, or use pp_size=1"
             )
-        if model.config.is_moe:
-            raise ConfigError(
-                f"pp_size > 1 on a mixture-of-experts Transformer (model.n_experts={model.config.n_experts}): the "
-                "pipeline's loss does not carry the router's auxiliary loss yet; use pp_size=1"
-            )
         return TransformerStage(model, block_ids, first, last)
 
 

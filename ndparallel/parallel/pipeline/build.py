@@ -16,6 +16,7 @@ from ndparallel.distributed.process import init_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.family import ModelFamily, family_for
 from ndparallel.parallel.loss import cross_entropy_loss
+from ndparallel.parallel.pipeline.aux_loss import AuxLossRecord, attach_auxiliary_losses
 from ndparallel.parallel.pipeline.placement import last_stage_rank, stage_ids
 from ndparallel.parallel.pipeline.runtime import Pipeline
 from ndparallel.parallel.pipeline.split import stage_ranges
@@ -103,10 +104,14 @@ def build_pipeline(
     if autocast is not None:
         for module in modules:
             _autocast_forward(module, autocast, mesh.device.type)
+    aux_losses = AuxLossRecord() if family.moe_layers(model) else None  # the whole model's: alike on every rank
+    if aux_losses is not None:
+        for module in modules:
+            attach_auxiliary_losses(module, aux_losses)
     group = mesh["pp"].get_group()
     stages = [make_stage(mod, sid, n_stages, mesh.device, group) for mod, sid in zip(modules, ids, strict=True)]
     schedule = make_schedule(cfg.pp_schedule, stages, m, loss_fn or cross_entropy_loss)
     positions_arg = getattr(modules[0], "positions_arg", "positions")
     last = last_stage_rank(cfg.pp_size, per_rank, cfg.pp_schedule)
     tied = tied_copies(first_part, last_part, modules, group, last)
-    return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg, tied, cfg.pp_schedule)
+    return Pipeline(modules, ids, schedule, mesh, m, last, positions_arg, tied, cfg.pp_schedule, aux_losses)

@@ -3,7 +3,8 @@
 What the step makes right across stages (docs/pipeline-parallel.md):
 
 * the loss: the mean of the last stage's micro-batch losses (equal micro-batches: the mean over the rank's
-  batch), averaged over ``dp_cp``, broadcast over pp from the rank holding the last stage;
+  batch), averaged over ``dp_cp``, broadcast over pp from the rank holding the last stage; plus, for a model with
+  auxiliary losses (MoE routers), every stage's, summed over pp (:mod:`ndparallel.parallel.pipeline.aux_loss`);
 * context parallel: tokens, labels and ``[batch, seq]`` positions are sharded alike on every stage;
 * pure replicate: the schedule runs under ``no_sync`` and gradients are averaged over ``dp_replicate`` once
   after it (FSDP needs nothing: torch's stage drives FSDP's gradient sync itself);
@@ -27,6 +28,7 @@ from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
+from ndparallel.parallel.pipeline.aux_loss import AuxLossRecord
 from ndparallel.parallel.pipeline.tied import TiedCopies, sum_tied_grads
 from ndparallel.parallel.replicate import no_sync
 
@@ -52,6 +54,7 @@ class Pipeline:
         positions_arg: str,
         tied: TiedCopies | None = None,
         schedule_name: str = "",
+        aux_losses: AuxLossRecord | None = None,
     ) -> None:
         self.stages = list(stages)
         self.stage_ids = list(stage_ids)
@@ -62,6 +65,7 @@ class Pipeline:
         self.last_stage_rank = last_stage_rank
         self.positions_arg = positions_arg
         self.tied = tied or TiedCopies()
+        self.aux_losses = aux_losses  # None: the model has no auxiliary losses (every rank knows alike)
         self.pp_group = mesh["pp"].get_group()
         inner = mesh.without_pp()
         self._inner = inner
@@ -131,7 +135,22 @@ class Pipeline:
         else:
             local = torch.zeros(1, dtype=torch.float64, device=device)
         dist.broadcast(local, group=self.pp_group, group_src=self.last_stage_rank)
+        if self.aux_losses is not None:
+            local = local + self._global_aux_loss()
         return local[0]
+
+    def _global_aux_loss(self) -> torch.Tensor:
+        """This step's aux losses: the mean over micro-batches of every stage's, averaged over ``dp_cp``."""
+        values = self.aux_losses.take()
+        aux = (
+            torch.stack([v.to(torch.float64) for v in values]).sum() if values else torch.zeros((), dtype=torch.float64)
+        )
+        aux = (aux / self.microbatches).reshape(1).to(self.mesh.device)
+        dist.all_reduce(aux, group=self.pp_group)
+        if self._inner.size("dp_cp") > 1:
+            dist.all_reduce(aux, group=self._inner["dp_cp"].get_group())
+            aux /= self._inner.size("dp_cp")
+        return aux
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the global mean loss (float64, every rank)."""
@@ -152,7 +171,19 @@ class Pipeline:
             return self._run(tokens, labels, self.schedule.eval)
 
     def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> torch.Tensor:
+        first = self._shape is None
         self.check_batch(tokens, labels)
+        if first and self.aux_losses is not None:
+            self._dry_run(tokens, labels, run)
+        losses = self._schedule(tokens, labels, run)
+        if self._replicate and torch.is_grad_enabled():
+            self._average_replicas()
+        if torch.is_grad_enabled():
+            sum_tied_grads(self.tied, self.pp_group)
+        return self._global_loss(losses)
+
+    def _schedule(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> list[torch.Tensor]:
+        """torch's schedule over this batch (``run``: its step or eval); the last stage's micro-batch losses."""
         device = self.mesh.device
         x, y = tokens.to(device).clone(), labels.to(device).clone()
         batch, seq = x.shape
@@ -162,11 +193,20 @@ class Pipeline:
             args = (x,) if 0 in self.stage_ids else ()
             kwargs = {self.positions_arg: positions}
             run(*args, target=y, losses=losses, return_outputs=False, **kwargs)
-        if self._replicate and torch.is_grad_enabled():
-            self._average_replicas()
-        if torch.is_grad_enabled():
-            sum_tied_grads(self.tied, self.pp_group)
-        return self._global_loss(losses)
+        return losses
+
+    def _dry_run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> None:
+        """Before a model with auxiliary losses runs its first batch: torch infers the stages' shapes on the first
+        run with stage forwards of its own (on tensors it makes up), which would add to the routers' counts and
+        the aux losses. Run the schedule once, then put every buffer back and drop its gradients and losses."""
+        saved = [{name: b.detach().clone() for name, b in stage.named_buffers()} for stage in self.stages]
+        self._schedule(tokens, labels, run)
+        with torch.no_grad():
+            for stage, buffers in zip(self.stages, saved, strict=True):
+                for name, buffer in stage.named_buffers():
+                    buffer.copy_(buffers[name])
+        self.zero_grad()
+        self.aux_losses.take()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every stage's gradients by the global norm over all stages; returns the norm before clipping."""
