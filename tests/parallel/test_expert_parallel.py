@@ -111,7 +111,7 @@ def test_mesh_ep_views():
     [
         ({"dp_shard_size": 4, "ep_size": 3}, "ep_size=3 does not divide dp_shard_size x cp_size = 4"),
         ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, "ep_size=2 with tp_size=2 is not proved"),
-        ({"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "ep_size=2 with pp_size=2 is not proved"),
+        ({"cp_size": 2, "dp_replicate_size": 2, "ep_size": 4}, "ep_size=4 does not divide dp_shard_size x cp_size = 2"),
     ],
 )
 def test_ep_mesh_rules(fields, message):
