@@ -141,12 +141,7 @@ def apply_expert_parallel(moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
             raise ConfigError(f"ep_size={ep} does not divide the {n_experts} experts of {type(layer).__name__}")
         local = n_experts // ep
         for name in expert_weight_names(experts):
-            full = getattr(experts, name)
-            if full.device.type == "meta":
-                raise ConfigError(
-                    "ep_size > 1 needs the experts' weights materialised before parallelize (they are sliced per "
-                    "rank from the seeded full weights); build the model on a real device"
-                )
+            full = getattr(experts, name)  # on meta too: the values come later (init_weights, a loader)
             shard = full.detach()[rank * local : (rank + 1) * local].clone()
             dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))

@@ -119,16 +119,26 @@ def train(
     save: str | None = None,
     export: str | None = None,
     grouped: bool = False,
+    pretrained: str | None = None,
 ) -> dict:
     """AdamW steps ``[start, STEPS)``; ``parallel=None``: one process, the plain HF model (``halves``: each batch
     as two accumulated halves, the model's own round-off floor). ``load`` a checkpoint (model + AdamW) first;
-    ``save`` one after step ``SAVED_AT`` and ``export`` the weights to safetensors there (then stop)."""
+    ``save`` one after step ``SAVED_AT`` and ``export`` the weights to safetensors there (then stop).
+    ``pretrained``: the model comes from that ``save_pretrained`` folder through ``ndparallel.hf.load_pretrained``
+    (built on meta, each rank reading its own shards, experts included)."""
     import ndparallel as ndp
     from ndparallel import checkpoint as ckpt
     from ndparallel.distributed.reduce import average_over
 
     model, mesh, dp, dp_rank = build(model_type, grouped=grouped), None, 1, 0
-    if parallel is not None:
+    if pretrained is not None:
+        from ndparallel.hf import load_pretrained
+
+        mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
+        model = load_pretrained(pretrained, mesh.config, mesh, dtype=torch.float64)
+        model.config._experts_implementation = "eager"  # as build(): grouped_mm has no float64 kernel
+        dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+    elif parallel is not None:
         mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
         model = ndp.parallelize(model, mesh.config, mesh)
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
@@ -191,6 +201,7 @@ def run_group(world: int, root: str) -> dict:
     if world == 2:  # the checkpoint every resume loads, and its safetensors export; grouped_mm experts under ep
         train("mixtral", LAYOUTS[2]["ep2"], save=f"{root}/ep2", export=f"{root}/ep2.safetensors")
         extra["grouped_mm"] = train("mixtral", LAYOUTS[2]["ep2"], grouped=True)
+        extra["load_pretrained"] = train("mixtral", LAYOUTS[2]["ep2"], pretrained=f"{root}/mixtral-pretrained")
     resumes = {
         label: train("mixtral", on, start=SAVED_AT, load=f"{root}/ep2") for label, on in RESUME_ON[world].items()
     }
@@ -200,7 +211,18 @@ def run_group(world: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("hf_moe"))
+    """The ranks' shared folder, with build("mixtral") (the references' initial weights) in the fused layout that
+    load_pretrained reads (transformers' save_pretrained writes Mixtral's experts one by one, which
+    load_pretrained refuses by name: transformers converts them on load)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("hf_moe")
+    model = build("mixtral")
+    model.config.save_pretrained(folder / "mixtral-pretrained")
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, folder / "mixtral-pretrained" / "model.safetensors"
+    )
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +302,17 @@ def test_grouped_mm_experts_under_ep_within_fp32_bounds(groups):
             print("grouped_mm ep2 fp32", {k: f"{v:.1e}" for k, v in diff.items()})
         assert all(diff[k] <= GROUPED_TOL[k] for k in diff), (rank, diff)
         assert per_rank["grouped_mm"]["experts_owned"] == 2
+
+
+def test_load_pretrained_on_ep2_trains_like_one_process(groups):
+    """Mixtral through ``load_pretrained`` on ep 2: built on meta, the experts sliced on meta and each rank's
+    shard read from the file; trained, it equals the one-process model with the same weights."""
+    ref = reference("mixtral")
+    for rank, per_rank in enumerate(groups[2]):
+        got = per_rank["load_pretrained"]
+        diff = differences(got, ref)
+        assert all(v <= TOL for v in diff.values()), (rank, diff)
+        assert got["experts_owned"] == 2
 
 
 def test_a_per_rank_aux_loss_would_differ(groups):

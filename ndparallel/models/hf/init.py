@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ndparallel.errors import ConfigError
 from ndparallel.models.seed import name_seed
@@ -37,6 +38,12 @@ def seeded_init(model: nn.Module, seed: int = 0, init_module: Callable[[nn.Modul
     (:class:`ndparallel.models.hf.stage.HFCausalLMStage`
     passes its model's ``_init_weights``). Plain tensors only (call it before ``parallelize``).
     """
+    sharded = next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if sharded is not None:  # HF's init draws each DTensor shard by DTensor's own RNG: not one process's values
+        raise ConfigError(
+            f"seeded_init on a parallelised model ({sharded} is a DTensor): its shards would not get one process's "
+            "values; call seeded_init before ndparallel.parallelize"
+        )
     init_module = init_module or model._init_weights
     cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
     for fqn, module in model.named_modules():

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ndparallel.distributed.regions import local_region
 from ndparallel.models.seed import name_seed
 from ndparallel.models.transformer.moe import MoE, Router
 from ndparallel.models.transformer.presets import TransformerConfig
@@ -62,19 +63,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @torch.no_grad()
 def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None = None) -> None:
-    """Initialise ``module``'s parameters (plain tensors) as the reference Transformer does, each from a generator
-    seeded by ``(seed, its FQN)``: a module holding part of the model under the unsplit names (a pipeline
-    stage) gets exactly the values the whole model gets. Norm weights 1; others normal(0, 0.02), the residual
-    projections (``wo``, ``w2``) normal(0, 0.02 / sqrt(2 n_layers))."""
+    """Initialise ``module``'s parameters as the reference Transformer does, each from a generator seeded by
+    ``(seed, its FQN)``: a module holding part of the model under the unsplit names (a pipeline stage) gets
+    exactly the values the whole model gets. Norm weights 1; others normal(0, 0.02), the residual projections
+    (``wo``, ``w2``) normal(0, 0.02 / sqrt(2 n_layers)). A DTensor parameter (a model built on meta and
+    parallelised first) draws its full tensor and keeps its own region, so every layout holds one process's
+    values (DTensor's own random ops would draw others)."""
     seed = cfg.seed if seed is None else seed
     residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
     for name, param in module.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        generator = torch.Generator(device=param.device).manual_seed(name_seed(seed, name))
         std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
-        param.normal_(0.0, std, generator=generator)
+        if not isinstance(param, DTensor):
+            param.normal_(0.0, std, generator=torch.Generator(device=param.device).manual_seed(name_seed(seed, name)))
+            continue
+        local = param.to_local()
+        generator = torch.Generator(device=local.device).manual_seed(name_seed(seed, name))
+        full = torch.empty(param.shape, dtype=local.dtype, device=local.device).normal_(0.0, std, generator=generator)
+        local.copy_(full[local_region(param)])
 
 
 class CoreAttention(nn.Module):
