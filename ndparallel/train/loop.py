@@ -146,6 +146,19 @@ class _StopRequest:
         return signalled[0] if signalled else None
 
     def restore(self) -> None:
+        """The handlers from before ``train()``. After a stop whose launcher forward has not come yet (it can come
+        this late on a loaded machine), that one signal is swallowed first: under the previous handler it would
+        raise KeyboardInterrupt inside the interpreter's shutdown."""
+        if self._first is not None and self._forward_pending:
+            for sig in self._previous:
+                signal.signal(sig, self._swallow_forward)
+            return
+        self._restore_previous()
+
+    def _swallow_forward(self, signum, frame) -> None:
+        self._restore_previous()
+
+    def _restore_previous(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

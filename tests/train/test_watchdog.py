@@ -167,6 +167,25 @@ def test_a_late_launcher_forward_of_the_same_stop_is_not_a_second_stop(monkeypat
             stop.restore()
 
 
+def test_a_launcher_forward_arriving_after_train_returns_is_swallowed_once(monkeypatch):
+    """train() stopped by a signal can return before the launcher's forward of it arrives (a loaded machine): the
+    previous handler would then raise KeyboardInterrupt in the interpreter's shutdown (seen: a traceback in a
+    SIGINT-to-every-process run). restore() swallows that one forward, then puts the previous handlers back."""
+    import signal
+
+    from ndparallel.train import loop
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    previous = signal.getsignal(signal.SIGINT)
+    stop = loop._StopRequest()
+    stop._handle(signal.SIGINT, None)  # the rank's own signal: the stop
+    stop.restore()  # train() returns; the forward has not come yet
+    late = signal.getsignal(signal.SIGINT)
+    assert late is not previous
+    late(signal.SIGINT, None)  # the forward: no KeyboardInterrupt
+    assert signal.getsignal(signal.SIGINT) is previous and signal.getsignal(signal.SIGTERM) is not late
+
+
 def test_the_verdict_is_one_write_so_ranks_sharing_stderr_never_glue_lines(monkeypatch):
     """Every rank of a hung job prints its verdict into one shared stderr pipe: text and newline in one write,
     or two ranks' verdicts come out as one line (seen in a loaded full run: 2 verdict lines of 3)."""
