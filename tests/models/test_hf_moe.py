@@ -68,6 +68,19 @@ def build(model_type: str, seed: int = 0, grouped: bool = False) -> torch.nn.Mod
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
 
 
+def collapse_routing(model: torch.nn.Module) -> None:
+    """Send every token to experts 0 and 1 (its router's weights kept): under ep 2 rank 1 then receives no rows."""
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        original = gate.forward
+
+        def forward(hidden, original=original):
+            logits, weights, indices = original(hidden)
+            return logits, weights, torch.arange(indices.shape[-1]).expand_as(indices).to(indices)
+
+        gate.forward = forward
+
+
 def _outputs(model, tokens, mesh, **kwargs):
     """The model's outputs; under cp the tokens (and ``labels``, if given) are sequence-sharded."""
     if mesh is None or mesh.size("cp") == 1:
@@ -120,6 +133,7 @@ def train(
     export: str | None = None,
     grouped: bool = False,
     pretrained: str | None = None,
+    collapsed: bool = False,
 ) -> dict:
     """AdamW steps ``[start, STEPS)``; ``parallel=None``: one process, the plain HF model (``halves``: each batch
     as two accumulated halves, the model's own round-off floor). ``load`` a checkpoint (model + AdamW) first;
@@ -131,6 +145,8 @@ def train(
     from ndparallel.distributed.reduce import average_over
 
     model, mesh, dp, dp_rank = build(model_type, grouped=grouped), None, 1, 0
+    if collapsed:
+        collapse_routing(model)
     if pretrained is not None:
         from ndparallel.hf import load_pretrained
 
@@ -202,6 +218,7 @@ def run_group(world: int, root: str) -> dict:
         train("mixtral", LAYOUTS[2]["ep2"], save=f"{root}/ep2", export=f"{root}/ep2.safetensors")
         extra["grouped_mm"] = train("mixtral", LAYOUTS[2]["ep2"], grouped=True)
         extra["load_pretrained"] = train("mixtral", LAYOUTS[2]["ep2"], pretrained=f"{root}/mixtral-pretrained")
+        extra["collapsed"] = train("mixtral", LAYOUTS[2]["ep2"], collapsed=True)
     resumes = {
         label: train("mixtral", on, start=SAVED_AT, load=f"{root}/ep2") for label, on in RESUME_ON[world].items()
     }
@@ -313,6 +330,15 @@ def test_load_pretrained_on_ep2_trains_like_one_process(groups):
         diff = differences(got, ref)
         assert all(v <= TOL for v in diff.values()), (rank, diff)
         assert got["experts_owned"] == 2
+
+
+def test_an_ep_rank_whose_experts_get_no_rows_trains_like_one_process(groups):
+    """Every token routed to experts 0 and 1: ep rank 1 receives nothing, yet runs the all-to-all backward with
+    rank 0 (it used to hang there: transformers' eager forward returns fresh zeros for no rows)."""
+    ref = train("mixtral", None, collapsed=True)
+    for rank, per_rank in enumerate(groups[2]):
+        diff = differences(per_rank["collapsed"], ref)
+        assert all(v <= TOL for v in diff.values()), (rank, diff)
 
 
 def test_a_per_rank_aux_loss_would_differ(groups):

@@ -19,6 +19,7 @@ stacked 3-D weights, expert on dim 0 (``gate_up_proj``, ``down_proj``, gpt-oss's
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -59,21 +60,38 @@ def _balancing_loss(model: nn.Module) -> Callable[..., Any] | None:
     return None
 
 
-def _global_router_loss_hook(group: dist.ProcessGroup):
+_BALANCING_ARGS = ("gate_logits", "num_experts", "top_k", "attention_mask")  # the function's (and its call's) order
+
+
+def _cannot(model: nn.Module, why: str) -> ConfigError:
+    return ConfigError(
+        f"{type(model).__name__}'s router aux loss cannot be computed over the global batch ({why}): it would be this "
+        "rank's alone, not one process's; pass output_router_logits=False, or use dp_shard_size x cp_size = 1"
+    )
+
+
+def _global_router_loss_hook(group: dist.ProcessGroup, mask_position: int | None):
     def hook(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
+        if not hasattr(outputs, "keys"):  # return_dict=False: a tuple whose aux loss cannot be told apart
+            if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+                raise _cannot(model, "return_dict=False hides it in a tuple; keep return_dict=True")
+            return outputs
         local, logits = getattr(outputs, "aux_loss", None), getattr(outputs, "router_logits", None)
         if local is None:
             return outputs
         balancing = _balancing_loss(model)
         if balancing is None or not isinstance(logits, tuple):
-            raise ConfigError(
-                f"{type(model).__name__} returned a router aux loss that ndparallel cannot compute over the global "
-                "batch (no load_balancing_loss_func in its module): it would be this rank's alone; pass "
-                "output_router_logits=False, or use dp_shard_size x cp_size = 1"
-            )
+            raise _cannot(model, "no load_balancing_loss_func in its module")
+        if not hasattr(model, "router_aux_loss_coef"):  # multimodal MoEs keep it in their text config
+            raise _cannot(model, "its loss is not the causal LM's router_aux_loss_coef x load_balancing_loss_func")
+        if tuple(inspect.signature(balancing).parameters)[:4] != _BALANCING_ARGS:
+            raise _cannot(model, f"its load_balancing_loss_func takes {tuple(inspect.signature(balancing).parameters)}")
         mask = kwargs.get("attention_mask")
+        if mask is None and mask_position is not None and len(args) > mask_position:
+            mask = args[mask_position]
         gathered = tuple(all_gather_rows(layer, group) for layer in logits)
-        mask = None if mask is None else all_gather_rows(mask, group)
+        # flattened: each rank's rows in the logits' order, whatever each rank's padded length
+        mask = None if mask is None else all_gather_rows(mask.reshape(-1), group).reshape(1, -1)
         total = balancing(gathered, model.num_experts, model.num_experts_per_tok, mask)
         if outputs.loss is not None:  # the model added coef x its local term: the same expression, swapped
             coef = model.router_aux_loss_coef
@@ -86,10 +104,15 @@ def _global_router_loss_hook(group: dist.ProcessGroup):
 
 def install_global_router_loss(model: nn.Module, mesh: Mesh) -> None:
     """Under dp x cp > 1, make an HF MoE causal LM's router aux loss (and its share of ``outputs.loss``) the
-    global batch's; a no-op for a dense model or a single data rank."""
-    if mesh.size("dp_cp") == 1 or not hasattr(model, "router_aux_loss_coef"):
+    global batch's; a no-op for a dense model or a single data rank. An aux loss the hook cannot recompute (a
+    multimodal MoE's, a tuple output's, another function's) is refused at the forward that returns one."""
+    if mesh.size("dp_cp") == 1 or not hf_moe_layers(model):
         return
-    model.register_forward_hook(_global_router_loss_hook(mesh["dp_cp"].get_group()), with_kwargs=True)
+    names = list(inspect.signature(model.forward).parameters)
+    if "output_router_logits" not in names:  # no aux loss from the router logits (DeepSeek-V3: a bias balances)
+        return
+    mask_position = names.index("attention_mask") if "attention_mask" in names else None
+    model.register_forward_hook(_global_router_loss_hook(mesh["dp_cp"].get_group(), mask_position), with_kwargs=True)
 
 
 # ------------------------------------------------------------------------------------ expert parallel
@@ -118,8 +141,11 @@ def _compute(experts: nn.Module) -> Callable[..., torch.Tensor]:
         )[:, None]
         out = forward(_LocalExperts(experts, dict(zip(names, weights, strict=True)), local), rows, index,
                       rows.new_ones(rows.shape[0], 1))  # fmt: skip
-        # an expert no row reaches gets a zero gradient, as in one process (its stacked weight has one)
-        return out + sum(w.flatten()[:0].sum() for w in weights).to(out.dtype)
+        # an expert no row reaches gets a zero gradient, as in one process (its stacked weight has one); and with
+        # no rows at all (transformers' eager forward then returns fresh zeros) the rows stay in the graph, so this
+        # rank runs the all-to-all's backward with the others
+        anchor = rows.flatten()[:0].sum() + sum(w.flatten()[:0].sum() for w in weights)
+        return out + anchor.to(out.dtype)
 
     return compute
 
@@ -147,7 +173,17 @@ def _routed_forward(experts: nn.Module) -> Callable[..., torch.Tensor]:
 
 
 def adapt_experts(experts: nn.Module) -> None:
-    """Give an HF experts module the expert-parallel contract (its FQNs and weights stay as they are)."""
+    """Give an HF experts module the expert-parallel contract (its FQNs and weights stay as they are). Refused: a
+    parameter not stacked by expert (a submodule's, or one without the experts on dim 0), which ep would leave
+    unsynchronised between the ep ranks."""
+    own = dict(experts.named_parameters(recurse=False))
+    odd = [n for n, _ in experts.named_parameters() if n not in own]
+    odd += [n for n, p in own.items() if p.dim() == 0 or p.shape[0] != experts.num_experts]
+    if odd:
+        raise ConfigError(
+            f"ep_size > 1 on {type(experts).__name__}: {odd[:3]} are not stacked by expert (dim 0 = its "
+            f"{experts.num_experts} experts), so their copies on the ep ranks would drift apart; use ep_size=1"
+        )
     experts.n_experts = experts.num_experts
     experts.compute = _compute(experts)
     experts.dispatcher = None
