@@ -131,13 +131,22 @@ class TrainerAccelerator:
         return _all_gather(tensor, None)
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
-        """Over ``dp`` (each sample once: tp/cp ranks share a batch); 0-dim tensors as one element each."""
+        """Over ``dp`` (each sample once: tp/cp ranks share a batch); 0-dim tensors as one element each; tuples,
+        lists and dicts (a model's extra outputs) element by element, as Accelerate's."""
+        if isinstance(data, (tuple, list)):
+            return type(data)(self.gather_for_metrics(d) for d in data)
+        if isinstance(data, dict):
+            return type(data)({k: self.gather_for_metrics(v) for k, v in data.items()})
         if not isinstance(data, torch.Tensor):
             return data
         return _all_gather(data, self._accelerator.mesh["dp"].get_group())
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        """Pad ``tensor`` along ``dim`` to the longest over the world (Accelerate's contract)."""
+        """Pad ``tensor`` along ``dim`` to the longest over the world (Accelerate's contract; nested alike)."""
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self.pad_across_processes(t, dim, pad_index, pad_first) for t in tensor)
+        if isinstance(tensor, dict):
+            return type(tensor)({k: self.pad_across_processes(v, dim, pad_index, pad_first) for k, v in tensor.items()})
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             return tensor
         size = torch.tensor([tensor.shape[dim]], device=tensor.device)
@@ -214,16 +223,23 @@ def _refuse_loss_overrides(trainer: Any, config: ParallelismConfig) -> None:
         )
 
 
-def _check_eval_size(dataset: Any, dp: int, what: str) -> None:
-    """The dp sampler drops the last ``len % dp`` samples of a pass: refused for evaluation and prediction."""
-    if dataset is None or dp == 1 or not hasattr(dataset, "__len__"):
+def _check_eval_size(dataset: Any, dp: int, what: str, batch: int = 1, drop_last: bool = False) -> None:
+    """The dp sampler drops the last ``len % dp`` samples of a pass, and ``dataloader_drop_last`` each rank's
+    last partial batch: refused for evaluation and prediction (those samples would not be evaluated)."""
+    if dataset is None or not hasattr(dataset, "__len__"):
         return
     datasets = dataset.values() if isinstance(dataset, dict) else [dataset]
     for data in datasets:
-        if len(data) % dp:
+        if dp > 1 and len(data) % dp:
             raise ConfigError(
                 f"{what} has {len(data)} samples, which dp={dp} data ranks do not divide: the last {len(data) % dp} "
                 f"would not be evaluated; use a multiple of {dp} samples"
+            )
+        if dp > 1 and drop_last and (len(data) // dp) % batch:
+            raise ConfigError(
+                f"{what}: dataloader_drop_last drops each rank's last {(len(data) // dp) % batch} samples (of "
+                f"{len(data) // dp} per rank in batches of {batch}); use a multiple of dp x eval batch = {dp * batch} "
+                "samples, or dataloader_drop_last=False"
             )
 
 
@@ -289,11 +305,32 @@ class NDParallelTrainerMixin:
                 "the dp x cp ranks would average its own tokens, which is one process's loss only when every rank "
                 "has as many; give its forward **kwargs (and its loss num_items_in_batch), or train on one data rank"
             )
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        cp = self.accelerator.parallelism_config.cp_size
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        scale = self._token_loss_scale(num_items_in_batch)
+        cp = config.cp_size
         if cp > 1 and num_items_in_batch is not None:  # the Trainer scaled by dp x cp already (module docstring)
-            return (out[0] / cp, out[1]) if return_outputs else out / cp
-        return out
+            loss, scale = loss / cp, scale / cp
+        loss = self._unscale_router_loss(model, loss, outputs, scale)
+        return (loss, outputs) if return_outputs else loss
+
+    def _token_loss_scale(self, num_items_in_batch) -> float:
+        """What transformers' ``compute_loss`` multiplied each rank's loss by (its rule, Trainer 5.25)."""
+        args = self.args
+        if not (args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func)):
+            return 1.0
+        if num_items_in_batch is None:
+            return 1.0
+        return float(self.accelerator.num_processes // self.get_tp_size() if args.n_gpu <= 1 else args.n_gpu)
+
+    def _unscale_router_loss(self, model, loss, outputs, scale: float):
+        """An HF MoE's router aux loss in ``outputs.loss`` is the global batch's, the same on every rank
+        (ndparallel/models/hf/moe.py); the Trainer's scaling is meant for per-rank token sums, so it would
+        multiply that term by ``scale``: take the excess back out, gradient included."""
+        aux = getattr(outputs, "aux_loss", None) if hasattr(outputs, "keys") else None
+        coef = getattr(self.accelerator.unwrap_model(model), "router_aux_loss_coef", None)
+        if scale == 1 or aux is None or not coef or getattr(outputs, "loss", None) is None:
+            return loss
+        return loss - (scale - 1) * coef * aux.to(loss.device)
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
@@ -303,7 +340,9 @@ class NDParallelTrainerMixin:
                 "evaluate the loss only (compute_metrics=None), or evaluate with cp_size=1"
             )
         data = self.eval_dataset if eval_dataset is None else eval_dataset
-        _check_eval_size(data, self.accelerator.mesh.size("dp"), "the eval dataset")
+        if isinstance(data, str):  # transformers' evaluate() recurses with the name of one of its eval datasets
+            data = self.eval_dataset[data]
+        self._check_eval_data(data, "the eval dataset")
         return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
@@ -314,10 +353,16 @@ class NDParallelTrainerMixin:
                 "cp_size=1 (a model trained under cp loads on any mesh)"
             )
         dp = self.accelerator.mesh.size("dp")
-        _check_eval_size(test_dataset, dp, "the test dataset")
+        self._check_eval_data(test_dataset, "the test dataset")
         out = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         if dp == 1:
             return out
+        if self.args.train_sampling_strategy == "group_by_length":  # transformers then groups eval rows too
+            raise ConfigError(
+                f"predict() on dp={dp} ranks with train_sampling_strategy='group_by_length': the eval loader groups "
+                "rows by length, and ndparallel puts gathered rows back in the dataset's order only for sequential "
+                "evaluation; predict with another train_sampling_strategy"
+            )
         inverse = np.argsort(dataset_order(len(test_dataset), dp, self.args.eval_batch_size))
         return type(out)(
             predictions=_in_dataset_order(out.predictions, inverse),
@@ -325,6 +370,10 @@ class NDParallelTrainerMixin:
             metrics=out.metrics,
             **({"num_samples": out.num_samples} if hasattr(out, "num_samples") else {}),
         )
+
+    def _check_eval_data(self, data: Any, what: str) -> None:
+        batch, drop = self.args.eval_batch_size, self.args.dataloader_drop_last
+        _check_eval_size(data, self.accelerator.mesh.size("dp"), what, batch, drop)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         cp = self.accelerator.parallelism_config.cp_size

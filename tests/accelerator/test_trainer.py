@@ -26,6 +26,8 @@ from tests.command import REPO, clean_env, run_ndparallel  # noqa: E402
 JOB = str(Path(__file__).with_name("trainer_job.py"))
 TOL = 1e-10
 STEPS = 4
+# the aux loss sums router probabilities in fp32 (transformers), over the ranks' rows in another order
+MOE_TOL = 1e-7
 EVAL_MESHES = ("hsdp", "dp2_cp2")  # dp 4 (predict's row order), and cp 2 (its eval loss is shared by 2 ranks)
 MESHES = {
     "dp_shard4": {"dp_shard_size": 4},
@@ -42,6 +44,15 @@ def _runs(printed: str, tag: str = "RUN") -> dict[str, list]:
         for line in printed.splitlines()
         if line.startswith(f"{tag} ")
     }
+
+
+def _loaded(folder: Path) -> dict[str, np.ndarray]:
+    """The weights as transformers loads them (its save_pretrained writes Mixtral's experts one by one, ndparallel's
+    fused: both load to the same tensors)."""
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64)
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
 def _params(folder: Path) -> dict[str, np.ndarray]:
@@ -65,11 +76,28 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain_runs(model_dir, tmp_path_factory) -> tuple[Path, str]:
-    """transformers' own Trainer in one process: the training run, and one with evaluation (``eval``)."""
+def moe_dir(tmp_path_factory) -> Path:
+    """A tiny float64 Mixtral whose outputs.loss carries the router aux loss (coefficient 0.1)."""
+    import torch
+
+    from ndparallel.hf import tiny_config
+
+    path = tmp_path_factory.mktemp("trainer-mixtral")
+    config = tiny_config("mixtral", output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).double().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_runs(model_dir, moe_dir, tmp_path_factory) -> tuple[Path, str]:
+    """transformers' own Trainer in one process: the training run, one with evaluation (``eval``), one MoE."""
     root = tmp_path_factory.mktemp("plain")
-    runs = json.dumps([{"out": str(root / "train"), "steps": STEPS}, {"out": str(root / "eval"), "steps": STEPS,
-                                                                       "eval": True}])  # fmt: skip
+    runs = json.dumps([
+        {"out": str(root / "train"), "steps": STEPS},
+        {"out": str(root / "eval"), "steps": STEPS, "eval": True},
+        {"out": str(root / "moe"), "steps": STEPS, "model": str(moe_dir)},
+    ])  # fmt: skip
     done = subprocess.run(
         [sys.executable, JOB, str(model_dir), runs, "--plain"], capture_output=True, text=True, timeout=300,
         cwd=REPO, env=clean_env(),
@@ -85,7 +113,7 @@ def reference(plain_runs) -> tuple[list, dict]:
 
 
 @pytest.fixture(scope="module")
-def launched(model_dir, tmp_path_factory) -> tuple[Path, dict]:
+def launched(model_dir, moe_dir, tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("ndp")
     runs = [{"out": str(root / name), "sizes": sizes, "steps": STEPS} for name, sizes in MESHES.items()]
     runs[2]["save_steps"] = 2  # dp2_tp2 saves checkpoint-2: resumed below on two other meshes
@@ -94,6 +122,7 @@ def launched(model_dir, tmp_path_factory) -> tuple[Path, dict]:
         {"out": str(root / "resumed_tp2_cp2"), "sizes": MESHES["tp2_cp2"], "steps": STEPS, "resume": checkpoint}
     )
     runs.append({"out": str(root / "resumed_dp4"), "sizes": MESHES["dp_shard4"], "steps": STEPS, "resume": checkpoint})
+    runs.append({"out": str(root / "moe_dp4"), "sizes": MESHES["dp_shard4"], "steps": STEPS, "model": str(moe_dir)})
     for name in EVAL_MESHES:  # evaluation, predict() and load_best_model_at_end (trainer_job.py: "eval")
         spec = {"out": str(root / f"eval_{name}"), "sizes": MESHES[name], "steps": STEPS, "eval": True}
         runs.append({**spec, "predict": MESHES[name].get("cp_size", 1) == 1})
@@ -166,6 +195,21 @@ def test_evaluation_predict_and_load_best_model_equal_transformers_trainer(plain
             assert max(abs(a - b) for a, b in zip(got["logits_sum"], ref["logits_sum"], strict=True)) < 1e-9, name
 
 
+@pytest.mark.slow
+@pytest.mark.jobs
+def test_an_moe_with_its_router_aux_loss_equals_transformers_trainer(plain_runs, launched):
+    """Mixtral with output_router_logits on dp_shard 4: outputs.loss carries the global batch's aux loss, which
+    the Trainer's dp x cp loss scaling (meant for per-rank token sums) would multiply by 4; it is taken back out."""
+    plain_root, printed = plain_runs
+    ref_logs, ref_final = _runs(printed)[str(plain_root / "moe")], _loaded(plain_root / "moe" / "final")
+    root, runs = launched
+    logs, final = runs[str(root / "moe_dp4")], _loaded(root / "moe_dp4" / "final")
+    worst = _worst(logs, ref_logs)
+    params = max(float(np.abs(final[k] - ref_final[k]).max()) for k in ref_final)
+    print("moe dp_shard4", worst, params)
+    assert worst < MOE_TOL and params < MOE_TOL, (worst, params)
+
+
 def test_trainer_refusals_and_the_dp_row_order():
     from types import SimpleNamespace
 
@@ -184,6 +228,9 @@ def test_trainer_refusals_and_the_dp_row_order():
     with pytest.raises(ConfigError, match="has 10 samples, which dp=4 data ranks do not divide: the last 2"):
         _check_eval_size(list(range(10)), 4, "the eval dataset")
     _check_eval_size(list(range(12)), 4, "the eval dataset")
+    with pytest.raises(ConfigError, match="dataloader_drop_last drops each rank's last 1 samples"):
+        _check_eval_size(list(range(12)), 4, "the eval dataset", batch=2, drop_last=True)
+    _check_eval_size(list(range(16)), 4, "the eval dataset", batch=2, drop_last=True)
     # 10 samples on dp 2 in batches of 2: rank 0 holds 0 2 4 6 8, rank 1 1 3 5 7 9; each step gathers both
     assert dataset_order(10, 2, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]
 

@@ -2,7 +2,8 @@
 ``parallelism_config``. Run under ``ndparallel launch`` (real torchrun) by tests/accelerator/test_trainer.py, or
 in one process with ``--plain`` for transformers' own Trainer (the reference, Accelerate's engine).
 
-``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume", "eval"}``
+``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume", "eval",
+"model"}`` (``model``: another model folder than MODEL_DIR, e.g. a tiny MoE)
 trains the float64 tiny Llama in ``MODEL_DIR`` on the same 64 sequences (global batch 8, sequential order),
 then ``save_model(out/final)``; rank 0 prints ``RUN <out> <json log history>`` (loss, grad norm per step).
 ``eval``: 16 other sequences evaluated every 2 steps, a checkpoint every 2 steps, the *worst* one loaded at the
@@ -73,8 +74,9 @@ def arguments(out: str, per_device: int, steps: int, save_steps: int | None, eva
 def run(model_dir: str, spec: dict, plain: bool) -> tuple[list, dict | None]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(spec.get("model", model_dir), dtype=torch.float64)
     model.loss_function = float64_loss
+    model.config._experts_implementation = "eager"  # an MoE's: grouped_mm has no float64 kernel
     evaluate = bool(spec.get("eval"))
     data = {"train_dataset": dataset(), "eval_dataset": eval_dataset() if evaluate else None}
     if plain:
