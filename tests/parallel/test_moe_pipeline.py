@@ -47,9 +47,12 @@ def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(torch.randint(0, vocab, (BATCH, SEQ), generator=generator) for _ in range(2)) for _ in range(STEPS)]
 
 
-def train(parallel: dict | None, router: str, order: list[int] | None = None, inject: bool = True) -> dict:
+def train(
+    parallel: dict | None, router: str, order: list[int] | None = None, inject: bool = True, evaluate: bool = False
+) -> dict:
     """``STEPS`` TrainSteps of tiny-moe; ``parallel=None``: one process (accumulation ``MICRO``), batches
-    reordered by ``order``. ``inject=False``: the pipeline without its aux-loss hooks (the bug)."""
+    reordered by ``order``. ``inject=False``: the pipeline without its aux-loss hooks (the bug). ``evaluate``: a
+    pipeline ``eval`` of each batch before its step (torch infers the shapes again at every switch)."""
     import ndparallel as ndp
     from ndparallel.models import Transformer, TransformerConfig
     from ndparallel.parallel.pipeline import build_pipeline
@@ -74,11 +77,13 @@ def train(parallel: dict | None, router: str, order: list[int] | None = None, in
                      router_bias_rate=rate)  # fmt: skip
     dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     per = BATCH // dp
-    out: dict = {"losses": [], "norms": [], "loads": []}
+    out: dict = {"losses": [], "norms": [], "loads": [], "eval_losses": []}
     for index, (x, y) in enumerate(_batches(model.config.vocab_size)):
         if order is not None:
             x, y = x[order], y[order]
         rows = slice(dp_rank * per, (dp_rank + 1) * per)
+        if evaluate:
+            out["eval_losses"].append(float(target.eval(x[rows], y[rows])))
         done = step(x[rows], y[rows], MICRO, index + 1)
         out["losses"].append(float(done.loss))  # pp: the global mean; one process: its own
         out["norms"].append(done.grad_norm)
@@ -106,6 +111,8 @@ def run_group(world: int) -> dict:
     runs = {label: train(parallel, router) for label, (parallel, router) in CASES[world].items()}
     if world == 2:
         runs["aux dropped"] = train({"pp_size": 2}, "softmax", inject=False)
+    else:  # eval between the steps, on the sigmoid router whose bias moves with the counts
+        runs["pp2 x ep2, eval between steps"] = train(CASES[4]["pp2 x ep2"][0], "sigmoid", evaluate=True)
     return runs
 
 
@@ -144,6 +151,19 @@ def test_moe_under_pp_equals_one_process(groups, world):
             assert got["loads"] == ref["loads"], (label, rank)  # every stage's routers, on every rank
             if parallel.get("ep_size", 1) > 1:  # 4 experts over ep 2 (ep_fsdp 1): 2 a rank, no replica
                 assert got["experts"] and all(d[-1] == "ep" and r == 2 for d, r in got["experts"].values()), got
+
+
+def test_evaluating_between_steps_changes_nothing_and_equals_the_loss_before_the_step(groups):
+    """Each eval (the loss before the step, on the same weights) equals one process's loss of that step; the
+    training beside it is untouched (losses, parameters, router loads and biases)."""
+    ref = reference("sigmoid", 2)
+    merged = {k: v for per_rank in groups[4] for k, v in per_rank["pp2 x ep2, eval between steps"]["params"].items()}
+    for rank, per_rank in enumerate(groups[4]):
+        got = {**per_rank["pp2 x ep2, eval between steps"], "params": merged}
+        diff = _differences(got, ref, sorted(ref["params"]))
+        assert all(v <= TOL for v in diff.values()), (rank, diff)
+        assert got["loads"] == ref["loads"], rank
+        assert max(abs(a - b) for a, b in zip(got["eval_losses"], ref["losses"], strict=True)) <= TOL, rank
 
 
 def test_a_pipeline_without_the_aux_injection_differs(groups):

@@ -72,6 +72,7 @@ class Pipeline:
         self._replicate = inner.size("dp_replicate") > 1 and inner.fsdp is None
         self._holds_last = mesh.local_rank("pp") == last_stage_rank
         self._shape: tuple | None = None
+        self._last_mode: bool | None = None  # training (step) or not (eval) on the last run; None before any
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every parameter of this rank's stages (once, should two stages share one)."""
@@ -154,7 +155,7 @@ class Pipeline:
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the global mean loss (float64, every rank)."""
-        return self._run(tokens, labels, self.schedule.step)
+        return self._run(tokens, labels, self.schedule.step, training=True)
 
     def eval(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward only (torch's ``schedule.eval``, no gradients): the global mean loss, as :meth:`step`'s."""
@@ -167,14 +168,21 @@ class Pipeline:
                 "eval still runs backward actions); evaluate a model trained with pp_schedule='interleaved_1f1b' "
                 "or '1f1b', or evaluate the saved weights in one process"
             )
-        with torch.no_grad():
-            return self._run(tokens, labels, self.schedule.eval)
+        modes = [stage.training for stage in self.stages]
+        for stage in self.stages:  # an evaluation: dropout off, and an MoE router does not count its tokens
+            stage.eval()
+        try:
+            with torch.no_grad():
+                return self._run(tokens, labels, self.schedule.eval, training=False)
+        finally:
+            for stage, mode in zip(self.stages, modes, strict=True):
+                stage.train(mode)
 
-    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> torch.Tensor:
-        first = self._shape is None
+    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run, training: bool) -> torch.Tensor:
         self.check_batch(tokens, labels)
-        if first and self.aux_losses is not None:
+        if self.aux_losses is not None and training != self._last_mode:  # torch infers shapes again: absorb it
             self._dry_run(tokens, labels, run)
+        self._last_mode = training
         losses = self._schedule(tokens, labels, run)
         if self._replicate and torch.is_grad_enabled():
             self._average_replicas()
@@ -196,16 +204,20 @@ class Pipeline:
         return losses
 
     def _dry_run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> None:
-        """Before a model with auxiliary losses runs its first batch: torch infers the stages' shapes on the first
-        run with stage forwards of its own (on tensors it makes up), which would add to the routers' counts and
-        the aux losses. Run the schedule once, then put every buffer back and drop its gradients and losses."""
+        """Before a model with auxiliary losses runs its first batch, and whenever it switches between step and
+        eval: torch then infers the stages' shapes with stage forwards of its own (on tensors it makes up), which
+        would add to the routers' counts and the aux losses. Run the schedule once, then put every buffer and
+        gradient back as they were and drop its losses."""
         saved = [{name: b.detach().clone() for name, b in stage.named_buffers()} for stage in self.stages]
+        params = list(self.parameters())
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         self._schedule(tokens, labels, run)
         with torch.no_grad():
             for stage, buffers in zip(self.stages, saved, strict=True):
                 for name, buffer in stage.named_buffers():
                     buffer.copy_(buffers[name])
-        self.zero_grad()
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
         self.aux_losses.take()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
