@@ -193,11 +193,15 @@ def _routing_bytes(job: _Job) -> int:
     (local tokens x top_k) leaves and comes back, in forward and again in backward, per MoE block."""
     if job.mesh.size("ep") == 1:
         return 0
+    from ndparallel.models.transformer.moe import MoE
+
     mcfg = job.case.model_config()
     rows = job.tokens[:, :-1].numel() // job.mesh.size("cp") * mcfg.top_k
     precision = job.mesh.config.mixed_precision
     element = 2 if precision in ("bf16", "fp16") else mcfg.torch_dtype.itemsize
-    return 4 * mcfg.n_layers * rows * mcfg.dim * element
+    modules = getattr(job.model, "stages", [job.model])  # under pp: this rank's stages only
+    blocks = sum(isinstance(m, MoE) for module in modules for m in module.modules())
+    return 4 * blocks * rows * mcfg.dim * element
 
 
 def _measure(case: BenchCase, twin: bool) -> dict[str, Any]:
