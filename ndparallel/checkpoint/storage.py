@@ -118,12 +118,15 @@ def tmp_path(path: Path, token: str) -> Path:
 
 
 def create_tmp(path: Path, tmp: Path) -> None:
-    """Rank 0: remove what earlier crashed saves of ``path`` left (ours only), then create ``tmp``, stamped."""
+    """Rank 0: remove what earlier crashed saves of ``path`` left (ours only), then create ``tmp``, stamped. A
+    complete checkpoint stranded there while ``path`` holds none (:func:`_stranded`) is kept: it is the only copy
+    of its checkpoint, and this save may still fail; once ``path`` is complete again it is an ordinary leftover."""
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"checkpoint path {str(path)!r} exists and is not a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
+    keep = {left for _, left, target in _stranded(path.parent) if target == path}
     for p in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
-        if leftovers.is_leftover(p, path.name):
+        if leftovers.is_leftover(p, path.name) and p not in keep:
             shutil.rmtree(p, ignore_errors=True)
     tmp.mkdir()
     leftovers.write_stamp(tmp, path.name)

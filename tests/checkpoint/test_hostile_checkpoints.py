@@ -162,6 +162,25 @@ def test_a_checkpoint_left_between_the_two_renames_is_offered_back_and_never_pru
     assert ckpt.prune(root, 2) == [str(old)]
 
 
+def test_a_save_of_the_same_name_keeps_the_stranded_copies_until_it_commits(tmp_path):
+    """The crash state above, then a new save of ``last`` itself: its start (which removes what crashed saves of
+    ``last`` left) keeps both complete copies, since that save may fail too; an incomplete leftover goes."""
+    from ndparallel.checkpoint import storage
+
+    root = tmp_path / "ckpts"
+    old, target = _crash_between_renames(root)
+    new = root / "last.tmp-00000000deadbeef"
+    partial = root / "last.tmp-00000000cafef00d"
+    partial.mkdir()
+    storage.leftovers.write_stamp(partial, "last")  # ours, no marker: a save that died before committing
+    storage.create_tmp(target, storage.tmp_path(target, "0000000012345678"))
+    assert old.is_dir() and new.is_dir() and not partial.exists()
+    ckpt.save(target, _tiny(5), step=5)  # it commits: the stranded copies are ordinary leftovers now
+    net = _tiny()
+    ckpt.load(target, net)
+    assert _same_weights(net, _tiny(5)) and ckpt.latest(root) == str(target)
+
+
 def test_a_first_save_that_died_before_its_rename_is_offered_back(tmp_path):
     """A save of a new name killed after its marker, before the rename: its complete ``.tmp-`` folder is the
     only copy of that checkpoint, newer than every committed one: offered back, not pruned."""
