@@ -17,6 +17,7 @@ from ndparallel.errors import ConfigError
 __all__ = ["DIMS", "Layout", "auto_layouts", "fold", "parse_layouts", "parse_reshards"]
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outer -> inner, as the mesh orders them
+BORROWED = ("ep",)  # sizes that take their ranks from the dims above (ep from dp_shard x cp): not multiplied in
 AUTO_SINGLES = ("dp_shard", "dp_replicate", "tp", "cp", "pp")
 # Pairs worth a run each: the compositions users ship (FSDP x TP, HSDP, ring x TP, FSDP x ring, pp x FSDP).
 AUTO_PAIRS = (("dp_shard", "tp"), ("dp_replicate", "dp_shard"), ("tp", "cp"), ("dp_shard", "cp"), ("pp", "dp_shard"))
@@ -29,11 +30,11 @@ class Layout:
     @classmethod
     def of(cls, sizes: Mapping[str, int]) -> Layout:
         for dim, size in sizes.items():
-            if dim not in DIMS:
-                raise ConfigError(f"layout dimension {dim!r} is unknown; use {', '.join(DIMS)}")
+            if dim not in DIMS + BORROWED:
+                raise ConfigError(f"layout dimension {dim!r} is unknown; use {', '.join(DIMS + BORROWED)}")
             if not isinstance(size, int) or size < 1:
                 raise ConfigError(f"layout {dim}={size!r}: a size is a positive integer")
-        return cls(tuple((d, sizes[d]) for d in DIMS if sizes.get(d, 1) > 1))
+        return cls(tuple((d, sizes[d]) for d in DIMS + BORROWED if sizes.get(d, 1) > 1))
 
     @property
     def name(self) -> str:
@@ -41,7 +42,7 @@ class Layout:
 
     @property
     def ranks(self) -> int:
-        return math.prod(s for _, s in self.sizes)
+        return math.prod(s for d, s in self.sizes if d not in BORROWED)
 
     def size(self, dim: str) -> int:
         return dict(self.sizes).get(dim, 1)

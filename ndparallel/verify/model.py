@@ -87,13 +87,25 @@ class ModelSpec:
 
     def logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Forward ``[batch, seq]`` tokens with their (cp-sharded) global ``positions``; the logits."""
+        return self.forward(model, tokens, positions)[0]
+
+    def forward(
+        self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits and the auxiliary loss that training adds to the cross entropy (None without one): an HF
+        MoE's ``router_aux_loss_coef x outputs.aux_loss`` (the global batch's under dp/cp), else what the modules
+        left in ``aux_loss`` (the reference MoE's router losses: :func:`ndparallel.parallel.loss.auxiliary_loss`)."""
+        from ndparallel.parallel.loss import auxiliary_loss
+
         if self.kind == "hf":
-            return model(input_ids=tokens, position_ids=positions[None]).logits
+            out = model(input_ids=tokens, position_ids=positions[None])
+            aux, coef = getattr(out, "aux_loss", None), getattr(model, "router_aux_loss_coef", None)
+            return out.logits, (None if aux is None or not coef else coef * aux)
         if self.kind == "preset" or "positions" in inspect.signature(model.forward).parameters:
             out = model(tokens, positions=positions)
         else:
             out = model(tokens)
-        return getattr(out, "logits", out)
+        return getattr(out, "logits", out), auxiliary_loss(model)
 
 
 def check_fits_in_memory(spec: ModelSpec, ranks: int, memory: int | None = None) -> None:

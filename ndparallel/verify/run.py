@@ -291,8 +291,9 @@ def _plain_step(spec: ModelSpec, model: nn.Module, mesh, accumulation: int, auto
             sharding = context_parallel(mesh, buffers, seq_dims=[1, 1, 0], no_restore=buffers) if mesh else None
             with sharding or contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
-                    logits = spec.logits(model, x, positions)
-                loss = cross_entropy_loss(logits, y) / accumulation
+                    logits, aux = spec.forward(model, x, positions)
+                loss = cross_entropy_loss(logits, y)  # + an MoE's router losses, as training adds them
+                loss = (loss if aux is None else loss + aux) / accumulation
                 loss.backward()
             total = total + loss.detach()
         return torch.tensor(average_over(mesh["dp_cp"] if mesh else None, total), dtype=torch.float64)

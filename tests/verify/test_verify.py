@@ -292,3 +292,23 @@ def test_a_layout_that_crashes_stops_its_group_without_a_hang():
     assert rows["tp=2"].verdict == "error" and "RuntimeError" in rows["tp=2"].message
     assert rows["dp_shard=2"].verdict == "error" and rows["dp_shard=2"].message.startswith("not run: tp=2 failed")
     assert not table.ok
+
+
+def test_an_moe_is_verified_with_its_router_losses_and_ep_is_a_layout():
+    """The loss verify trains on is what training adds: cross entropy + the MoE's aux losses (a per-rank aux
+    loss would then fail verify). ``ep=2`` borrows its ranks from dp_shard (the layout still takes 2)."""
+    from ndparallel.models import Transformer
+    from ndparallel.parallel.loss import auxiliary_loss, cross_entropy_loss
+    from ndparallel.verify.run import _plain_step
+
+    spec = model_spec("tiny-moe")
+    model = spec.build()
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss = _plain_step(spec, model, None, 1, None)(tokens[:, :-1], tokens[:, 1:])
+    assert isinstance(model, Transformer)
+    expected = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) + auxiliary_loss(model)
+    assert abs(float(loss) - float(expected)) < 1e-12 and float(auxiliary_loss(model) or 0) == 0  # collected
+    layout = parse_layouts("dp_shard=2,ep=2", 2)[0]
+    assert layout.ranks == 2 and layout.parallelism() == {"dp_shard_size": 2, "ep_size": 2}
+    table = verify("tiny-moe", "dp_shard=2,ep=2", cpu_ranks=2)
+    assert table.ok and max(table.rows[0].errors.values()) < 1e-12
