@@ -70,6 +70,11 @@ def parse_layouts(text: str, cpu_ranks: int) -> list[Layout]:
                 raise ConfigError(f"layout {item!r}: expected dim=size[,dim=size], e.g. dp_shard=2,tp=2")
             sizes[dim] = int(value)
         layout = Layout.of(sizes)
+        if layout.size("ep") > 1 and layout.ranks < 2:
+            raise ConfigError(
+                f"layout {item!r}: ep borrows its ranks from dp_shard x cp, which this layout leaves at 1; give e.g. "
+                f"dp_shard={layout.size('ep')},ep={layout.size('ep')}"
+            )
         if layout.ranks < 2:
             raise ConfigError(f"layout {item!r} uses one rank: it is the reference itself; give a size > 1")
         if layout.ranks > cpu_ranks:

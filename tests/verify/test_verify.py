@@ -45,7 +45,8 @@ def test_auto_layouts_are_every_dimension_alone_then_pairs_that_fit():
     "text, cause",
     [
         ("tp=8", "needs 8 ranks but --cpu-ranks is 4"),
-        ("ep=2", "dimension 'ep' is unknown"),
+        ("ep=2", "ep borrows its ranks from dp_shard x cp, which this layout leaves at 1"),
+        ("moe=2", "dimension 'moe' is unknown"),
         ("tp", "expected dim=size"),
         ("tp=1", "uses one rank"),
         (";", "names no layout"),
