@@ -106,9 +106,9 @@ def install_global_router_loss(model: nn.Module, mesh: Mesh) -> None:
     """Under dp x cp > 1, make an HF MoE causal LM's router aux loss (and its share of ``outputs.loss``) the
     global batch's; a no-op for a dense model or a single data rank. An aux loss the hook cannot recompute (a
     multimodal MoE's, a tuple output's, another function's) is refused at the forward that returns one."""
-    if mesh.size("dp_cp") == 1 or not hf_moe_layers(model):
+    if mesh.size("dp_cp") == 1:
         return
-    names = list(inspect.signature(model.forward).parameters)
+    names = list(inspect.signature(model.forward).parameters)  # DBRX and Doge: no experts module of transformers 5
     if "output_router_logits" not in names:  # no aux loss from the router logits (DeepSeek-V3: a bias balances)
         return
     mask_position = names.index("attention_mask") if "attention_mask" in names else None
