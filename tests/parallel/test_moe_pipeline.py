@@ -82,8 +82,12 @@ def train(
         if order is not None:
             x, y = x[order], y[order]
         rows = slice(dp_rank * per, (dp_rank + 1) * per)
-        if evaluate:
+        if evaluate:  # as a user evaluates: the stages in eval mode (routers count nothing there)
+            for module in modules:
+                module.eval()
             out["eval_losses"].append(float(target.eval(x[rows], y[rows])))
+            for module in modules:
+                module.train()
         done = step(x[rows], y[rows], MICRO, index + 1)
         out["losses"].append(float(done.loss))  # pp: the global mean; one process: its own
         out["norms"].append(done.grad_norm)
@@ -107,8 +111,31 @@ def train(
     return out
 
 
+def gradients_across_an_eval(parallel: dict, preset: str) -> float:
+    """A step's backward, then an eval before the optimizer step: the largest change of any gradient (torch's
+    eval divides them by the micro-batch count, its shape inference sets FSDP's to None)."""
+    import ndparallel as ndp
+    from ndparallel.models import Transformer, TransformerConfig
+    from ndparallel.parallel.pipeline import build_pipeline
+
+    model = Transformer(TransformerConfig.from_dict({**MOE, "preset": preset}))
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
+    pipe = build_pipeline(model, mesh.config, mesh, microbatches=MICRO)
+    per = BATCH // mesh.size("dp")
+    x, y = (t[:per] for t in _batches(model.config.vocab_size)[0])
+    pipe.step(x, y)
+    before = [p.grad.detach().clone() for p in pipe.parameters()]
+    pipe.eval(x, y)
+    after = [p.grad for p in pipe.parameters()]
+    if any(g is None for g in after):
+        return float("inf")
+    return max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True))
+
+
 def run_group(world: int) -> dict:
     runs = {label: train(parallel, router) for label, (parallel, router) in CASES[world].items()}
+    parallel = {"pp_size": 2, "dp_shard_size": world // 2}  # world 2: pp 2 alone; 4: with FSDP
+    runs["grads across an eval"] = [gradients_across_an_eval(parallel, preset) for preset in ("tiny", "tiny-moe")]
     if world == 2:
         runs["aux dropped"] = train({"pp_size": 2}, "softmax", inject=False)
     else:  # eval between the steps, on the sigmoid router whose bias moves with the counts
@@ -164,6 +191,13 @@ def test_evaluating_between_steps_changes_nothing_and_equals_the_loss_before_the
         assert all(v <= TOL for v in diff.values()), (rank, diff)
         assert got["loads"] == ref["loads"], rank
         assert max(abs(a - b) for a, b in zip(got["eval_losses"], ref["losses"], strict=True)) <= TOL, rank
+
+
+def test_an_eval_between_backward_and_the_optimizer_step_leaves_the_gradients(groups):
+    """pp 2 (and pp 2 x dp_shard 2 on 4 ranks), dense and MoE: the gradients after an eval are the step's."""
+    for world in CASES:
+        for rank, per_rank in enumerate(groups[world]):
+            assert per_rank["grads across an eval"] == [0.0] * 2, (world, rank, per_rank["grads across an eval"])
 
 
 def test_a_pipeline_without_the_aux_injection_differs(groups):

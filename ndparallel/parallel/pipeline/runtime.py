@@ -168,15 +168,14 @@ class Pipeline:
                 "eval still runs backward actions); evaluate a model trained with pp_schedule='interleaved_1f1b' "
                 "or '1f1b', or evaluate the saved weights in one process"
             )
-        modes = [stage.training for stage in self.stages]
-        for stage in self.stages:  # an evaluation: dropout off, and an MoE router does not count its tokens
-            stage.eval()
+        # torch's eval divides every gradient by the micro-batch count (and its shape inference sets FSDP's to
+        # None): an eval between a step's backward and the optimizer step must leave them as they were
+        params, grads = self._gradients()
         try:
             with torch.no_grad():
                 return self._run(tokens, labels, self.schedule.eval, training=False)
         finally:
-            for stage, mode in zip(self.stages, modes, strict=True):
-                stage.train(mode)
+            self._restore_gradients(params, grads)
 
     def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run, training: bool) -> torch.Tensor:
         self.check_batch(tokens, labels)
@@ -209,16 +208,26 @@ class Pipeline:
         would add to the routers' counts and the aux losses. Run the schedule once, then put every buffer and
         gradient back as they were and drop its losses."""
         saved = [{name: b.detach().clone() for name, b in stage.named_buffers()} for stage in self.stages]
-        params = list(self.parameters())
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        self._schedule(tokens, labels, run)
+        params, grads = self._gradients()
+        cuda = [self.mesh.device.index or 0] if self.mesh.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # as torch's own inference: the real run draws what it would
+            self._schedule(tokens, labels, run)
         with torch.no_grad():
             for stage, buffers in zip(self.stages, saved, strict=True):
                 for name, buffer in stage.named_buffers():
                     buffer.copy_(buffers[name])
+        self._restore_gradients(params, grads)
+        self.aux_losses.take()
+
+    def _gradients(self) -> tuple[list[nn.Parameter], list[torch.Tensor | None]]:
+        params = list(self.parameters())
+        return params, [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+    @staticmethod
+    def _restore_gradients(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+        with torch.no_grad():
             for param, grad in zip(params, grads, strict=True):
                 param.grad = grad
-        self.aux_losses.take()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every stage's gradients by the global norm over all stages; returns the norm before clipping."""
