@@ -121,15 +121,20 @@ def _folded(path: str, cpu_ranks: int) -> Layout:
     """``from:FILE.yaml``: the mesh sizes of a job's config (its ``parallelism:`` section), folded."""
     from ndparallel.config.parallelism import ParallelismConfig
 
-    return fold(ParallelismConfig.from_yaml(path).sizes, cpu_ranks)
+    cfg = ParallelismConfig.from_yaml(path)
+    return fold({**cfg.sizes, "ep": cfg.ep_size}, cpu_ranks)
 
 
 def fold(sizes: Mapping[str, int], cpu_ranks: int) -> Layout:
     """A production mesh shrunk to a laptop: every dimension > 1 becomes 2 (the algorithm is the same at 2 as
-    at 64), then the outermost dimensions are dropped until the product fits ``cpu_ranks``."""
+    at 64), then the outermost dimensions are dropped until the product fits ``cpu_ranks``. An ``ep`` > 1 stays
+    ep=2 when the folded dp_shard x cp can lend it 2 ranks (it adds none)."""
     dims = [d for d in DIMS if sizes.get(d, 1) > 1 or sizes.get(d, 1) == -1]
     for keep in range(len(dims), 0, -1):
         for chosen in itertools.combinations(reversed(dims), keep):  # inner dimensions first
             if 2 ** len(chosen) <= cpu_ranks:
-                return Layout.of(dict.fromkeys(chosen, 2))
+                folded = dict.fromkeys(chosen, 2)
+                if sizes.get("ep", 1) > 1 and ("dp_shard" in folded or "cp" in folded):
+                    folded["ep"] = 2
+                return Layout.of(folded)
     raise ConfigError(f"--cpu-ranks {cpu_ranks}: folding {dict(sizes)} needs at least 2 ranks")

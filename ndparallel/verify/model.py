@@ -99,12 +99,13 @@ class ModelSpec:
 
         if self.kind == "hf":
             out = model(input_ids=tokens, position_ids=positions[None])
-            aux, coef = getattr(out, "aux_loss", None), getattr(model, "router_aux_loss_coef", None)
-            return out.logits, (None if aux is None or not coef else coef * aux)
-        if self.kind == "preset" or "positions" in inspect.signature(model.forward).parameters:
+        elif self.kind == "preset" or "positions" in inspect.signature(model.forward).parameters:
             out = model(tokens, positions=positions)
         else:
             out = model(tokens)
+        aux, coef = getattr(out, "aux_loss", None), getattr(model, "router_aux_loss_coef", None)
+        if aux is not None and coef:  # an HF MoE, whatever built it (a config, or a factory of the user's)
+            return out.logits, coef * aux
         return getattr(out, "logits", out), auxiliary_loss(model)
 
 
@@ -241,6 +242,7 @@ def _hf_model(source: str, shrink: bool = False) -> nn.Module:
     import transformers
 
     config = _shrunk_hf(source)[0] if shrink else _hf_config(source)
+    config._experts_implementation = "eager"  # an MoE's experts: grouped_mm has no float64 kernel (any dtype runs it)
     try:
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     except (ValueError, KeyError) as err:

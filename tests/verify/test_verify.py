@@ -38,6 +38,8 @@ def test_auto_layouts_are_every_dimension_alone_then_pairs_that_fit():
         "dp_shard=2,tp=2",
     ]
     assert fold({"dp_shard": 64, "tp": 8, "pp": 4}, 4) == Layout.of({"dp_shard": 2, "tp": 2})
+    assert fold({"dp_shard": 8, "ep": 4}, 4) == Layout.of({"dp_shard": 2, "ep": 2})  # ep kept: it adds no rank
+    assert fold({"tp": 8, "ep": 4}, 4) == Layout.of({"tp": 2})  # nothing to borrow from
     assert [layout.name for layout in parse_layouts("from:configs/3d.yaml;pp=2", 4)] == ["dp_shard=2,tp=2", "pp=2"]
 
 
