@@ -134,7 +134,7 @@ class TrainerAccelerator:
         """Over ``dp`` (each sample once: tp/cp ranks share a batch); 0-dim tensors as one element each; tuples,
         lists and dicts (a model's extra outputs) element by element, as Accelerate's."""
         if isinstance(data, (tuple, list)):
-            return type(data)(self.gather_for_metrics(d) for d in data)
+            return _rebuilt(data, [self.gather_for_metrics(d, use_gather_object) for d in data])
         if isinstance(data, dict):
             return type(data)({k: self.gather_for_metrics(v) for k, v in data.items()})
         if not isinstance(data, torch.Tensor):
@@ -144,7 +144,7 @@ class TrainerAccelerator:
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad ``tensor`` along ``dim`` to the longest over the world (Accelerate's contract; nested alike)."""
         if isinstance(tensor, (tuple, list)):
-            return type(tensor)(self.pad_across_processes(t, dim, pad_index, pad_first) for t in tensor)
+            return _rebuilt(tensor, [self.pad_across_processes(t, dim, pad_index, pad_first) for t in tensor])
         if isinstance(tensor, dict):
             return type(tensor)({k: self.pad_across_processes(v, dim, pad_index, pad_first) for k, v in tensor.items()})
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
@@ -156,6 +156,11 @@ class TrainerAccelerator:
             return tensor
         pad = [0, 0] * (tensor.dim() - dim - 1) + ([missing, 0] if pad_first else [0, missing])
         return torch.nn.functional.pad(tensor, pad, value=pad_index)
+
+
+def _rebuilt(sequence: tuple | list, items: list) -> tuple | list:
+    """``sequence``'s type (a namedtuple too) holding ``items``."""
+    return type(sequence)(*items) if hasattr(sequence, "_fields") else type(sequence)(items)
 
 
 def _is_prepared(obj: Any) -> bool:
@@ -354,15 +359,15 @@ class NDParallelTrainerMixin:
             )
         dp = self.accelerator.mesh.size("dp")
         self._check_eval_data(test_dataset, "the test dataset")
-        out = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        if dp == 1:
-            return out
-        if self.args.train_sampling_strategy == "group_by_length":  # transformers then groups eval rows too
+        if dp > 1 and self.args.train_sampling_strategy == "group_by_length":  # then eval rows are grouped too
             raise ConfigError(
                 f"predict() on dp={dp} ranks with train_sampling_strategy='group_by_length': the eval loader groups "
                 "rows by length, and ndparallel puts gathered rows back in the dataset's order only for sequential "
                 "evaluation; predict with another train_sampling_strategy"
             )
+        out = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        if dp == 1:
+            return out
         inverse = np.argsort(dataset_order(len(test_dataset), dp, self.args.eval_batch_size))
         return type(out)(
             predictions=_in_dataset_order(out.predictions, inverse),

@@ -112,6 +112,11 @@ _REPEAT_WINDOW_S = 2.0
 that scancel, a preemption or ``kill`` of the process group also sent each rank directly."""
 
 
+_FORWARD_WAIT_S = 30.0
+"""After train() returns, how long a signal still counts as the launcher's forward of the stop (then it is the
+user's again, delivered to the previous handler)."""
+
+
 class _StopRequest:
     """SIGINT/SIGTERM set a flag; all ranks agree on it at the end of each step, so they stop together.
 
@@ -157,6 +162,8 @@ class _StopRequest:
 
     def _swallow_forward(self, signum, frame) -> None:
         self._restore_previous()
+        if time.monotonic() - self._first > _FORWARD_WAIT_S:  # not the forward: a deliberate signal, long after
+            signal.raise_signal(signum)
 
     def _restore_previous(self) -> None:
         for sig, handler in self._previous.items():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from ndparallel.distributed.watchdog import Beat, describe, heartbeat_interval, judge, process_group_timeout
 from ndparallel.testing import run_distributed
 
@@ -184,6 +186,14 @@ def test_a_launcher_forward_arriving_after_train_returns_is_swallowed_once(monke
     assert late is not previous
     late(signal.SIGINT, None)  # the forward: no KeyboardInterrupt
     assert signal.getsignal(signal.SIGINT) is previous and signal.getsignal(signal.SIGTERM) is not late
+    # a forward that never came: a signal long after is the user's again, delivered to the previous handler
+    stop = loop._StopRequest()
+    stop._handle(signal.SIGINT, None)
+    stop.restore()
+    stop._first -= 2 * loop._FORWARD_WAIT_S
+    with pytest.raises(KeyboardInterrupt):
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is previous
 
 
 def test_the_verdict_is_one_write_so_ranks_sharing_stderr_never_glue_lines(monkeypatch):
