@@ -260,9 +260,17 @@ def dataset_order(samples: int, dp: int, batch: int) -> np.ndarray:
 
 
 def _in_dataset_order(value: Any, inverse: np.ndarray) -> Any:
+    """``value``'s rows (one per sample) in the dataset's order; an array whose rows are not the samples (an MoE's
+    ``router_logits``, one row per token) cannot be put back and is refused."""
     if isinstance(value, (tuple, list)):
         return type(value)(_in_dataset_order(v, inverse) for v in value)
-    if isinstance(value, np.ndarray) and value.ndim and value.shape[0] == len(inverse):
+    if isinstance(value, np.ndarray) and value.ndim:
+        if value.shape[0] != len(inverse):
+            raise ConfigError(
+                f"predict() on several data ranks returned an output of {value.shape[0]} rows for {len(inverse)} "
+                "samples (e.g. router_logits, one row per token): its rows cannot be put back in the dataset's order; "
+                "leave it out of the outputs (output_router_logits=False), or predict on one data rank"
+            )
         return value[inverse]
     return value
 

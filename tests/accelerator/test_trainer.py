@@ -233,6 +233,13 @@ def test_trainer_refusals_and_the_dp_row_order():
     _check_eval_size(list(range(16)), 4, "the eval dataset", batch=2, drop_last=True)
     # 10 samples on dp 2 in batches of 2: rank 0 holds 0 2 4 6 8, rank 1 1 3 5 7 9; each step gathers both
     assert dataset_order(10, 2, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]
+    from ndparallel.accelerator.trainer import _in_dataset_order
+
+    inverse = np.argsort(dataset_order(4, 2, 1))
+    rows = np.arange(4)[dataset_order(4, 2, 1)]  # as gathered
+    assert _in_dataset_order((rows, rows * 10), inverse)[1].tolist() == [0, 10, 20, 30]
+    with pytest.raises(ConfigError, match="returned an output of 8 rows for 4 samples"):
+        _in_dataset_order((rows, np.zeros((8, 3))), inverse)  # router_logits: a row per token
 
 
 _ACCELERATE_SAVE_STATE = """
