@@ -216,10 +216,29 @@ def _error_message(failure) -> str:
     return line if len(line) <= 400 else line[:397] + "..."
 
 
+_SAME_MOMENT_S = 1.0
+"""Exits this close together are one event for the blame (a loaded machine: torchrun's SIGTERM lands within ms)."""
+
+
+def _hung_rank_behind_its_casualty(ordered: list[int], failures: dict, clock: ExitClock) -> int | None:
+    """A rank that ended the job as hung (its watchdog's exit code) when the rank seen first died of SIGTERM at
+    about the same moment: torchrun's closing SIGTERM to the survivors, which a loaded machine's exit clock can
+    see in the same tick. A SIGTERM well before (someone's ``kill``) keeps the blame."""
+    head = failures[ordered[0]]
+    if head.exitcode != -signal.SIGTERM:
+        return None
+    for rank in ordered[1:]:
+        failure = failures[rank]
+        apart = abs(clock.exit_time(failure.pid) - clock.exit_time(head.pid))
+        if failure.exitcode == EXIT_HUNG and (apart < _SAME_MOMENT_S or math.isinf(apart) or math.isnan(apart)):
+            return rank
+    return None
+
+
 def report_failure(failures: dict, clock: ExitClock) -> int:
     """One line about a failed job (``failures``: global rank -> torchrun ProcessFailure); the exit status."""
     ordered = sorted(failures, key=lambda r: (clock.exit_time(failures[r].pid), failures[r].timestamp, r))
-    first = ordered[0]
+    first = _hung_rank_behind_its_casualty(ordered, failures, clock) or ordered[0]
     if failures[first].exitcode == EXIT_INTERRUPTED:
         # The ranks agreed to stop on a signal; torchrun may have signalled the slower ones on its way out.
         stopping = (EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGKILL)

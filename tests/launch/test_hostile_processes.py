@@ -218,3 +218,25 @@ def test_notebook_launcher_timeout_names_the_ranks_that_had_not_started():
     with pytest.raises(DistributedTimeout, match="no rank had reached the function yet: starting the ranks took"):
         notebook_launcher(_one, num_processes=2, timeout=0.01)
     assert not _live_grandchildren(), "ranks outlived notebook_launcher"
+
+
+def test_a_hung_rank_is_blamed_over_the_sigterm_torchrun_sent_its_peer(capsys):
+    """A loaded machine's exit clock can see rank 1's watchdog exit (124, the job hung) and torchrun's closing
+    SIGTERM to rank 0 in the same tick (seen in a fresh-clone run): the hang is the cause. A SIGTERM seconds
+    before the hang (someone's kill) keeps the blame on that rank."""
+    import signal
+    from types import SimpleNamespace
+
+    from ndparallel.launch.torchrun import EXIT_HUNG, report_failure
+
+    def failure(pid: int, code: int):
+        message = {"message": "rank 1 did not reach the collective within 4s"} if code == EXIT_HUNG else {}
+        return SimpleNamespace(pid=pid, exitcode=code, timestamp=0, error_file_data=message)
+
+    failures = {0: failure(10, -signal.SIGTERM), 1: failure(11, EXIT_HUNG)}
+    same_tick = SimpleNamespace(exit_time=lambda pid: 5.0)
+    assert report_failure(failures, same_tick) == EXIT_HUNG
+    assert "the job hung: rank 1 did not reach" in capsys.readouterr().err
+    killed_first = SimpleNamespace(exit_time=lambda pid: {10: 1.0, 11: 9.0}[pid])
+    assert report_failure(failures, killed_first) == 1
+    assert "rank 0 failed first (exit code -15) [SIGTERM]" in capsys.readouterr().err
