@@ -136,7 +136,7 @@ class TrainerAccelerator:
         if isinstance(data, (tuple, list)):
             return _rebuilt(data, [self.gather_for_metrics(d, use_gather_object) for d in data])
         if isinstance(data, dict):
-            return type(data)({k: self.gather_for_metrics(v) for k, v in data.items()})
+            return type(data)({k: self.gather_for_metrics(v, use_gather_object) for k, v in data.items()})
         if not isinstance(data, torch.Tensor):
             return data
         return _all_gather(data, self._accelerator.mesh["dp"].get_group())
@@ -231,16 +231,16 @@ def _refuse_loss_overrides(trainer: Any, config: ParallelismConfig) -> None:
 def _check_eval_size(dataset: Any, dp: int, what: str, batch: int = 1, drop_last: bool = False) -> None:
     """The dp sampler drops the last ``len % dp`` samples of a pass, and ``dataloader_drop_last`` each rank's
     last partial batch: refused for evaluation and prediction (those samples would not be evaluated)."""
-    if dataset is None or not hasattr(dataset, "__len__"):
+    if dataset is None or dp == 1 or not hasattr(dataset, "__len__"):
         return
     datasets = dataset.values() if isinstance(dataset, dict) else [dataset]
     for data in datasets:
-        if dp > 1 and len(data) % dp:
+        if len(data) % dp:
             raise ConfigError(
                 f"{what} has {len(data)} samples, which dp={dp} data ranks do not divide: the last {len(data) % dp} "
                 f"would not be evaluated; use a multiple of {dp} samples"
             )
-        if dp > 1 and drop_last and (len(data) // dp) % batch:
+        if drop_last and (len(data) // dp) % batch:
             raise ConfigError(
                 f"{what}: dataloader_drop_last drops each rank's last {(len(data) // dp) % batch} samples (of "
                 f"{len(data) // dp} per rank in batches of {batch}); use a multiple of dp x eval batch = {dp * batch} "
@@ -263,7 +263,7 @@ def _in_dataset_order(value: Any, inverse: np.ndarray) -> Any:
     """``value``'s rows (one per sample) in the dataset's order; an array whose rows are not the samples (an MoE's
     ``router_logits``, one row per token) cannot be put back and is refused."""
     if isinstance(value, (tuple, list)):
-        return type(value)(_in_dataset_order(v, inverse) for v in value)
+        return _rebuilt(value, [_in_dataset_order(v, inverse) for v in value])
     if isinstance(value, np.ndarray) and value.ndim:
         if value.shape[0] != len(inverse):
             raise ConfigError(
@@ -280,7 +280,7 @@ def _full_tensors(value: Any) -> Any:
     if isinstance(value, DTensor):
         return value.full_tensor()
     if isinstance(value, (tuple, list)):
-        return type(value)(_full_tensors(v) for v in value)
+        return _rebuilt(value, [_full_tensors(v) for v in value])
     return value
 
 

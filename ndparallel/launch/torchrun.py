@@ -230,7 +230,7 @@ def _hung_rank_behind_its_casualty(ordered: list[int], failures: dict, clock: Ex
     for rank in ordered[1:]:
         failure = failures[rank]
         apart = abs(clock.exit_time(failure.pid) - clock.exit_time(head.pid))
-        if failure.exitcode == EXIT_HUNG and (apart < _SAME_MOMENT_S or math.isinf(apart) or math.isnan(apart)):
+        if failure.exitcode == EXIT_HUNG and (apart < _SAME_MOMENT_S or not math.isfinite(apart)):
             return rank
     return None
 

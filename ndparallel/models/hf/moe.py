@@ -31,6 +31,7 @@ from torch import nn
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.reduce import all_gather_rows
 from ndparallel.errors import ConfigError
+from ndparallel.parallel.expert_parallel import expert_weight_names
 
 __all__ = ["adapt_experts", "hf_moe_layers", "install_global_router_loss", "is_hf_experts"]
 
@@ -84,8 +85,9 @@ def _global_router_loss_hook(group: dist.ProcessGroup, mask_position: int | None
             raise _cannot(model, "no load_balancing_loss_func in its module")
         if not hasattr(model, "router_aux_loss_coef"):  # multimodal MoEs keep it in their text config
             raise _cannot(model, "its loss is not the causal LM's router_aux_loss_coef x load_balancing_loss_func")
-        if tuple(inspect.signature(balancing).parameters)[:4] != _BALANCING_ARGS:
-            raise _cannot(model, f"its load_balancing_loss_func takes {tuple(inspect.signature(balancing).parameters)}")
+        arguments = tuple(inspect.signature(balancing).parameters)
+        if arguments[:4] != _BALANCING_ARGS:
+            raise _cannot(model, f"its load_balancing_loss_func takes {arguments}")
         mask = kwargs.get("attention_mask")
         if mask is None and mask_position is not None and len(args) > mask_position:
             mask = args[mask_position]
@@ -108,7 +110,8 @@ def install_global_router_loss(model: nn.Module, mesh: Mesh) -> None:
     multimodal MoE's, a tuple output's, another function's) is refused at the forward that returns one."""
     if mesh.size("dp_cp") == 1:
         return
-    names = list(inspect.signature(model.forward).parameters)  # DBRX and Doge: no experts module of transformers 5
+    # every MoE causal LM with a router aux loss, experts module of transformers 5 or not (DBRX, Doge)
+    names = list(inspect.signature(model.forward).parameters)
     if "output_router_logits" not in names:  # no aux loss from the router logits (DeepSeek-V3: a bias balances)
         return
     mask_position = names.index("attention_mask") if "attention_mask" in names else None
@@ -131,7 +134,7 @@ class _LocalExperts:
 
 def _compute(experts: nn.Module) -> Callable[..., torch.Tensor]:
     forward = type(experts).forward  # transformers' implementation switch, then the family's expert math
-    names = [name for name, _ in experts.named_parameters(recurse=False)]
+    names = expert_weight_names(experts)
 
     def compute(rows: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> torch.Tensor:
         """``counts[e]`` consecutive rows through local expert ``e``, unweighted (weight 1, one expert a row)."""
@@ -163,7 +166,7 @@ def _routed_forward(experts: nn.Module) -> Callable[..., torch.Tensor]:
         counts = torch.bincount(flat, minlength=experts.n_experts).tolist()
         rows = hidden[token]
         if experts.dispatcher is None:  # every expert is here
-            out = experts.compute(rows, counts, *(p for _, p in experts.named_parameters(recurse=False)))
+            out = experts.compute(rows, counts, *(getattr(experts, name) for name in expert_weight_names(experts)))
         else:
             out = experts.dispatcher(experts, rows, counts)
         out = out * top_k_weights.reshape(-1)[order, None]  # as transformers weights each expert's output

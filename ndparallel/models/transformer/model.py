@@ -76,11 +76,11 @@ def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None 
             param.fill_(1.0)
             continue
         std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
-        if not isinstance(param, DTensor):
-            param.normal_(0.0, std, generator=torch.Generator(device=param.device).manual_seed(name_seed(seed, name)))
-            continue
-        local = param.to_local()
+        local = param.to_local() if isinstance(param, DTensor) else param
         generator = torch.Generator(device=local.device).manual_seed(name_seed(seed, name))
+        if local is param:
+            param.normal_(0.0, std, generator=generator)
+            continue
         full = torch.empty(param.shape, dtype=local.dtype, device=local.device).normal_(0.0, std, generator=generator)
         local.copy_(full[local_region(param)])
 
