@@ -11,8 +11,6 @@ MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SIZE_FIELDS: tuple[str, ...] = tuple(f"{d}_size" for d in MESH_DIMS)
 EP_BORROWS: tuple[str, ...] = ("dp_shard", "cp")
 """The dims expert parallelism takes its ranks from (their inner ``ep`` ranks); not a mesh dim of its own."""
-# Dims that expert parallelism is not yet proved against one process with (refused until a parity test says so).
-_EP_UNTESTED = ("tp",)
 
 
 def ep_mesh_problem(cfg: Any) -> str | None:
@@ -26,12 +24,6 @@ def ep_mesh_problem(cfg: Any) -> str | None:
             f"ep_size={ep} does not divide dp_shard_size x cp_size = {borrowed}: expert parallelism borrows its "
             f"ranks from them; choose an ep_size that divides {borrowed}"
         )
-    for dim in _EP_UNTESTED:
-        if getattr(cfg, f"{dim}_size") != 1:
-            return (
-                f"ep_size={ep} with {dim}_size={getattr(cfg, f'{dim}_size')} is not proved against one process yet "
-                f"(ep composes with dp_shard, cp, dp_replicate and pp only); use {dim}_size=1 or ep_size=1"
-            )
     return None
 
 

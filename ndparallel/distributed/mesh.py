@@ -16,7 +16,8 @@ view           dims                            used for
 Expert parallelism borrows its ranks: ``dp_shard_cp`` is split into ``(ep_fsdp, ep)``, ep inner, so the ranks of
 one ep group are neighbours in dp_shard x cp (with cp > 1, ep groups would take cp ranks first). With
 dp_replicate > 1 the experts replicate over it too: ``Mesh.experts_fsdp`` is then the 2-D ``(ep_replicate,
-ep_fsdp)`` mesh of their HSDP.
+ep_fsdp)`` mesh of their HSDP. With tp > 1 each ep group lives inside one tp index (the tp ranks see the same
+routed tokens) and the expert weights are also split over tp: ``Mesh.experts_shard`` is the ``(ep, tp)`` mesh.
 
 ``mesh["pp"]`` is the 1-D pipeline mesh; ``mesh.without_pp()`` the same Mesh minus the pp dim (what each
 stage is parallelised over). ``rank_groups(cfg)`` computes every group's global ranks without starting processes (what
@@ -155,17 +156,32 @@ class Mesh:
         cp > 1 may need new process groups."""
         self.experts = self._build_expert_mesh()
         """ep_size > 1: the ``(ep_fsdp, ep)`` mesh split out of ``dp_shard_cp``, ``(ep_replicate, ep_fsdp, ep)``
-        out of ``dp_cp`` when dp_replicate > 1 (new process groups, built on every rank at once); None otherwise.
-        ``mesh["ep"]`` and ``mesh["ep_fsdp"]`` are its dims."""
+        out of ``dp_cp`` when dp_replicate > 1, each with a trailing ``tp`` dim when tp_size > 1 (new process
+        groups, built on every rank at once); None otherwise. ``mesh["ep"]`` and ``mesh["ep_fsdp"]`` are its dims."""
 
     def _build_expert_mesh(self) -> DeviceMesh | None:
         if self.config.ep_size == 1:
             return None
         sizes = _ep_sizes(self.config)
-        if self.size("dp_replicate") == 1:
-            return _unflatten(self["dp_shard_cp"], (sizes["ep_fsdp"], sizes["ep"]), ("ep_fsdp", "ep"))
-        shape = (self.size("dp_replicate"), sizes["ep_fsdp"], sizes["ep"])
-        return _unflatten(self["dp_cp"], shape, ("ep_replicate", "ep_fsdp", "ep"))
+        hsdp = self.size("dp_replicate") > 1
+        outer = (("ep_replicate",), (self.size("dp_replicate"),)) if hsdp else ((), ())
+        names = (*outer[0], "ep_fsdp", "ep")
+        shape = (*outer[1], sizes["ep_fsdp"], sizes["ep"])
+        if self.size("tp") == 1:
+            return _unflatten(self["dp_cp" if hsdp else "dp_shard_cp"], shape, names)
+        # ep x tp: the experts are sharded over (ep, tp), so ep and tp must be dims of one mesh, which FSDP's
+        # (ep_replicate,) ep_fsdp shares: split the flattened data dims x tp, tp inner as on the root mesh.
+        dims = ("dp_replicate", "dp_shard", "cp", "tp") if hsdp else ("dp_shard", "cp", "tp")
+        joined = flatten(self.device_mesh[dims], "_".join(d.removeprefix("dp_") for d in dims) + "_experts")
+        return _unflatten(joined, (*shape, self.size("tp")), (*names, "tp"))
+
+    @property
+    def experts_shard(self) -> DeviceMesh | None:
+        """The mesh the expert weights are sharded over: ``ep`` (dim 0: the expert), then ``tp`` (their hidden
+        width) when tp_size > 1; the plain ``tp`` mesh when only tp splits them; None when neither does."""
+        if self.experts is not None:
+            return self.experts["ep", "tp"] if self.size("tp") > 1 else self.experts["ep"]
+        return self["tp"] if self.size("tp") > 1 else None
 
     @property
     def experts_fsdp(self) -> DeviceMesh | None:

@@ -21,21 +21,34 @@ Gradients. An expert's gradient on its owner is the sum of the contributions of 
 backward brings them); one process's gradient is the mean over the dp_shard x cp ranks' local losses. The
 local weights' gradient is scaled by ``1 / ep`` here and FSDP averages over ``ep_fsdp``: together ``1 / (dp_shard
 x cp)``, the mean every other parameter gets.
+
+Under tp (``hidden_dims``, from the family's :class:`~ndparallel.parallel.moe_tensor_parallel.MoETensorParallel`)
+each expert weight is also split over ``tp`` on its hidden width: a DTensor on ``mesh.experts_shard``, ``(ep, tp)``
+or ``tp`` alone. The ep ranks of one group share a tp index and the tp ranks route the same tokens, so the
+all-to-all and the ``1 / ep`` scaling are unchanged; each rank's expert outputs are then partial sums over tp
+(:mod:`ndparallel.parallel.moe_tensor_parallel` reduces them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 
-__all__ = ["ExpertDispatcher", "all_to_all", "apply_expert_parallel", "apply_router_statistics", "expert_modules"]
+__all__ = [
+    "ExpertDispatcher",
+    "all_to_all",
+    "apply_expert_parallel",
+    "apply_router_statistics",
+    "expert_modules",
+    "scale_grad",
+]
 
 
 def expert_weight_names(experts: nn.Module) -> list[str]:
@@ -101,14 +114,26 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class ExpertDispatcher:
-    """The ``dispatcher`` of an experts module under ep: all-to-all out, local experts, all-to-all back."""
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` unchanged, its gradient multiplied by ``scale`` on the way back."""
+    return x if scale == 1 else _ScaleGrad.apply(x, scale)
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, n_experts: int):
+
+class ExpertDispatcher:
+    """The ``dispatcher`` of an experts module whose weights are DTensors: with ep > 1 all-to-all out, the local
+    experts, all-to-all back; with ep 1 (tp alone splits the weights) the experts run here on the local shards."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ep: int, n_experts: int):
         self.group, self.ep, self.local = group, ep, n_experts // ep
+
+    def _local_weights(self, experts: nn.Module) -> list[torch.Tensor]:
+        """This rank's block of every expert weight; the owner's gradient sums all ep ranks' rows: ``1 / ep``."""
+        return [scale_grad(getattr(experts, name).to_local(), 1.0 / self.ep) for name in expert_weight_names(experts)]
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         ep, local = self.ep, self.local
+        if ep == 1:
+            return experts.compute(x, counts, *self._local_weights(experts))
         sent = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, local)  # [owner, its expert]
         received = torch.empty_like(sent)  # [source rank, my expert]
         dist.all_to_all_single(received, sent, group=self.group)
@@ -118,31 +143,52 @@ class ExpertDispatcher:
         by_expert = [s * local + e for e in range(local) for s in range(ep)]
         chunks = rows.split(sizes)
         rows = torch.cat([chunks[i] for i in by_expert])
-        weights = [
-            _ScaleGrad.apply(getattr(experts, name).to_local(), 1.0 / ep) for name in expert_weight_names(experts)
-        ]
-        out = experts.compute(rows, received.sum(0).tolist(), *weights)
+        out = experts.compute(rows, received.sum(0).tolist(), *self._local_weights(experts))
         out_chunks = out.split([sizes[i] for i in by_expert])
         back = [out_chunks[e * ep + s] for s in range(ep) for e in range(local)]
         return all_to_all(torch.cat(back), recv_rows, send_rows, self.group)
 
 
-def apply_expert_parallel(moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
-    """Shard every MoE module's experts over ``mesh["ep"]`` (dim 0) and route its tokens by all-to-all."""
-    ep = mesh.size("ep")
-    if ep == 1:
+def _expert_placements(ep: int, tp: int, hidden_dim: int | None) -> list[Placement]:
+    """Expert on dim 0 over ep, then (tp > 1) the hidden width over tp: the order of ``Mesh.experts_shard``."""
+    placements: list[Placement] = []
+    if ep > 1:
+        placements.append(Shard(0))
+    if tp > 1:
+        placements.append(Shard(hidden_dim))
+    return placements
+
+
+def _local_block(full: torch.Tensor, placements: Sequence[Shard], coordinate: Sequence[int], shape) -> torch.Tensor:
+    """This rank's block of ``full`` (identical on every rank, or meta) for ``placements`` on a mesh of ``shape``."""
+    block = full.detach()
+    for placement, index, size in zip(placements, coordinate, shape, strict=True):
+        block = block.chunk(size, dim=placement.dim)[index]
+    return block.clone(memory_format=torch.contiguous_format)  # a size-1 dim would keep a strided view
+
+
+def apply_expert_parallel(
+    moe_layers: Sequence[nn.Module], mesh: Mesh, hidden_dims: Mapping[str, int] | None = None
+) -> None:
+    """Shard every MoE module's experts over ``mesh["ep"]`` (dim 0) and route its tokens by all-to-all; under
+    tp also split each expert weight on its hidden dim ``hidden_dims[name]`` over ``mesh["tp"]``."""
+    ep, tp = mesh.size("ep"), mesh.size("tp")
+    if (ep == 1 and tp == 1) or not moe_layers:
         return
-    ep_mesh = mesh["ep"]
-    rank = ep_mesh.get_local_rank()
+    if tp > 1 and hidden_dims is None:
+        raise ConfigError(f"tp_size={tp} on a mixture of experts needs the experts' hidden dims (MoETensorParallel)")
+    shard_mesh = mesh.experts_shard
+    coordinate = [shard_mesh.get_local_rank(d) for d in range(shard_mesh.ndim)]
+    group = mesh["ep"].get_group() if ep > 1 else None
     for layer in moe_layers:
         experts = layer.experts
         n_experts = experts.n_experts
         if n_experts % ep:
             raise ConfigError(f"ep_size={ep} does not divide the {n_experts} experts of {type(layer).__name__}")
-        local = n_experts // ep
         for name in expert_weight_names(experts):
             full = getattr(experts, name)  # on meta too: the values come later (init_weights, a loader)
-            shard = full.detach()[rank * local : (rank + 1) * local].clone()
-            dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+            placements = _expert_placements(ep, tp, hidden_dims[name] if tp > 1 else None)
+            shard = _local_block(full, placements, coordinate, shard_mesh.shape)
+            dtensor = DTensor.from_local(shard, shard_mesh, placements, run_check=False)
             setattr(experts, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
-        experts.dispatcher = ExpertDispatcher(ep_mesh.get_group(), ep, n_experts)
+        experts.dispatcher = ExpertDispatcher(group, ep, n_experts)

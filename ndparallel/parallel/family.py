@@ -14,7 +14,9 @@ this order, and never anything else about the model (it has no branch on a famil
     apply_attention(model, mesh, cfg)  after TP: how tp/cp reach the attention (by default: cp swaps the
                                        modules in cp_attention for ring attention, and fills the forward
                                        argument positions_arg with each rank's global positions)
+    moe_tensor_parallel(model)         tp > 1 on an MoE: how tp splits its router, experts and shared experts
     apply_moe(model, layers, mesh)     after the attention: router statistics over dp x cp, experts over ep
+                                       (and tp)
     pipeline_stage(model, ids, f, l)   pp > 1: a module holding blocks ``ids`` under the unsplit FQNs (plus the
                                        embedding when ``f``, the head when ``l``); stage_blocks(stage) its blocks
     compile_loss_head(model)           compile: blocks: compile the loss head too, if the family has one
@@ -41,6 +43,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.parallel.context_parallel import apply_context_parallel
 from ndparallel.parallel.expert_parallel import apply_expert_parallel, apply_router_statistics
 from ndparallel.parallel.fqn import fqn_matches
+from ndparallel.parallel.moe_tensor_parallel import MoETensorParallel, apply_moe_tensor_parallel
 
 __all__ = [
     "ModelFamily",
@@ -119,11 +122,20 @@ class ModelFamily:
         """The field that names one MoE module's routed experts, and their number (ep must divide it)."""
         return "n_experts", layer.experts.n_experts
 
+    def moe_tensor_parallel(self, model: nn.Module) -> MoETensorParallel | None:
+        """How tp splits this family's MoE modules (:mod:`ndparallel.parallel.moe_tensor_parallel`); None: tp > 1
+        on its MoE models is refused by name."""
+        return None
+
     def apply_moe(self, model: nn.Module, moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
         """After the attention: count the routers' tokens over ``mesh["dp_cp"]`` (the global batch's balancing
-        loss) and shard the experts over ``mesh["ep"]`` (:mod:`ndparallel.parallel.expert_parallel`)."""
+        loss), shard the experts over ``mesh["ep"]`` (:mod:`ndparallel.parallel.expert_parallel`) and, under tp,
+        split each MoE module over ``mesh["tp"]`` (:mod:`ndparallel.parallel.moe_tensor_parallel`)."""
         apply_router_statistics(moe_layers, mesh)
-        apply_expert_parallel(moe_layers, mesh)
+        spec = self.moe_tensor_parallel(model) if mesh.size("tp") > 1 and moe_layers else None
+        apply_expert_parallel(moe_layers, mesh, spec.expert_hidden_dims if spec else None)
+        if spec is not None:
+            apply_moe_tensor_parallel(moe_layers, mesh["tp"], spec)
 
     def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
         """FSDP units besides the blocks, as lists of FQNs (each list is one unit; the rest is the root unit)."""

@@ -4,7 +4,8 @@ Order (each step sees the module tree the previous one left, FQNs never change):
 
     1. tensor / sequence parallel   mesh["tp"]          weights split inside each layer
     2. context parallel             mesh["cp"]          attention swapped for ring attention
-    3. mixture of experts           mesh["dp_cp"], ["ep"]  router counts of the global batch; experts over ep
+    3. mixture of experts           mesh["dp_cp"], ["ep"]  router counts of the global batch; experts over ep;
+                                    and ["tp"]          under tp the MoE block split over tp inside
     4. activation checkpointing     per block           recompute block activations in backward
     5. torch.compile                model or per block  graphs include the TP collectives
     6. data parallel                FSDP2 on mesh["dp_shard_cp"], HSDP on (dp_replicate, dp_shard_cp),
@@ -38,6 +39,7 @@ from ndparallel.parallel.expert_parallel import expert_modules
 from ndparallel.parallel.family import ModelFamily, config_sizes, family_for
 from ndparallel.parallel.fully_shard import apply_fully_shard, fsdp_mesh
 from ndparallel.parallel.master_weights import apply_master_weights
+from ndparallel.parallel.moe_tensor_parallel import moe_tp_problem
 from ndparallel.parallel.tensor_parallel import TPTable, apply_tensor_parallel, check_tp_divisibility
 
 __all__ = ["find_blocks", "parallelize"]
@@ -158,6 +160,8 @@ def parallelize(
     moe_layers = family.moe_layers(model)
     experts = family.expert_count(moe_layers[0]) if moe_layers else None
     problem = ep_problem(mesh.size("ep"), experts, cfg)
+    if tp > 1 and moe_layers and problem is None:
+        problem = moe_tp_problem(moe_layers, family.moe_tensor_parallel(model), tp, family.name)
     if problem:
         raise ConfigError(problem)  # every refusal happens before the model is touched
 

@@ -3,8 +3,8 @@ AdamW trained 3 steps, saved with :func:`ndparallel.checkpoint.save`, loaded on 
 steps continues exactly like one uninterrupted process (float64, losses, grad norms, parameters and router biases
 to 1e-10; measured in docs/checkpointing.md).
 
-One 4-rank spawned group: saved on ep 2 x ep_fsdp 2 (experts S(0) over ``ep``, their FSDP over ``ep_fsdp``) and
-on plain FSDP dp_shard 4; loaded on ep 4, FSDP 4 and ep 2 (the other way round). The world-1 loads run in the
+One 4-rank spawned group: saved on ep 2 x ep_fsdp 2 (experts S(0) over ``ep``, their FSDP over ``ep_fsdp``), on
+plain FSDP dp_shard 4 and on ep 2 x tp 2 (experts also split over tp); loaded on ep 4, FSDP 4, ep 2 and ep 2 x tp 2. The world-1 loads run in the
 pytest process. A load that skips the optimizer state (AdamW's moments and step restart), and one whose router
 biases are reset after loading, must differ, so the checks can fail.
 """
@@ -26,15 +26,18 @@ GLOBAL_BATCH, SEQ, MAX_NORM = 8, 8, 0.5
 EP2 = {"dp_shard_size": 4, "ep_size": 2}
 EP4 = {"dp_shard_size": 4, "ep_size": 4}
 FSDP4 = {"dp_shard_size": 4}
+EP2_TP2 = {"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}  # experts over (ep, tp): the hidden width split too
 # (saved on, loaded on, load the optimizer state)
 RESUMES = {
     "ep2 -> ep4": ("ep2", EP4, True),
+    "ep2xtp2 -> ep4": ("ep2xtp2", EP4, True),
+    "ep2 -> ep2xtp2": ("ep2", EP2_TP2, True),
     "ep2 -> fsdp4": ("ep2", FSDP4, True),
     "fsdp4 -> ep2": ("fsdp4", EP2, True),
     "fsdp4 -> ep4": ("fsdp4", EP4, True),
     "ep2 -> ep4, optimizer not loaded": ("ep2", EP4, False),
 }
-SAVES = {"ep2": EP2, "fsdp4": FSDP4}
+SAVES = {"ep2": EP2, "fsdp4": FSDP4, "ep2xtp2": EP2_TP2}
 
 
 def _full(t: torch.Tensor) -> np.ndarray:
@@ -147,9 +150,11 @@ def test_checkpoint_reshards_across_expert_parallel(tmp_path):
         dims, placements = per_rank["saved"]["ep2"]["experts"]  # ep_fsdp: a strided shard of what ep leaves
         assert dims == ("ep_fsdp", "ep") and placements[-1] == "S(0)" and "Replicate()" not in placements
         assert per_rank["saved"]["fsdp4"]["experts"] == (("dp_shard_cp",), ("S(0)",))
+        assert per_rank["saved"]["ep2xtp2"]["experts"][0] == ("ep_fsdp", "ep", "tp")
         for label, (_, parallel, load_optimizer) in RESUMES.items():
             got = per_rank["resumed"][label]
             dims = ("ep_fsdp", "ep") if "ep_size" in parallel else ("dp_shard_cp",)
+            dims += ("tp",) * ("tp_size" in parallel)
             assert got["experts"][0] == dims, (label, got["experts"])  # loaded on the layout it names
             if load_optimizer:
                 _exact(got, ref, f"{label}, rank {rank}", SAVED_AT)

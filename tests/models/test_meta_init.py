@@ -1,7 +1,7 @@
 """A reference Transformer built on the meta device, parallelised, then ``to_empty`` + ``init_weights()`` holds
 exactly the values one process's ``init_weights()`` gives: each DTensor parameter draws its full tensor from its
 per-name generator and keeps its own region. DTensor's own random ops drew other values (0.12 off on FSDP 2,
-silently), so the check can fail. One spawned group of 2 ranks: FSDP 2, TP 2, and the MoE's experts under ep 2.
+silently), so the check can fail. One spawned group of 2 ranks: FSDP 2, TP 2, and the MoE under ep 2 and under TP 2.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ LAYOUTS = {
     "fsdp2": ("tiny", {"dp_shard_size": 2}),
     "tp2": ("tiny", {"tp_size": 2}),
     "ep2": ("tiny-moe", {"dp_shard_size": 2, "ep_size": 2}),
+    "moe tp2": ("tiny-moe", {"tp_size": 2}),  # experts' hidden width and shared experts split over tp
 }
 
 

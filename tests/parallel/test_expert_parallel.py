@@ -1,7 +1,8 @@
 """Expert parallel on 4 ranks, float64, against one process: ep 2 with the experts' FSDP over the other 2 ranks of
 dp_shard (ep_fsdp 2), ep 4 (each rank owns one expert) with the sigmoid router, ep 2 x cp 2 (ep borrowing
 from dp_shard x cp, ring attention) and ep 2 with HSDP; ep 2 in fp32 and bf16 within measured bounds; one 8-rank
-shape (HSDP x dp_shard 2 x cp 2, ep 2). Plus the mesh's ep views and the ep rules.
+group (HSDP x dp_shard 2 x tp 2 with ep 2, dp_shard 2 x cp 2 x tp 2 with ep 4). ep x tp and tp alone on 4 ranks.
+Plus the mesh's ep views and the ep rules.
 
 Each rank must hold only its own experts (n_experts / ep of them, never a replica), and the loss, grad norm
 (clipped), step-1 gradients and parameters after 5 AdamW steps equal one process to 1e-10.
@@ -14,7 +15,16 @@ import pytest
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import format_rank_table, rank_groups
 from ndparallel.errors import ConfigError
-from tests.parallel.test_moe_parity import COMMON, MODEL, SIGMOID, _reference, moe_cp_loss_fn, moe_loss_fn, param_error
+from tests.parallel.test_moe_parity import (
+    COMMON,
+    MODEL,
+    SIGMOID,
+    _reference,
+    moe_cp_loss_fn,
+    moe_loss_fn,
+    param_error,
+    print_worst,
+)
 from tests.parity import FLOAT64_TOL, assert_parity, run_cached
 
 LAYOUTS = {
@@ -24,6 +34,10 @@ LAYOUTS = {
     "ep2 x cp2": ({"dp_shard_size": 2, "cp_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_cp_loss_fn)),
     # HSDP: the experts replicate over dp_replicate too, sharded over ep (ep_fsdp is 1)
     "ep2 hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
+    # ep x tp: the experts sharded over (ep, tp), each ep group inside one tp index (docs/expert-parallel.md)
+    "ep2 x tp2": ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
+    # tp without ep: every expert on every rank, its hidden width split over tp (the sigmoid router)
+    "dp2 x tp2 sigmoid": ({"dp_shard_size": 2, "tp_size": 2}, dict(model=SIGMOID, loss_fn=moe_loss_fn)),
 }
 # Lower precision, against the fp32 one process. Measured (torch 2.13 CPU, 5 AdamW steps clipped at 0.5), worst
 # rank: ep2 fp32 loss 9.5e-7, grad-norm rel 1.3e-7, step-1 grads 2.2e-8, params 1.3e-6 (FSDP 4 fp32: 4.8e-7,
@@ -51,19 +65,27 @@ def results():
 def test_expert_parallel_four_ranks_equals_one_process(results):
     for index, (label, (parallel, kwargs)) in enumerate(LAYOUTS.items()):
         ref = _reference({**COMMON, **kwargs})
-        ep = parallel["ep_size"]
+        ep, tp = parallel.get("ep_size", 1), parallel.get("tp_size", 1)
         for rank, per_rank in enumerate(results):
             got = per_rank[index]
             assert_parity(got, ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"])
             assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
-            assert got["coordinate"]["ep"] == rank % ep, label
+            assert got["coordinate"].get("ep", 0) == (rank // tp) % ep, label
             dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
+            if tp > 1:  # 4 experts [4, 32, 64]: 2 a rank (over ep, or FSDP's dp 2 without it), hidden width over tp
+                want = ("ep_fsdp", "ep", "tp") if ep > 1 else ("dp_shard_cp", "tp")
+                assert (dims, local) == (want, (2, 16, 64)) and placements[-1] == "S(1)", (label, dims, local)
+                assert "R" not in placements, (label, placements)
+                gate = got["layouts"]["layers.0.feed_forward.router.gate.weight"]
+                assert gate[0][-1] == "tp" and gate[1][-1] == "R", (label, gate)  # the router: whole on each tp rank
+                continue
             if parallel.get("dp_replicate_size", 1) > 1:  # replicated over ep_replicate only, as HSDP does
                 assert dims == ("ep_replicate", "ep_fsdp", "ep") and placements[0] == "R", (label, dims, placements)
                 assert placements[-1] == "S(0)" and local == (2, 32, 64), (label, placements, local)
                 continue
             assert dims == ("ep_fsdp", "ep") and "R" not in placements, (label, dims, placements)
             assert placements[-1] == "S(0)" and local == (1, 32, 64), (label, placements, local)
+        print_worst(label, [per_rank[index] for per_rank in results], ref)
 
 
 def test_expert_parallel_in_fp32_and_bf16_within_measured_bounds(results):
@@ -76,24 +98,36 @@ def test_expert_parallel_in_fp32_and_bf16_within_measured_bounds(results):
     assert param_error(bf16, _reference({**COMMON, **F32})) > 1e-4  # bf16 really ran: it is not fp32
 
 
-# One 8-rank composed shape: HSDP x dp_shard x cp with ep borrowing from dp_shard x cp (ep_fsdp 2), ring attention
-EIGHT = (
-    {"dp_replicate_size": 2, "dp_shard_size": 2, "cp_size": 2, "ep_size": 2},
-    dict(model=MODEL, loss_fn=moe_cp_loss_fn),
-)
+# One 8-rank group, two composed shapes: HSDP x tp with ep borrowing from dp_shard (the experts' HSDP over the 4-D
+# (ep_replicate, ep_fsdp, ep, tp) mesh), and dp_shard x cp x tp with ep 4 borrowing all of dp_shard x cp (ring
+# attention, the sigmoid router)
+EIGHT = {
+    "hsdp2 x dp_shard2 x tp2, ep2": (
+        {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2, "ep_size": 2},
+        dict(model=MODEL, loss_fn=moe_loss_fn),
+        (("ep_replicate", "ep_fsdp", "ep", "tp"), (2, 16, 64)),  # 4 experts / ep 2, hidden 32 / tp 2
+    ),
+    "dp_shard2 x cp2 x tp2, ep4 sigmoid": (  # one expert a rank: a size-1 block (it once kept a strided view)
+        {"dp_shard_size": 2, "cp_size": 2, "tp_size": 2, "ep_size": 4},
+        dict(model=SIGMOID, loss_fn=moe_cp_loss_fn),
+        (("ep_fsdp", "ep", "tp"), (1, 16, 64)),  # 4 experts / ep 4, hidden 32 / tp 2
+    ),
+}
 
 
 @pytest.mark.slow
-def test_expert_parallel_on_eight_ranks_hsdp_x_cp():
-    parallel, kwargs = EIGHT
-    results = run_cached(8, [(parallel, {**COMMON, **kwargs})])
-    ref = _reference({**COMMON, **kwargs})
-    for rank, [got] in enumerate(results):
-        assert_parity(got, ref, label=f"8 ranks, rank {rank}", max_norm=COMMON["max_norm"])
-        assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], "params after 5 steps differ"
-        dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
-        assert dims == ("ep_replicate", "ep_fsdp", "ep") and placements[0] == "R" and placements[-1] == "S(0)"
-        assert local == (1, 32, 64), local  # 4 experts / ep 2 / ep_fsdp 2
+def test_expert_parallel_on_eight_ranks_composed_with_tp():
+    results = run_cached(8, [(parallel, {**COMMON, **kwargs}) for parallel, kwargs, _ in EIGHT.values()])
+    for index, (label, (_parallel, kwargs, (want_dims, want_local))) in enumerate(EIGHT.items()):
+        ref = _reference({**COMMON, **kwargs})
+        for rank, per_rank in enumerate(results):
+            got = per_rank[index]
+            assert_parity(got, ref, label=f"{label}, rank {rank}", max_norm=COMMON["max_norm"])
+            assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
+            dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
+            assert dims == want_dims and local == want_local, (label, dims, local)
+            assert placements[-2:] == ("S(0)", "S(1)"), (label, placements)
+        print_worst(label, [per_rank[index] for per_rank in results], ref)
 
 
 def test_mesh_ep_views():
@@ -110,7 +144,6 @@ def test_mesh_ep_views():
     "fields, message",
     [
         ({"dp_shard_size": 4, "ep_size": 3}, "ep_size=3 does not divide dp_shard_size x cp_size = 4"),
-        ({"dp_shard_size": 2, "tp_size": 2, "ep_size": 2}, "ep_size=2 with tp_size=2 is not proved"),
         ({"cp_size": 2, "dp_replicate_size": 2, "ep_size": 4}, "ep_size=4 does not divide dp_shard_size x cp_size = 2"),
     ],
 )
@@ -125,3 +158,18 @@ def test_ep_size_from_sources():
     assert ParallelismConfig.from_sources({}, {}, ["ep_size=4", "dp_shard_size=4"]).ep_size == 4
     with pytest.raises(ConfigError, match="ep_size=0 must be an integer >= 1"):
         ParallelismConfig(ep_size=0)
+
+
+def test_moe_tensor_parallel_rules_name_the_field():
+    from ndparallel.config.preflight import tp_fields_problem
+    from ndparallel.models import Transformer, TransformerConfig
+    from ndparallel.models.transformer.family import FAMILY, MOE_TENSOR_PARALLEL
+    from ndparallel.parallel.moe_tensor_parallel import moe_tp_problem
+
+    cfg = TransformerConfig.from_preset("tiny-moe", expert_ffn_dim=18)
+    layers = FAMILY.moe_layers(Transformer(cfg))
+    assert moe_tp_problem(layers, MOE_TENSOR_PARALLEL, 2, "transformer") is None
+    assert "does not divide the experts' hidden width 18" in moe_tp_problem(layers, MOE_TENSOR_PARALLEL, 4, "x")
+    assert "has no tensor-parallel plan for its MoE blocks" in moe_tp_problem(layers, None, 2, "hf")
+    # the job pre-flight (before any rank starts) checks the experts' width, not the unused dense ffn_dim
+    assert "does not divide model.expert_ffn_dim=18" in tp_fields_problem(cfg.preflight_shape().tp_fields, 4)

@@ -1,4 +1,4 @@
-"""Mixture of experts on 2 ranks, float64, against one process: FSDP 2, DDP 2, CP 2, expert parallel 2
+"""Mixture of experts on 2 ranks, float64, against one process: FSDP 2, DDP 2, CP 2, expert parallel 2, TP 2
 (the sigmoid router runs in tests/parallel/test_expert_parallel.py), and the training step's router work:
 ``TrainStep`` moving a sigmoid router's balancing bias on FSDP 2 and reporting the step's global tokens per
 expert, and ``ndparallel train``'s progress line showing them, in the same spawned group.
@@ -60,6 +60,8 @@ LAYOUTS = {
     "ddp2": ({"dp_replicate_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
     "cp2": ({"cp_size": 2}, dict(model=MODEL, loss_fn=moe_cp_loss_fn)),
     "ep2": ({"dp_shard_size": 2, "ep_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
+    # the MoE block split over tp: tokens gathered, experts' hidden width split, router whole on both ranks
+    "tp2": ({"tp_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn)),
     "fsdp2 accum2": ({"dp_shard_size": 2}, dict(model=MODEL, loss_fn=moe_loss_fn, grad_accum=2)),
     "fsdp2 per-rank aux": ({"dp_shard_size": 2}, dict(model=MODEL, loss_fn=per_rank_aux_loss_fn)),
 }
@@ -158,6 +160,18 @@ def param_error(got: dict, ref: dict) -> float:
     return max(float(np.abs(got["params"][k] - v).max()) for k, v in ref["params"].items())
 
 
+def print_worst(label: str, per_rank: list[dict], ref: dict) -> None:
+    """The row docs/expert-parallel.md records (pytest -s): worst rank's loss, relative grad-norm, step-1 gradient
+    and final parameter differences."""
+    worst = [
+        max(max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)) for got in per_rank),
+        max(max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)) for got in per_rank),
+        max(max(float(np.abs(got["grads"][k] - v).max()) for k, v in ref["grads"].items()) for got in per_rank),
+        max(param_error(got, ref) for got in per_rank),
+    ]
+    print(f"{label:40s} loss {worst[0]:.1e}  norm {worst[1]:.1e}  step-1 grads {worst[2]:.1e}  params {worst[3]:.1e}")
+
+
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     from ndparallel.testing import run_distributed
@@ -178,6 +192,7 @@ def test_moe_layouts_equal_one_process(group):
                 continue
             assert_parity(got, ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"])
             assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
+        print_worst(label, [per_rank[index] for per_rank in results], ref)
 
 
 def test_accumulation_is_per_micro_batch():

@@ -6,7 +6,8 @@ schedule backpropagates only the last stage's loss: ``ndparallel/parallel/pipeli
 blocks, aux 0.1, z 0.01, 4 AdamW steps clipped at 0.5, 2 micro-batches: losses, grad norms and parameters to
 1e-10, router loads (integers) and sigmoid biases equal. Without the aux injection the step-1 gradients differ
 (``aux_dropped``), so the check can fail. 2 ranks: pp 2 under 1f1b, gpipe and interleaved_zb (two stages a rank);
-zbv where torch has it; 4 ranks: pp 2 x dp_shard 2 with ep 2 (the sigmoid router, its bias moving) and pp 2 x cp 2.
+zbv where torch has it; 4 ranks: pp 2 x dp_shard 2 with ep 2 (the sigmoid router, its bias moving), pp 2 x cp 2
+and pp 2 x tp 2 (the sigmoid router).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ CASES = {
     4: {
         "pp2 x ep2": ({"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, "sigmoid"),
         "pp2 x cp2": ({"pp_size": 2, "cp_size": 2}, "softmax"),  # ring attention; the counts over the cp ranks
+        "pp2 x tp2": ({"pp_size": 2, "tp_size": 2}, "sigmoid"),  # the MoE blocks split over tp in each stage
     },
 }
 if torch_supports_v_schedules():

@@ -20,6 +20,10 @@ The TP + SP table (``*`` matches inside one path atom: :mod:`ndparallel.parallel
     norm                        SequenceParallel
     output                      ColwiseParallel, input Shard(1), output Shard(-1) as a DTensor (loss parallel)
 
+In a mixture of experts the ``feed_forward`` rows give way to :data:`MOE_TENSOR_PARALLEL`: the block gathers its
+tokens, runs the router whole, splits every expert's (and the shared experts') hidden width over tp and
+reduce-scatters its output (:mod:`ndparallel.parallel.moe_tensor_parallel`).
+
 Blocks are ``layers`` (the first ``nn.ModuleList``); FSDP units besides them are ``[tok_embeddings]`` and
 ``[norm, output]``; under cp, ``CoreAttention`` (the one attention seam) becomes ring attention and the
 ``positions`` argument of ``forward`` gets each rank's global positions.
@@ -39,8 +43,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.models.transformer.model import CoreAttention, Transformer
 from ndparallel.models.transformer.moe import MoE
@@ -48,13 +50,24 @@ from ndparallel.models.transformer.presets import TP_SPLIT_FIELDS
 from ndparallel.models.transformer.stage import TransformerStage
 from ndparallel.parallel.family import ModelFamily
 from ndparallel.parallel.fully_shard import default_shard_groups
+from ndparallel.parallel.moe_tensor_parallel import MoETensorParallel
 
-__all__ = ["FAMILY", "TransformerFamily", "transformer_tp_plan"]
+__all__ = ["FAMILY", "MOE_TENSOR_PARALLEL", "TransformerFamily", "transformer_tp_plan"]
 
 
-def transformer_tp_plan() -> dict[str, ParallelStyle]:
-    """The TP + SP plan for :class:`ndparallel.models.Transformer` (and Llama-shaped models named alike)."""
-    return {
+MOE_TENSOR_PARALLEL = MoETensorParallel(
+    expert_hidden_dims={"w1": 1, "w3": 1, "w2": 2},  # [E, F, D], [E, F, D], [E, D, F]: F is the hidden width
+    replicated=("router.gate",),
+    colwise=("shared_experts.w1", "shared_experts.w3"),
+    rowwise=("shared_experts.w2",),
+)
+"""How tp splits the reference :class:`~ndparallel.models.transformer.moe.MoE` (paths inside it)."""
+
+
+def transformer_tp_plan(moe: bool = False) -> dict[str, ParallelStyle]:
+    """The TP + SP plan for :class:`ndparallel.models.Transformer` (and Llama-shaped models named alike); ``moe``:
+    without the dense feed-forward rows (the MoE block is split by :data:`MOE_TENSOR_PARALLEL`)."""
+    plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "layers.*.attention_norm": SequenceParallel(),
         "layers.*.attention": PrepareModuleInput(
@@ -76,6 +89,9 @@ def transformer_tp_plan() -> dict[str, ParallelStyle]:
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
+    if moe:
+        plan = {pattern: style for pattern, style in plan.items() if not pattern.startswith("layers.*.feed_forward")}
+    return plan
 
 
 # Model config fields that tensor parallelism splits, in our names and in Hugging Face's.
@@ -95,16 +111,10 @@ class TransformerFamily(ModelFamily):
         return isinstance(model, Transformer)
 
     def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
-        return transformer_tp_plan()
+        return transformer_tp_plan(moe=bool(self.moe_layers(model)))
 
-    def check(self, model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> None:
-        """A mixture-of-experts Transformer has no tensor-parallel table for its experts yet: tp > 1 is refused."""
-        if mesh.size("tp") > 1 and self.moe_layers(model):
-            raise ConfigError(
-                f"tp_size={mesh.size('tp')} on a mixture-of-experts Transformer (model.n_experts="
-                f"{model.config.n_experts}): the experts have no tensor-parallel table yet; use tp_size=1 "
-                "(spread the experts with ep_size)"
-            )
+    def moe_tensor_parallel(self, model: nn.Module) -> MoETensorParallel:
+        return MOE_TENSOR_PARALLEL
 
     def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
         """``[[tok_embeddings], [norm, output]]``, each where the model has it (FSDP's default units)."""

@@ -114,8 +114,10 @@ class TransformerConfig:
 
     def preflight_shape(self) -> ModelShape:
         """What the job pre-flight checks (:mod:`ndparallel.config.preflight`): blocks, the fields TP splits
-        (the reference table shards heads, FFN width and vocabulary), the query heads and the position table."""
-        split = {f"model.{name}": getattr(self, name) for name in TP_SPLIT_FIELDS}
+        (the reference table shards heads, FFN width and vocabulary; an MoE's experts' width instead of the unused
+        dense one), the query heads and the position table."""
+        fields = [("expert_ffn_dim" if self.is_moe and name == "ffn_dim" else name) for name in TP_SPLIT_FIELDS]
+        split = {f"model.{name}": getattr(self, name) for name in fields}
         experts = ("model.n_experts", self.n_experts) if self.is_moe else None
         return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads), self.max_seq_len, experts=experts)
 
