@@ -51,7 +51,7 @@ def verify(
     Raises :class:`~ndparallel.errors.ConfigError` for bad input and for a model that is not deterministic.
     """
     spec = model_spec(model, dtype, tp_plan, shrink=shrink)
-    chosen = _layouts(layouts, cpu_ranks)
+    chosen = _layouts(layouts, cpu_ranks, experts=layouts == "auto" and _has_experts(spec))
     settings = Settings(steps=steps, seq=seq, batch=batch)
     _check_settings(settings)
     pairs = parse_reshards(reshard, cpu_ranks) if reshard is not None else []
@@ -69,7 +69,7 @@ def verify(
     notes, f64 = [], None
     aux = _auxiliary_loss_probe(spec, settings)
     if dtype == "float64":
-        f64 = _with_fp32_aux(_float64_tolerance(spec, settings, ref, notes, progress), aux, notes)
+        f64 = _with_fp32_aux(_float64_tolerance(spec, settings, ref, notes, progress, aux is not None), aux, notes)
     refused = _refused_for_aux_losses(chosen, aux)
     with tempfile.TemporaryDirectory(prefix="ndp-verify-") as tmp:
         saves = {a: os.path.join(tmp, f"ckpt-{i}") for i, a in enumerate(dict.fromkeys(a for a, _ in pairs))}
@@ -135,9 +135,17 @@ def reshard_divergence(a: Layout, on_a: dict, b: Layout, on_b: dict) -> dict:
     return {"module": None, "layout": f"{a.name}>{b.name}", "summary": summary}
 
 
-def _layouts(layouts: str | Sequence[str | Layout], cpu_ranks: int) -> list[Layout]:
+def _has_experts(spec: ModelSpec) -> bool:
+    """Whether the model has mixture-of-experts modules its family can spread over ep (``auto`` then adds ep)."""
+    from ndparallel.parallel.family import family_for
+
+    model = spec.build()
+    return bool(family_for(model).moe_layers(model))
+
+
+def _layouts(layouts: str | Sequence[str | Layout], cpu_ranks: int, experts: bool = False) -> list[Layout]:
     if isinstance(layouts, str):
-        return parse_layouts(layouts, cpu_ranks)
+        return parse_layouts(layouts, cpu_ranks, experts)
     text = ";".join(layout.name if isinstance(layout, Layout) else layout for layout in layouts)
     return parse_layouts(text, cpu_ranks)
 
@@ -205,15 +213,16 @@ def _with_fp32_aux(tol, aux, notes: list[str]):
     return dataclasses.replace(tol, loss=tol.loss + allowance)
 
 
-def _float64_tolerance(spec: ModelSpec, settings: Settings, ref, notes: list[str], progress):
-    """The model's own float64 floor: the reference again with the batch in two accumulated halves."""
+def _float64_tolerance(spec: ModelSpec, settings: Settings, ref, notes: list[str], progress, routed: bool = False):
+    """The model's own float64 floor: the reference again with the batch in two accumulated halves (``routed``:
+    the model has auxiliary losses, :func:`~ndparallel.verify.compare.float64_tolerance`)."""
     if settings.batch % 2:
         notes.append("float64 floor not measured (odd --batch): tolerance 1e-10")
         return float64_tolerance(0.0)
     progress("verify: float64 floor (reference on two accumulated halves)")
     halves = reference(spec, Settings(**{**settings.__dict__, "accumulation": 2}))
     floor = max(errors(halves, ref).values())
-    return float64_tolerance(floor)
+    return float64_tolerance(floor, routed)
 
 
 def _localize(spec: ModelSpec, layout: Layout, settings: Settings, tol: float, progress) -> dict:

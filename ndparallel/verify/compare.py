@@ -57,17 +57,23 @@ class Tolerance:
     source: str
 
 
-def float64_tolerance(floor: float) -> Tolerance:
+def float64_tolerance(floor: float, routed: bool = False) -> Tolerance:
     """1e-10, or 10x the measured floor (the reference against itself on two accumulated halves) when that
     floor is above 1e-12 and 10x of it above 1e-10: the model rounds to fp32 somewhere inside, the same on
     every mesh. A floor beyond fp32 round-off (:data:`SPLIT_LIMIT`) is no round-off: the model's result
     depends on how the batch is split (a per-batch statistic), which data parallel cannot reproduce, so the
-    bound stays 1e-10 and the dp layouts fail."""
+    bound stays 1e-10 and the dp layouts fail. ``routed``: the model has auxiliary losses (an MoE's balancing
+    loss, a per-batch statistic by design, which ndparallel computes on the global batch): said so instead."""
     if floor > SPLIT_LIMIT:
+        why = (
+            "an MoE's balancing loss uses the token fractions of the batch; ndparallel counts them over every "
+            "data rank, so each layout must still match one process"
+            if routed
+            else "a per-batch statistic (BatchNorm-style mean over the batch) is not data-parallel safe"
+        )
         source = (
             f"{_FP64_SOURCE}; the model's result depends on how the batch is split ({floor:.1e} between one batch "
-            f"and two accumulated halves, beyond fp32 round-off {SPLIT_LIMIT:.0e}): a per-batch statistic "
-            "(BatchNorm-style mean over the batch) is not data-parallel safe"
+            f"and two accumulated halves, beyond fp32 round-off {SPLIT_LIMIT:.0e}): {why}"
         )
         return Tolerance(FLOAT64_BOUND, FLOAT64_BOUND, FLOAT64_BOUND, FLOAT64_BOUND, source)
     if floor > FLOOR_LIMIT and 10 * floor > FLOAT64_BOUND:

@@ -21,6 +21,9 @@ BORROWED = ("ep",)  # sizes that take their ranks from the dims above (ep from d
 AUTO_SINGLES = ("dp_shard", "dp_replicate", "tp", "cp", "pp")
 # Pairs worth a run each: the compositions users ship (FSDP x TP, HSDP, ring x TP, FSDP x ring, pp x FSDP).
 AUTO_PAIRS = (("dp_shard", "tp"), ("dp_replicate", "dp_shard"), ("tp", "cp"), ("dp_shard", "cp"), ("pp", "dp_shard"))
+# A mixture of experts also gets its experts spread: ep alone (over dp_shard), then with tp and with cp at 4 ranks.
+AUTO_EXPERTS = ({"dp_shard": 2, "ep": 2},)
+AUTO_EXPERT_PAIRS = ({"dp_shard": 2, "tp": 2, "ep": 2}, {"dp_shard": 2, "cp": 2, "ep": 2})
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,11 @@ class Layout:
         return {**{f"{d}_size": s for d, s in self.sizes}, **extra}
 
 
-def parse_layouts(text: str, cpu_ranks: int) -> list[Layout]:
-    """``"dp_shard=2;tp=2;dp_shard=2,tp=2"`` (``auto``: :func:`auto_layouts`; ``from:job.yaml``: that job's mesh,
-    :func:`fold`-ed); each must fit ``cpu_ranks``."""
+def parse_layouts(text: str, cpu_ranks: int, experts: bool = False) -> list[Layout]:
+    """``"dp_shard=2;tp=2;dp_shard=2,tp=2"`` (``auto``: :func:`auto_layouts`, with ep layouts when the model has
+    ``experts``; ``from:job.yaml``: that job's mesh, :func:`fold`-ed); each must fit ``cpu_ranks``."""
     if text.strip() == "auto":
-        return auto_layouts(cpu_ranks)
+        return auto_layouts(cpu_ranks, experts)
     layouts = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         if item.startswith("from:"):
@@ -107,13 +110,16 @@ def parse_reshards(text: str, cpu_ranks: int) -> list[tuple[Layout, Layout]]:
     return pairs
 
 
-def auto_layouts(cpu_ranks: int) -> list[Layout]:
-    """Every dimension alone at size 2, then the pairs of :data:`AUTO_PAIRS` at 2 x 2 when 4 ranks fit."""
+def auto_layouts(cpu_ranks: int, experts: bool = False) -> list[Layout]:
+    """Every dimension alone at size 2, then the pairs of :data:`AUTO_PAIRS` at 2 x 2 when 4 ranks fit; for a
+    model with ``experts`` (a mixture of experts) also :data:`AUTO_EXPERTS`, and :data:`AUTO_EXPERT_PAIRS` at 4."""
     if cpu_ranks < 2:
         raise ConfigError(f"--cpu-ranks {cpu_ranks}: verify needs at least 2 ranks")
     layouts = [Layout.of({dim: 2}) for dim in AUTO_SINGLES]
+    layouts += [Layout.of(sizes) for sizes in AUTO_EXPERTS if experts]
     if cpu_ranks >= 4:
         layouts += [Layout.of({a: 2, b: 2}) for a, b in AUTO_PAIRS]
+        layouts += [Layout.of(sizes) for sizes in AUTO_EXPERT_PAIRS if experts]
     return layouts
 
 

@@ -32,6 +32,9 @@ def test_auto_layouts_are_every_dimension_alone_then_pairs_that_fit():
     assert [layout.name for layout in auto_layouts(2)] == singles
     four = [layout.name for layout in auto_layouts(4)]
     assert four[:5] == singles and "dp_shard=2,tp=2" in four and all(layout.ranks <= 4 for layout in auto_layouts(4))
+    moe = [layout.name for layout in auto_layouts(4, experts=True)]  # a mixture of experts also spreads them
+    assert set(moe) - set(four) == {"dp_shard=2,ep=2", "dp_shard=2,tp=2,ep=2", "dp_shard=2,cp=2,ep=2"}
+    assert [layout.name for layout in auto_layouts(2, experts=True)] == [*singles, "dp_shard=2,ep=2"]
     assert [layout.name for layout in parse_layouts("dp_shard=2;tp_size=2; tp=2,dp_shard=2", 4)] == [
         "dp_shard=2",
         "tp=2",
@@ -299,7 +302,7 @@ def test_a_layout_that_crashes_stops_its_group_without_a_hang():
 
 def test_an_moe_is_verified_with_its_router_losses_and_ep_is_a_layout():
     """The loss verify trains on is what training adds: cross entropy + the MoE's aux losses (a per-rank aux
-    loss would then fail verify). ``ep=2`` borrows its ranks from dp_shard (the layout still takes 2)."""
+    loss would then fail verify). ``ep=2`` borrows its ranks from dp_shard (the layout still takes 2), with tp too."""
     from ndparallel.models import Transformer
     from ndparallel.parallel.loss import auxiliary_loss, cross_entropy_loss
     from ndparallel.verify.run import _plain_step
@@ -313,5 +316,5 @@ def test_an_moe_is_verified_with_its_router_losses_and_ep_is_a_layout():
     assert abs(float(loss) - float(expected)) < 1e-12 and float(auxiliary_loss(model) or 0) == 0  # collected
     layout = parse_layouts("dp_shard=2,ep=2", 2)[0]
     assert layout.ranks == 2 and layout.parallelism() == {"dp_shard_size": 2, "ep_size": 2}
-    table = verify("tiny-moe", "dp_shard=2,ep=2", cpu_ranks=2)
-    assert table.ok and max(table.rows[0].errors.values()) < 1e-12
+    table = verify("tiny-moe", "dp_shard=2,ep=2;dp_shard=2,tp=2,ep=2", cpu_ranks=4)  # experts over (ep, tp) too
+    assert table.ok and all(max(row.errors.values()) < 1e-12 for row in table.rows), table.rows
