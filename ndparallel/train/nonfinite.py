@@ -11,6 +11,7 @@ nothing non-finite can be saved); after
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,11 +35,14 @@ class NonFiniteGuard:
         self.verbose = verbose  # print each skipped step (rank 0)
         self.streak = 0
 
-    def step_is_finite(self, step: int, loss: torch.Tensor, grad_norm: float) -> bool:
+    def step_is_finite(
+        self, step: int, loss: torch.Tensor, grad_norm: float, cause: Callable[[], str] | None = None
+    ) -> bool:
         """Collective (every rank calls it): True if every rank's loss and the gradient norm are finite.
 
         A False step must not be applied. Raises :class:`DivergenceError` on every rank once
-        ``limit`` steps in a row were not finite. ``step`` is the 1-based number of this step.
+        ``limit`` steps in a row were not finite. ``step`` is the 1-based number of this step. ``cause()``:
+        where this rank saw it start (e.g. an MoE router's NaN logits), asked only for a bad step, locally.
         """
         value = _local_value(loss)
         bad = not (math.isfinite(value) and math.isfinite(grad_norm))
@@ -47,7 +51,8 @@ class NonFiniteGuard:
             self.streak = 0
             return True
         self.streak += 1
-        detail = f"loss {value:.4g}, grad norm {grad_norm:.4g}"
+        found = cause() if cause is not None else ""
+        detail = f"loss {value:.4g}, grad norm {grad_norm:.4g}{f'; {found}' if found else ''}"
         if self.streak >= self.limit:
             raise DivergenceError(
                 f"training stopped at step {step}: the loss or the gradient norm is NaN/inf on rank(s) {bad_ranks} "

@@ -28,7 +28,7 @@ from torch import nn
 from ndparallel.config.precision import forward_autocast_dtype
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
-from ndparallel.models.transformer.moe import router_loads, update_router_biases
+from ndparallel.models.transformer.moe import nonfinite_routers, router_loads, update_router_biases
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
 from ndparallel.parallel.grad_sync import micro_batch_sync
@@ -151,13 +151,20 @@ class TrainStep:
     def _apply(self, step: int, loss: torch.Tensor, grad_norm: float) -> StepResult:
         # Raises after N bad steps in a row. Unchecked (the bench's compute-only twin, whose collectives
         # move nothing): every step applies.
-        applied = self.guard.step_is_finite(step, loss, grad_norm) if self.guard else True
+        applied = self.guard.step_is_finite(step, loss, grad_norm, self._nonfinite_routers) if self.guard else True
         for optimizer in self.optimizers:
             if applied:  # a NaN/inf never reaches the weights
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         loads = self._end_routing(applied)
         return StepResult(loss, grad_norm, applied, loads)
+
+    def _nonfinite_routers(self) -> str:
+        """Which MoE routers' logits held a NaN/inf in this step's forwards on this rank (the first sign of a
+        diverging MoE), for the non-finite guard's message; empty if none did."""
+        modules = self.model.stages if isinstance(self.model, Pipeline) else [self.model]
+        names = [name for module in modules for name in nonfinite_routers(module)]
+        return f"NaN/inf router logits in {', '.join(names)}" if names else ""
 
     def _end_routing(self, applied: bool) -> list[torch.Tensor]:
         """The routers' global tokens per expert of this step (under pp every stage's, in stage order, on every

@@ -136,13 +136,38 @@ def loop_run(rate: float, metrics: str) -> dict:
     return {"stdout": stdout.getvalue(), "losses": result.losses}
 
 
+def nan_router_run(parallel: dict) -> str:
+    """One TrainStep of tiny-moe whose second block's router weight is NaN: the error every rank raises."""
+    import torch
+
+    import ndparallel as ndp
+    from ndparallel.errors import DivergenceError
+    from ndparallel.parallel.parallelize import parallelize
+    from ndparallel.train.step import TrainStep
+
+    net = build_model(MODEL, 0, "float64")
+    with torch.no_grad():
+        net.layers[1].feed_forward.router.gate.weight.fill_(float("nan"))
+    mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
+    net = parallelize(net, mesh.config, mesh)
+    step = TrainStep(net, torch.optim.AdamW(net.parameters(), lr=1e-3), mesh)
+    tokens, labels = make_batches(1, 4, 8, net.config.vocab_size)[0]
+    try:
+        step(tokens[:2], labels[:2], 1, 1)
+    except DivergenceError as err:
+        return str(err)
+    return "no error"
+
+
 def _group(runs: list, tmp: str) -> dict:
-    """The one spawned group: the layouts, the TrainStep bias run, two loop runs (rate 0.05 and 0: off)."""
+    """The one spawned group: the layouts, the TrainStep bias run, two loop runs (rate 0.05 and 0: off), a NaN
+    router under ep 2."""
     return {
         "runs": run_many(runs),
         "bias": {label: train_step_run(parallel, **BIAS_RUN) for label, parallel in BIAS_LAYOUTS.items()},
         "loop": loop_run(0.05, f"{tmp}/on.jsonl"),
         "loop_off": loop_run(0.0, f"{tmp}/off.jsonl"),
+        "nan_router": nan_router_run({"dp_shard_size": 2, "ep_size": 2}),
     }
 
 
@@ -257,3 +282,13 @@ def test_train_progress_shows_router_health_and_rate_moves_training(group):
     assert results[1]["loop"]["stdout"] == "", "rank 0 only"
     on, off = rank0["losses"], results[0]["loop_off"]["losses"]
     assert on[0] == off[0] and abs(on[1] - off[1]) > 1e-8, (on, off)
+
+
+def test_a_nan_router_stops_every_rank_naming_the_router(group):
+    """A router whose logits turn NaN (here its weight) makes the loss NaN: every rank stops at that step with one
+    line that names the router, under ep 2 (no rank hangs in the all-to-all)."""
+    for rank, per_rank in enumerate(group[0]):
+        message = per_rank["nan_router"]
+        assert message.startswith("training stopped at step 1"), (rank, message)
+        assert "NaN/inf router logits in layers.1.feed_forward.router" in message, (rank, message)
+        assert "layers.0" not in message and "\n" not in message, (rank, message)

@@ -6,6 +6,8 @@ Module names (under ``layers.*.feed_forward`` of an MoE :class:`~ndparallel.mode
     router.expert_bias               buffer [n_experts] (sigmoid router only): added to the scores for the choice
     router.tokens_per_expert         non-persistent buffer [n_experts]: global tokens per expert since the last
                                      :func:`update_router_biases` (training forwards only; :func:`router_loads`)
+    router.nonfinite_logits          non-persistent buffer []: training forwards since then whose router logits
+                                     held a NaN/inf (:func:`nonfinite_routers` names them when a step diverges)
     experts.w1 / w3                  [n_experts, expert_ffn_dim, dim]   stacked SwiGLU weights, expert on dim 0
     experts.w2                       [n_experts, dim, expert_ffn_dim]
     shared_experts.w1 / w3 / w2      nn.Linear: one SwiGLU MLP of width n_shared_experts x expert_ffn_dim
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedExperts", "MoE", "Router", "router_loads", "update_router_biases"]
+__all__ = ["GroupedExperts", "MoE", "Router", "nonfinite_routers", "router_loads", "update_router_biases"]
 
 
 class Router(nn.Module):
@@ -46,11 +48,13 @@ class Router(nn.Module):
         if kind == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=dtype))
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("nonfinite_logits", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def reset_buffers(self) -> None:
         if self.kind == "sigmoid":
             self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
+        self.nonfinite_logits.zero_()
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [N, E], indices [N, k], weights [N, k])`` from router logits (fp32 or wider); ``probs`` are the
@@ -135,6 +139,7 @@ class MoE(nn.Module):
             counts = self.reduce_counts(counts)
         if self.training:  # the balancing bias and the progress line's imbalance read them after the step
             self.router.tokens_per_expert += counts
+            self.router.nonfinite_logits += (~torch.isfinite(logits.detach())).any()  # no sync: read on divergence
         self.aux_loss = self._aux_loss(logits, probs, counts)
         order = indices.flatten().argsort(stable=True)  # slots sorted by expert, the router's order within one
         token = order // self.top_k
@@ -162,15 +167,23 @@ def router_loads(model: nn.Module) -> list[torch.Tensor]:
     return [m.tokens_per_expert.clone() for m in model.modules() if isinstance(m, Router)]
 
 
+def nonfinite_routers(model: nn.Module) -> list[str]:
+    """The FQNs of the routers whose logits held a NaN or inf in a training forward since the last
+    :func:`update_router_biases` (this rank's; reading them waits for the device)."""
+    return [name for name, m in model.named_modules() if isinstance(m, Router) and int(m.nonfinite_logits)]
+
+
 @torch.no_grad()
 def update_router_biases(model: nn.Module, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing: after an optimizer step, move each sigmoid router's
     ``expert_bias`` by ``rate`` towards its under-loaded experts (``+rate`` below the mean load, ``-rate`` above),
     from the global tokens per expert counted since the last call; then reset every router's counts (``rate``
-    0: only the reset). Every rank moves its replica of the bias by the same global counts."""
+    0: only the reset, of the non-finite flags too). Every rank moves its replica of the bias by the same global
+    counts."""
     for module in model.modules():
         if isinstance(module, Router):
             load = module.tokens_per_expert
             if module.kind == "sigmoid" and rate:
                 module.expert_bias += (rate * torch.sign(load.mean() - load)).to(module.expert_bias.dtype)
             load.zero_()
+            module.nonfinite_logits.zero_()
