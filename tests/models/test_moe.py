@@ -111,3 +111,30 @@ def test_preflight_ep_rules():
     compiled = dataclasses.replace(p, ep_size=1, compile="blocks")
     assert "compile='blocks' on a mixture-of-experts model" in job_problems(compiled, job, _cfg().preflight_shape())[0]
     assert job_problems(compiled, job, dense) == []
+
+
+def test_grouped_mm_experts_equal_the_loop_in_fp32():
+    """``experts_impl="grouped_mm"`` (torch's grouped GEMM, CPU fp32 kernel here; CUDA bf16 not measured: no GPU)
+    computes what the loop does, an expert with no rows included; float64 has no grouped kernel: refused."""
+    from ndparallel.models.transformer.moe import GroupedExperts
+
+    experts = GroupedExperts(16, 8, 4, torch.float32, impl="grouped_mm")
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, generator=torch.Generator().manual_seed(1))
+    rows = torch.randn(12, 16, generator=torch.Generator().manual_seed(2))
+    counts = [5, 0, 4, 3]  # expert 1 gets no row
+    grouped = experts.compute(rows, counts, experts.w1, experts.w3, experts.w2)
+    experts.impl = "loop"
+    assert torch.allclose(grouped, experts.compute(rows, counts, experts.w1, experts.w3, experts.w2), atol=1e-6)
+
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
+    results = []
+    for impl in ("loop", "grouped_mm"):
+        model = Transformer(TransformerConfig.from_preset("tiny-moe", experts_impl=impl, dtype="float32"))
+        (F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()) + auxiliary_loss(model)).backward()
+        results.append({name: p.grad for name, p in model.named_parameters()})
+    assert max(float((results[0][n] - results[1][n]).abs().max()) for n in results[0]) <= 1e-6
+    with pytest.raises(ConfigError, match="grouped GEMM has no float64 kernel"):
+        TransformerConfig.from_preset("tiny-moe", experts_impl="grouped_mm", dtype="float64")
+    with pytest.raises(ConfigError, match="model.experts_impl='gmm' must be one of"):
+        TransformerConfig.from_preset("tiny-moe", experts_impl="gmm")

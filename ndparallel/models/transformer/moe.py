@@ -70,12 +70,34 @@ class Router(nn.Module):
         return probs, indices, weights / weights.sum(dim=-1, keepdim=True)
 
 
-class GroupedExperts(nn.Module):
-    """``n_experts`` SwiGLU experts as stacked 3-D weights (expert on dim 0), run as a plain loop (CPU, float64)."""
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``counts[e]`` consecutive rows of ``x`` times ``weight[e].T``, for every expert in one grouped GEMM.
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, dtype: torch.dtype):
+    Private torch API, isolated here: ``torch._grouped_mm`` (torch 2.8+) is torch's only grouped GEMM (CUDA bf16
+    on Hopper; a CPU kernel in fp32/bf16; none in float64). Its CPU backward fails on a gradient with zero
+    strides (an expanded ``sum()``), so the output hands back a contiguous gradient.
+    """
+    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU experts as stacked 3-D weights (expert on dim 0): run as a plain loop (``impl="loop"``:
+    any dtype, CPU and float64) or as three grouped GEMMs (``impl="grouped_mm"``: :func:`grouped_matmul`)."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, dtype: torch.dtype, impl: str = "loop"):
         super().__init__()
-        self.n_experts = n_experts
+        self.n_experts, self.impl = n_experts, impl
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden, dtype=dtype))
@@ -87,12 +109,14 @@ class GroupedExperts(nn.Module):
             return self.dispatcher(self, x_sorted, counts)
         return self.compute(x_sorted, counts, self.w1, self.w3, self.w2)
 
-    @staticmethod
     def compute(
-        x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+        self, x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
         """``counts[e]`` consecutive rows through expert ``e`` of the stacked weights (every expert runs, with zero
         rows if none reach it, so each has a gradient)."""
+        if self.impl == "grouped_mm":
+            hidden = F.silu(grouped_matmul(x, w1, counts)) * grouped_matmul(x, w3, counts)
+            return grouped_matmul(hidden, w2, counts)
         outs = []
         for e, rows in enumerate(x.split(counts)):
             hidden = F.silu(rows @ w1[e].transpose(0, 1)) * (rows @ w3[e].transpose(0, 1))
@@ -122,7 +146,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.router = Router(cfg.dim, cfg.n_experts, cfg.top_k, cfg.router, dtype)
-        self.experts = GroupedExperts(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts, dtype)
+        self.experts = GroupedExperts(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts, dtype, cfg.experts_impl)
         shared = cfg.n_shared_experts * cfg.expert_ffn_dim
         self.shared_experts = SharedExperts(cfg.dim, shared, dtype) if shared else None
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -17,6 +17,7 @@ __all__ = ["PARAM_DTYPES", "PRESETS", "TP_SPLIT_FIELDS", "TransformerConfig", "s
 PARAM_DTYPES = ("float32", "float64")  # names in ndparallel.config.precision.DTYPES
 # The shape fields the reference TP table shards (heads, kv heads, FFN width, vocabulary): tp must divide them.
 TP_SPLIT_FIELDS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+EXPERTS_IMPLS = ("loop", "grouped_mm")  # how the routed experts run (TransformerConfig.experts_impl)
 
 
 @dataclass
@@ -49,6 +50,10 @@ class TransformerConfig:
     """Weight of the load-balancing loss ``n_experts * sum_e f_e * P_e`` (token fractions of the global batch)."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss, the mean of ``logsumexp(router logits)^2``."""
+    experts_impl: str = "loop"
+    """How the routed experts run: ``loop`` (one matmul per expert; every dtype, float64 included) or
+    ``grouped_mm`` (torch's grouped GEMM, one kernel per projection for all experts; float32 parameters, bf16/fp16
+    under mixed precision)."""
     seed: int = 0
     dtype: str | None = None
     """Parameter dtype: ``float32``, or ``float64`` (the exactness proof of the parity tests; bf16/fp16
@@ -83,6 +88,14 @@ class TransformerConfig:
             raise ConfigError(
                 f"model.dtype={self.dtype!r} must be one of {list(PARAM_DTYPES)} "
                 "(bf16/fp16: parallelism.mixed_precision)"
+            )
+        if self.experts_impl not in EXPERTS_IMPLS:
+            choices = list(EXPERTS_IMPLS)
+            raise ConfigError(f"model.experts_impl={brief_repr(self.experts_impl)} must be one of {choices}")
+        if self.experts_impl == "grouped_mm" and self.dtype == "float64":
+            raise ConfigError(
+                "model.experts_impl='grouped_mm' with model.dtype='float64': torch's grouped GEMM has no float64 "
+                "kernel; use experts_impl='loop' for float64"
             )
 
     @property
