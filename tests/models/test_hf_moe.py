@@ -6,7 +6,9 @@ load-balancing loss (DeepSeek-V3 has none: its router is balanced by a bias). Tr
 the same global batch; losses, grad norms, step-1 gradients and the final parameters are compared.
 
 - dp_shard 2 and cp 2: the aux loss is the global batch's (a per-rank one differs: ``local_aux_differs``);
-- ep 2 (over dp_shard 2), ep 2 x ep_fsdp 2 (dp_shard 4), ep 2 x cp 2: each rank owns half of the experts.
+- ep 2 (over dp_shard 2), ep 2 x ep_fsdp 2 (dp_shard 4), ep 2 x cp 2: each rank owns half of the experts;
+- pp 2 and pp 2 x ep 2 (Mixtral, Qwen3-MoE, DeepSeek-V3 with ``output_router_logits=False``: a stage cannot hold
+  every layer's router logits, so the balancing loss is refused under pp).
 
 These models cast the router to fp32 inside (softmax of ``logits.float()``, transformers' fp32 aux sums), so
 their floor is fp32's where rows are summed in another order (cp); see docs/expert-parallel.md.
@@ -214,9 +216,47 @@ def local_aux_differs() -> float:
 RESUME_ON = {2: {"ep2 -> dp2": {"dp_shard_size": 2}}, 4: {"ep2 -> ep4": {"dp_shard_size": 4, "ep_size": 4}}}
 
 
-def run_group(world: int, root: str) -> dict:
+# Under pp (4 blocks, 2 micro-batches, tests/parallel/test_pipeline_parity.py's recipe: 5 AdamW steps clipped at
+# 0.5) with output_router_logits=False: no stage holds every layer's router logits, so the balancing loss is
+# refused there (test_a_pipeline_of_a_model_with_its_router_logits_is_refused).
+PIPELINES = {2: {"pp2": {"pp_size": 2}}, 4: {"pp2 x ep2": {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}}}
+PP_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def build_pp(model_type: str, output_router_logits: bool = False) -> torch.nn.Module:
+    from ndparallel.hf import tiny_config
+
+    overrides = OVERRIDES.get(model_type, {})
+    config = tiny_config(model_type, output_router_logits=output_router_logits, num_hidden_layers=4, **overrides)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).logits
+
+
+def train_pipelines(world: int, refs: dict) -> dict:
+    """Each PP_FAMILIES model on this world's pipeline layout: the worst differences from its one-process ``refs``."""
+    import ndparallel as ndp
+    from ndparallel.parallel.pipeline import build_pipeline
+    from tests.parallel.test_pipeline_parity import _train_pipeline
+
+    out = {}
+    for label, parallel in PIPELINES[world].items():
+        mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
+        for model_type in PP_FAMILIES:
+            pipe = build_pipeline(build_pp(model_type), mesh.config, mesh, microbatches=2)
+            vocab = refs[model_type]["vocab"]
+            out[(model_type, label)] = _train_pipeline(
+                pipe, refs[model_type], vocab, mesh.size("dp"), mesh.local_rank("dp")
+            )
+    return out
+
+
+def run_group(world: int, root: str, pp_refs: dict) -> dict:
     families = FAMILIES if world == 2 else FOUR_RANK_FAMILIES
-    extra: dict = {}
+    extra: dict = {"pipelines": train_pipelines(world, pp_refs)}
     runs = {(m, label): train(m, parallel) for label, parallel in LAYOUTS[world].items() for m in families}
     if world == 2:  # the checkpoint every resume loads, and its safetensors export; grouped_mm experts under ep
         train("mixtral", LAYOUTS[2]["ep2"], save=f"{root}/ep2", export=f"{root}/ep2.safetensors")
@@ -246,9 +286,27 @@ def root(tmp_path_factory):
     return str(folder)
 
 
+@functools.cache
+def pipeline_reference(model_type: str, halves: bool = False) -> dict:
+    """One process, the whole model, the pipeline tests' recipe (``halves``: each batch as two accumulated
+    micro-batches, what a pipeline of 2 micro-batches computes: the model's own fp32-router floor)."""
+    from tests.parallel.test_pipeline_parity import _plain_training
+
+    def logits(model, tokens):
+        if not halves:
+            return _logits(model, tokens)
+        return torch.cat([_logits(model, part) for part in tokens.chunk(2)])  # same values, micro-batch sums
+
+    model = build_pp(model_type)
+    return {**_plain_training(model, logits), "vocab": model.config.vocab_size}
+
+
 @pytest.fixture(scope="module")
 def groups(root):
-    return {world: run_distributed(functools.partial(run_group, world, root), world, timeout=600) for world in LAYOUTS}
+    refs = {model_type: pipeline_reference(model_type) for model_type in PP_FAMILIES}
+    return {
+        world: run_distributed(functools.partial(run_group, world, root, refs), world, timeout=600) for world in LAYOUTS
+    }
 
 
 @functools.cache
@@ -403,3 +461,38 @@ def test_the_other_hf_moe_families_on_dp2_and_ep2():
             if label == "ep2":
                 assert got["experts_owned"] == 2, (model_type, got["expert_layout"])
     assert not failures, failures
+
+
+@pytest.mark.parametrize("world", sorted(PIPELINES))
+def test_hf_moe_under_pp_equals_one_process(groups, world):
+    """Mixtral, Qwen3-MoE and DeepSeek-V3 on pp 2 (and pp 2 x ep 2): losses, clipped norms, step-1 gradients and
+    final parameters against one process, within 1e-10 (DeepSeek-V3: 4x its fp32-router floor)."""
+    for rank, per_rank in enumerate(groups[world]):
+        for (model_type, label), err in per_rank["pipelines"].items():
+            tol = TOL
+            if model_type in FP32_INSIDE:
+                floor = pipeline_floor(model_type)
+                tol = FLOOR_MULTIPLE * floor
+            if rank == 0:
+                print(model_type, label, f"tol {tol:.1e}", {k: f"{v:.1e}" for k, v in err.items()})
+            assert all(v <= tol for v in err.values()), (model_type, label, rank, err)
+
+
+@functools.cache
+def pipeline_floor(model_type: str) -> float:
+    """The model against itself with each batch as two accumulated micro-batches (fp32 router sums)."""
+    ref, halves = pipeline_reference(model_type), pipeline_reference(model_type, halves=True)
+    return max(
+        max(abs(a - b) for a, b in zip(ref["losses"], halves["losses"], strict=True)),
+        max(abs(a - b) for a, b in zip(ref["norms"], halves["norms"], strict=True)),
+        max(float((ref["final"][n] - halves["final"][n]).abs().max()) for n in ref["final"]),
+    )
+
+
+def test_a_pipeline_of_a_model_with_its_router_logits_is_refused():
+    from ndparallel.errors import ConfigError
+    from ndparallel.parallel.family import family_for
+
+    model = build_pp("mixtral", output_router_logits=True)
+    with pytest.raises(ConfigError, match="output_router_logits=True .* which no pipeline stage holds"):
+        family_for(model).pipeline_stage(model, [0, 1], True, False)

@@ -44,8 +44,12 @@ PIPELINE_MODEL_TYPES = frozenset(
         "arcee", "cohere2", "cwm", "ernie4_5", "exaone", "exaone4", "gemma", "glm", "glm4", "helium",
         "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral3", "olmo", "olmo3", "seed_oss", "vaultgemma",
         "phi", "gpt_neox",
+        "mixtral", "qwen3_moe", "deepseek_v3",
     }
 )  # fmt: skip
+# The mixtures of experts above are measured exact on pp 2 and pp 2 x ep 2 (tests/models/test_hf_moe.py) with
+# output_router_logits=False; True is refused: transformers computes the balancing loss in the causal LM's forward
+# from every layer's router logits together, and no stage holds them all.
 # the base model's parts, by the names the PIPELINE_MODEL_TYPES use (Phi: final_layernorm; GPT-NeoX: embed_in,
 # final_layer_norm), and the dropout module some apply after the embedding (Phi, GPT-NeoX)
 _PARTS = {
@@ -79,6 +83,12 @@ class HFCausalLMStage(nn.Module):
                 f"pp_size > 1 is not supported for model_type={model_type!r} ({type(full).__name__}): a pipeline "
                 "stage runs only embed_tokens -> layers -> norm -> lm_head and is measured exact for "
                 f"{', '.join(sorted(PIPELINE_MODEL_TYPES))}; use pp_size=1"
+            )
+        if getattr(full.config, "output_router_logits", False):
+            raise ConfigError(
+                f"pp_size > 1 with output_router_logits=True ({type(full).__name__}): transformers computes the "
+                "load-balancing loss in the causal LM's forward from every layer's router logits together, which no "
+                "pipeline stage holds; set output_router_logits=False (no balancing loss), or use pp_size=1"
             )
         if getattr(full.config, "use_bidirectional_attention", False):
             raise ConfigError(
