@@ -4,9 +4,9 @@ steps continues exactly like one uninterrupted process (float64, losses, grad no
 to 1e-10; measured in docs/checkpointing.md).
 
 One 4-rank spawned group: saved on ep 2 x ep_fsdp 2 (experts S(0) over ``ep``, their FSDP over ``ep_fsdp``), on
-plain FSDP dp_shard 4 and on ep 2 x tp 2 (experts also split over tp); loaded on ep 4, FSDP 4, ep 2 and ep 2 x tp 2. The world-1 loads run in the
-pytest process. A load that skips the optimizer state (AdamW's moments and step restart), and one whose router
-biases are reset after loading, must differ, so the checks can fail.
+plain FSDP dp_shard 4 and on ep 2 x tp 2 (experts also split over tp); loaded on ep 4, FSDP 4, ep 2 and ep 2 x tp 2.
+The world-1 loads run in the pytest process. A load that skips the optimizer state (AdamW's moments and step
+restart), and one whose router biases are reset after loading, must differ, so the checks can fail.
 """
 
 from __future__ import annotations

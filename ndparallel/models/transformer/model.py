@@ -68,7 +68,8 @@ def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None 
     exactly the values the whole model gets. Norm weights 1; others normal(0, 0.02), the residual projections
     (``wo``, ``w2``) normal(0, 0.02 / sqrt(2 n_layers)). A DTensor parameter (a model built on meta and
     parallelised first) draws its full tensor and keeps its own region, so every layout holds one process's
-    values (DTensor's own random ops would draw others)."""
+    values (DTensor's own random ops would draw others). Routers' balancing state (bias, counts) restarts at zero:
+    a stage built on meta holds uninitialised memory there until this runs."""
     seed = cfg.seed if seed is None else seed
     residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
     for name, param in module.named_parameters():
@@ -83,6 +84,9 @@ def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None 
             continue
         full = torch.empty(param.shape, dtype=local.dtype, device=local.device).normal_(0.0, std, generator=generator)
         local.copy_(full[local_region(param)])
+    for router in module.modules():
+        if isinstance(router, Router):
+            router.reset_buffers()
 
 
 class CoreAttention(nn.Module):
@@ -228,9 +232,6 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         init_parameters(self, cfg, seed)
-        for module in self.modules():
-            if isinstance(module, Router):
-                module.reset_buffers()
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels: torch.Tensor | None = None
