@@ -6,12 +6,13 @@ constants, with sources), ``memory``, ``comm``, the time model from its parts: `
 attention, a memory-bound pass), ``memory_ops`` (bytes of the memory-bound ops, eager or compiled),
 ``checkpointing`` (what each policy recomputes), ``compute`` (one rank's compute by kind), ``timing`` (overlap,
 exposed communication, the step); ``pipeline`` (pipeline parallelism: stage split, micro-batches in flight,
-bubble, p2p), ``search`` (estimate one shape, rank them all), ``explain`` (``plan --explain``), ``cli`` (the
-``plan`` command).
+bubble, p2p), ``experts`` (mixture of experts: expert shards per rank, what an MoE block saves, its all-to-all and
+router statistics), ``search`` (estimate one shape, rank them all; ``ep`` too for an MoE), ``explain``
+(``plan --explain``), ``cli`` (the ``plan`` command).
 
     from ndparallel.estimate import ClusterSpec, MeshShape, TrainingSpec, estimate, model_spec, plan
 
-    model = model_spec("8b")                        # preset, HF config.json path/dict, raw counts
+    model = model_spec("8b")                        # preset (tiny-moe too), HF config.json path/dict, raw counts
     train = TrainingSpec(global_batch=512, seq_len=8192, activation_checkpointing="full")
     cluster = ClusterSpec.from_gpu("h100", num_gpus=64)
     e = estimate(model, train, MeshShape(dp_shard=16, tp=4), cluster)

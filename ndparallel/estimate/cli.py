@@ -4,6 +4,7 @@
     ndparallel plan --model path/to/config.json --gpus 16 --gpu h200 --json
     ndparallel plan --dim 4096 --layers 32 --heads 32 --kv-heads 8 --ffn-dim 14336 --vocab 128256 --gpus 8
     ndparallel plan --model 70b --gpus 64 --pp-schedule gpipe,1f1b,interleaved_1f1b --pp-microbatches 16
+    ndparallel plan --model path/to/mixtral/config.json --gpus 64 --ep 8   # a mixture of experts: ep searched
     ndparallel plan --model 8b --gpus 8 --gpu h100-hbm2e --seq 8192 --global-batch 16 --micro-batch 2 \
         --ac selective --selective-ac-option op --compile blocks --dp-shard 8 --explain
 
@@ -40,12 +41,17 @@ from ndparallel.estimate.explain import breakdown, format_explain
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, COMPILE_MODES, GiB
 
 PP_COMPARED = ("gpipe", "1f1b", "interleaved_1f1b")
+PINNED = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+"""The sizes ``--pp`` ... ``--ep`` pin (ep: a mixture of experts' expert parallelism, inside dp_shard x cp)."""
 """``--pp-schedule all``: the schedules whose memory rule is measured (docs/planning.md)."""
 
 __all__ = ["add_plan_parser", "format_explain", "format_plan", "main", "plan_to_json", "run_plan"]
 
 _RAW_COUNTS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
                "ffn_dim": "ffn_dim", "vocab": "vocab_size"}  # fmt: skip
+_RAW_MOE = {"experts": "n_experts", "top_k": "top_k", "expert_ffn_dim": "expert_ffn_dim",
+            "shared_ffn_dim": "shared_ffn_dim"}  # fmt: skip
+"""Optional raw counts of a mixture of experts (every block an MoE block)."""
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -54,13 +60,19 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "plan",
         help="estimate memory, communication and step time; rank mesh shapes for a cluster",
         description="Predict per-GPU memory and step time of every (pp, dp_replicate, dp_shard, cp, tp) mesh "
-        "shape (pp shapes once per --pp-schedule) and rank them. Model: docs/planning.md.",
+        "shape (pp shapes once per --pp-schedule; a mixture of experts also every ep) and rank them. Model: "
+        "docs/planning.md.",
     )
     model = p.add_argument_group("model (a preset / config.json, or raw counts)")
-    model.add_argument("--model", help="preset name (tiny, small, 125m, 1b, 8b, 70b) or path to an HF config.json")
-    for flag in _RAW_COUNTS:
+    model.add_argument(
+        "--model", help="preset name (tiny, tiny-moe, small, 125m, 1b, 8b, 70b) or path to an HF config.json"
+    )
+    for flag in (*_RAW_COUNTS, *_RAW_MOE):
         model.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, help=argparse.SUPPRESS)
-    model.description = "raw counts: --dim --layers --heads [--kv-heads] --ffn-dim --vocab"
+    model.description = (
+        "raw counts: --dim --layers --heads [--kv-heads] --ffn-dim --vocab; a mixture of experts adds --experts "
+        "[--top-k] [--expert-ffn-dim] [--shared-ffn-dim]"
+    )
 
     cluster = p.add_argument_group("cluster (defaults: --gpu preset)")
     cluster.add_argument("--gpus", type=int, required=True, help="total number of GPUs (world size)")
@@ -134,7 +146,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     pipe.add_argument("--no-pp", action="store_true", help="search shapes without pipeline parallelism only")
 
     out = p.add_argument_group("search and output")
-    for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+    for dim in PINNED:
         out.add_argument(f"--{dim.replace('_', '-')}", type=int, dest=f"pin_{dim}", help=f"pin {dim} size")
     out.add_argument("--top", type=int, default=10, help="how many ranked shapes to print (10)")
     out.add_argument("--rejected", type=int, default=8, help="how many rejected shapes to print (8)")
@@ -149,8 +161,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _model_from_args(args: argparse.Namespace) -> ModelSpec:
     raw = {field: getattr(args, flag) for flag, field in _RAW_COUNTS.items() if getattr(args, flag, None)}
-    if args.model and raw:
+    moe = {field: getattr(args, flag) for flag, field in _RAW_MOE.items() if getattr(args, flag, None) is not None}
+    if args.model and (raw or moe):
         raise ConfigError("give either --model or raw counts (--dim --layers ...), not both")
+    if moe and not raw:
+        raise ConfigError(f"{', '.join('--' + f.replace('_', '-') for f in moe)} need the raw counts (--dim ...)")
+    raw.update(moe)
     if args.model:
         return model_spec(args.model)
     if not raw:
@@ -209,7 +225,7 @@ def run_plan(args: argparse.Namespace) -> int:
         model = _model_from_args(args)
         cluster = _cluster_from_args(args)
         train = _training_from_args(args)
-        fixed = {dim: getattr(args, f"pin_{dim}") for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        fixed = {dim: getattr(args, f"pin_{dim}") for dim in PINNED}
         fixed = {k: v for k, v in fixed.items() if v is not None}
         for flag in ("top", "rejected"):
             _non_negative(getattr(args, flag), f"--{flag}")
@@ -270,6 +286,17 @@ def _ac_text(t: TrainingSpec) -> str:
     return f"selective every {t.selective_ac_option} blocks"
 
 
+def _experts_text(m: ModelSpec) -> str:
+    """The model line's mixture-of-experts part ("" for a dense model)."""
+    if not m.is_moe:
+        return ""
+    shared = f", shared ffn {m.shared_ffn_dim}" if m.shared_ffn_dim else ""
+    return (
+        f"; {m.n_experts} experts, top-{m.top_k}, expert ffn {m.expert_ffn_dim}{shared}, "
+        f"{m.n_moe_layers} of {m.n_layers} blocks MoE, {m.num_active_params() / 1e9:.2f}B active"
+    )
+
+
 def _gib(value: float) -> str:
     return f"{value / GiB:.1f}"
 
@@ -279,7 +306,7 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 8) -> str:
     m, c, t = result.model, result.cluster, result.train
     lines = [
         f"model {m.name}: {m.num_params() / 1e9:.2f}B params (dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, "
-        f"{m.n_kv_heads} kv heads, ffn {m.ffn_dim}, vocab {m.vocab_size})",
+        f"{m.n_kv_heads} kv heads, ffn {m.ffn_dim}, vocab {m.vocab_size}{_experts_text(m)})",
         f"cluster: {c.num_gpus} GPUs, {c.gpus_per_node}/node, {_gib(c.gpu_memory)} GiB each "
         f"({_gib(c.usable_memory)} usable), NVLink {c.intra_node_bw / 1e9:.0f} GB/s, network "
         f"{c.inter_node_bw / 1e9:.0f} GB/s per GPU, {c.peak_flops / 1e12:.0f} TFLOP/s, HBM {c.hbm_bw / 1e12:.2f} TB/s"
@@ -290,7 +317,8 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 8) -> str:
         + ("" if t.fused_norm else ", composite RMSNorm"),
         "",
     ]
-    columns = ("#", "mesh ([pp sched x] rep x shard x cp x tp)", "mem/GPU GiB", "step s", "tok/s", "MFU")
+    mesh = "mesh ([pp sched x] rep x shard x cp x tp" + (" [epN])" if m.is_moe else ")")
+    columns = ("#", mesh, "mem/GPU GiB", "step s", "tok/s", "MFU")
     header = "{:>3}  {:<42} {:>11} {:>8} {:>10} {:>6}  why".format(*columns)
     if result.ranked:
         lines += [f"{len(result.ranked)} shapes fit; fastest first:", header]

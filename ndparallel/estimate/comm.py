@@ -7,7 +7,8 @@ ring algorithm: a rank moves ``(n-1)/n`` of the payload for all-gather and reduc
 group crosses, plus a fixed latency per call (``hardware.LINKS``: so a small message reaches a small fraction
 of the bandwidth, ``size / (size + latency x bandwidth)``). Which link a group uses follows from the mesh order
 (dp_replicate, dp_shard, cp, tp, outer -> inner): a group whose ranks fit inside one node uses NVLink, otherwise
-the network.
+the network. Expert parallelism's groups are cut out of dp_shard x cp: ``ep`` its inner ranks (``ep x tp``
+consecutive ones), ``ep_fsdp`` the rest (spread over the whole of dp_shard x cp); ``dp_cp`` is dp x cp.
 """
 
 from __future__ import annotations
@@ -17,18 +18,26 @@ from dataclasses import asdict, dataclass
 
 from ndparallel.distributed.ulysses import kv_heads_sent
 from ndparallel.estimate.checkpointing import per_op
+from ndparallel.estimate.experts import (
+    gathered_expert_elements,
+    gathered_router_elements,
+    moe_block_params,
+    moe_collectives,
+)
 from ndparallel.estimate.hardware import LINKS
 from ndparallel.estimate.memory import (
     DDP_BUCKET_BYTES,
     checkpointed_blocks,
+    dense_params,
+    gathered_params,
+    params_per_rank,
     pipeline_train,
     residual_bytes,
-    tp_local_params,
 )
 from ndparallel.estimate.pipeline import RankShare, microbatches, p2p_sends, rank_shares
 from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
 
-__all__ = ["LATENCY_S", "Collective", "collectives", "group_link"]
+__all__ = ["LATENCY_S", "Collective", "collectives", "group_link", "group_size"]
 
 DIM_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
 LATENCY_S = {name: link.latency_s for name, link in LINKS.items()}
@@ -51,10 +60,11 @@ class Collective:
     kind: str
     """all_gather, reduce_scatter, all_reduce, send_recv, all_to_all or broadcast."""
     group: str
-    """Mesh dim or view it runs over: dp_shard_cp, dp_replicate, tp, cp, pp."""
+    """Mesh dim or view it runs over: dp_shard_cp, dp_replicate, tp, cp, pp; ep, ep_fsdp, dp_cp (mixture of
+    experts)."""
     group_size: int
     phase: str
-    """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp and cp (on the critical path),
+    """What it can overlap with: fsdp_forward, fsdp_backward, grad_reduce, tp, cp and ep (on the critical path),
     cp_ring (hidden behind attention), pp (point-to-point between stages), loss (the pipeline's loss, after the
     schedule: on the critical path), after_schedule (pure replicate under pp: the gradient all-reduce after
     the schedule, on the critical path)."""
@@ -83,7 +93,23 @@ class Collective:
 def group_link(mesh: MeshShape, dims: tuple[str, ...], cluster: ClusterSpec) -> str:
     if dims == ("pp",):  # pp is outermost: a stage's neighbour is inner_size ranks away
         return "intra" if mesh.world_size <= cluster.gpus_per_node else "inter"
+    if dims == ("ep",):  # the inner ep ranks of dp_shard x cp: ep x tp consecutive ranks
+        return "intra" if mesh.ep * mesh.tp <= cluster.gpus_per_node else "inter"
+    if dims == ("ep_fsdp",):  # strided over the whole of dp_shard x cp
+        return _inner_link(mesh, ("dp_shard", "cp"), cluster)
+    if dims == ("dp_cp",):
+        return _inner_link(mesh, ("dp_replicate", "dp_shard", "cp"), cluster)
     return _inner_link(mesh, dims, cluster)
+
+
+def group_size(mesh: MeshShape, dims: tuple[str, ...]) -> int:
+    """Ranks of one group over ``dims`` (a mesh dim, several contiguous ones, or ``pp`` / ``ep`` / ``ep_fsdp`` /
+    ``dp_cp``)."""
+    dp_cp = mesh.dp_replicate * mesh.fsdp
+    special = {("pp",): mesh.pp, ("ep",): mesh.ep, ("ep_fsdp",): mesh.ep_fsdp, ("dp_cp",): dp_cp}
+    if dims in special:
+        return special[dims]
+    return math.prod(mesh.as_dict()[d] for d in dims)
 
 
 def _inner_link(mesh: MeshShape, dims: tuple[str, ...], cluster: ClusterSpec) -> str:
@@ -115,7 +141,7 @@ def collectives(
     rows: list[Collective] = []
 
     def add(name: str, kind: str, dims: tuple[str, ...], phase: str, calls: int, payload: float) -> None:
-        size = mesh.pp if dims == ("pp",) else math.prod(mesh.as_dict()[d] for d in dims)
+        size = group_size(mesh, dims)
         if size == 1 or calls == 0:
             return
         link = group_link(mesh, dims, cluster)
@@ -123,24 +149,20 @@ def collectives(
         group = "dp_shard_cp" if dims == ("dp_shard", "cp") else dims[0]
         rows.append(Collective(name, kind, group, size, phase, calls, payload, link, bandwidth))
 
-    # FSDP2 over dp_shard x cp: units = embedding, n_layers blocks, head (final norm + output).
-    tp_local = tp_local_params(model, mesh.tp, share)
+    # FSDP2 over dp_shard x cp: units = embedding, n_layers blocks, head (final norm + output); under ep each MoE
+    # block's experts are a unit of their own over ep_fsdp.
     n_units = layers + share.embedding + share.head
-    fsdp = ("dp_shard", "cp")
+    expert_units = share.moe_blocks if mesh.ep > 1 else 0
     if mesh.pp > 1:
-        # The schedule keeps units gathered for the whole step and syncs gradients after the last micro-batch.
-        add(
-            "FSDP all-gather (once per step)", "all_gather", fsdp, "fsdp_forward", n_units, tp_local * precision.compute
-        )
-        add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce", n_units, tp_local * precision.reduce)
+        _pipeline_fsdp_rows(add, model, train, mesh, share)
     else:
-        _fsdp_rows(add, model, train, mesh, tp_local, n_units)
+        _fsdp_rows(add, model, train, mesh, share)
 
     # Data-parallel replicas: HSDP all-reduces the gradient shards, plain replicate whole bucketed gradients.
-    replicated = tp_local / mesh.fsdp * precision.reduce
+    replicated = params_per_rank(model, mesh, share) * precision.reduce
     if mesh.fsdp > 1:
         add("HSDP all-reduce (grad shards)", "all_reduce", ("dp_replicate",), "grad_reduce",
-            n_units, replicated)  # fmt: skip
+            n_units + expert_units, replicated)  # fmt: skip
     elif mesh.pp > 1:
         # Pipeline.step runs the schedule under no_sync, then all-reduces every gradient of the rank's stages
         # as one flat tensor (ndparallel/parallel/pipeline/runtime.py, _average_replicas): once per step, after the
@@ -179,25 +201,74 @@ def collectives(
 
     for row in _context_parallel(model, train, mesh, tokens, recomputed, layers):
         add(*row[:3], "cp_ring" if train.cp_rotate_method == "ring" else "cp", *row[3:])
+    if share.moe_blocks:
+        # the router gate's unsharded gradient: in the compute dtype under FSDP's policy, fp32 under autocast
+        grad_bytes = residual_bytes(train, mesh)
+        for row in moe_collectives(model, train, share.moe_blocks, tokens, micro_steps, grad_bytes):
+            add(*row)
     if mesh.pp > 1:
         _pipeline_rows(add, train, mesh, share, tokens * model.dim * residual_bytes(train, mesh) / mesh.tp)
     return rows
 
 
-def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, tp_local: float, n_units: int) -> None:  # noqa: ANN001
-    """FSDP2 without pp: all-gather every unit per micro-batch forward, again in backward when resharding, and
-    reduce-scatter on every micro-batch that syncs."""
+def _fsdp_gathered(model: ModelSpec, mesh: MeshShape, share: RankShare) -> tuple[float, float]:
+    """(elements of the share's units over dp_shard x cp, of its experts' own units over ep_fsdp) once gathered:
+    with ep 1 the experts sit in their block's unit."""
+    if mesh.ep > 1 and share.moe_blocks:
+        routers = share.moe_blocks * gathered_router_elements(model, mesh)
+        return dense_params(model, mesh.tp, share) + routers, share.moe_blocks * gathered_expert_elements(model, mesh)
+    return gathered_params(model, mesh, share), 0.0
+
+
+def _last_block(model: ModelSpec, mesh: MeshShape) -> float:
+    """Elements of the last block's unit (over dp_shard x cp), which stays gathered from forward into backward."""
+    if model.n_layers - 1 not in model.moe_layers:
+        return model.layer_matmul_params / mesh.tp + model.layer_norm_params
+    experts = gathered_expert_elements(model, mesh) if mesh.ep == 1 else 0.0
+    return moe_block_params(model, mesh.tp) + gathered_router_elements(model, mesh) + experts
+
+
+def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, share: RankShare) -> None:  # noqa: ANN001
+    """FSDP2 without pp: all-gather every unit per micro-batch forward, again in backward when resharding (the last
+    block's unit excepted, not the experts'), and reduce-scatter on every micro-batch that syncs."""
     micro_steps = train.accumulation_steps(mesh) or 1
     rs_steps = train.reduce_scatter_steps(mesh)  # HSDP's all-reduce and replicate's: once per step
     precision, fsdp = train.bytes, ("dp_shard", "cp")
+    n_units = share.blocks + share.embedding + share.head
+    gathered, experts = _fsdp_gathered(model, mesh, share)
     add("FSDP all-gather (forward)", "all_gather", fsdp, "fsdp_forward",
-        n_units * micro_steps, tp_local * precision.compute * micro_steps)  # fmt: skip
+        n_units * micro_steps, gathered * precision.compute * micro_steps)  # fmt: skip
     if train.reshard_after_forward:  # the last block stays gathered into backward (parallel/fully_shard.py)
-        block = model.layer_matmul_params / mesh.tp + model.layer_norm_params
+        block = _last_block(model, mesh)
         add("FSDP all-gather (backward)", "all_gather", fsdp, "fsdp_backward",
-            (n_units - 1) * micro_steps, (tp_local - block) * precision.compute * micro_steps)  # fmt: skip
+            (n_units - 1) * micro_steps, (gathered - block) * precision.compute * micro_steps)  # fmt: skip
     add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce",
-        n_units * rs_steps, tp_local * precision.reduce * rs_steps)  # fmt: skip
+        n_units * rs_steps, gathered * precision.reduce * rs_steps)  # fmt: skip
+    if not experts:
+        return
+    units, ep_fsdp = share.moe_blocks, ("ep_fsdp",)
+    passes = 2 if train.reshard_after_forward else 1
+    for phase, name in (("fsdp_forward", "forward"), ("fsdp_backward", "backward"))[:passes]:
+        add(f"FSDP all-gather (experts, {name})", "all_gather", ep_fsdp, phase,
+            units * micro_steps, experts * precision.compute * micro_steps)  # fmt: skip
+    add("FSDP reduce-scatter (expert grads)", "reduce_scatter", ep_fsdp, "grad_reduce",
+        units * rs_steps, experts * precision.reduce * rs_steps)  # fmt: skip
+
+
+def _pipeline_fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, share: RankShare) -> None:  # noqa: ANN001
+    """FSDP2 under pp: the schedule keeps units gathered for the whole step and syncs gradients after the last
+    micro-batch: one all-gather and one reduce-scatter per unit (the experts' own units over ep_fsdp)."""
+    precision, fsdp = train.bytes, ("dp_shard", "cp")
+    n_units = share.blocks + share.embedding + share.head
+    gathered, experts = _fsdp_gathered(model, mesh, share)
+    add("FSDP all-gather (once per step)", "all_gather", fsdp, "fsdp_forward", n_units, gathered * precision.compute)
+    add("FSDP reduce-scatter (grads)", "reduce_scatter", fsdp, "grad_reduce", n_units, gathered * precision.reduce)
+    if experts:
+        units = share.moe_blocks
+        add("FSDP all-gather (experts, once per step)", "all_gather", ("ep_fsdp",), "fsdp_forward",
+            units, experts * precision.compute)  # fmt: skip
+        add("FSDP reduce-scatter (expert grads)", "reduce_scatter", ("ep_fsdp",), "grad_reduce",
+            units, experts * precision.reduce)  # fmt: skip
 
 
 def _pipeline_rows(add, train: TrainingSpec, mesh: MeshShape, share: RankShare, activation: float) -> None:  # noqa: ANN001

@@ -6,7 +6,9 @@ Per micro-batch a data-parallel rank's ``T = micro_batch x seq / cp`` tokens run
 of its ``tp`` ranks, whose matmuls are the block's with the split dim divided by ``tp``. A linear ``in -> out``
 runs one GEMM forward (``[T, in] @ [in, out]``) and two backward (input gradient ``[T, out] @ [out, in]``,
 weight gradient ``[in, T] @ [T, out]``). Flash attention executes ``2 s^2 q`` FLOPs per sequence and block
-forward (causal: half of ``4 s^2 q``) and 2.5 times that backward (it recomputes the scores).
+forward (causal: half of ``4 s^2 q``) and 2.5 times that backward (it recomputes the scores). An MoE block runs
+attention, then the router, the shared experts and each local expert's GEMMs on its share of the routed rows
+(:func:`ndparallel.estimate.experts.expert_gemms`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ndparallel.estimate.checkpointing import recomputed_linears
+from ndparallel.estimate.experts import expert_gemms, moe_forward_bytes
 from ndparallel.estimate.kernels import attention_s, matmul_s, memory_s
-from ndparallel.estimate.memory import checkpointed_blocks, params_per_rank, residual_bytes
+from ndparallel.estimate.memory import checkpointed_blocks, gathered_params, params_per_rank, residual_bytes
 from ndparallel.estimate.memory_ops import (
     BACKWARD_FACTOR,
     block_forward_bytes,
@@ -75,6 +78,21 @@ def _linear_s(m: float, n_in: float, n_out: float, c: ClusterSpec, backward: boo
     return matmul_s(m, n_in, n_out, c.peak_flops, c.hbm_bw) + matmul_s(n_in, n_out, m, c.peak_flops, c.hbm_bw)
 
 
+def _moe_block_s(
+    model: ModelSpec, mesh: MeshShape, c: ClusterSpec, tokens: float, linears: dict[str, tuple[float, float]]
+) -> tuple[float, float]:
+    """(forward, backward) matmul seconds of one MoE block: attention's linears, then the router, shared experts and
+    local experts' GEMMs."""
+    gemms = [(tokens, *linears[name], 1) for name in ("wq", "wk", "wv", "wo")] + expert_gemms(model, mesh, tokens)
+    forward = sum(n * _linear_s(m, i, o, c, False) for m, i, o, n in gemms)
+    return forward, sum(n * _linear_s(m, i, o, c, True) for m, i, o, n in gemms)
+
+
+def _mixed(dense: float, moe: float, blocks: int, moe_blocks: int) -> float:
+    """Seconds of one block on average, ``moe_blocks`` of ``blocks`` MoE blocks."""
+    return dense if not moe_blocks else ((blocks - moe_blocks) * dense + moe_blocks * moe) / blocks
+
+
 def _share_time(
     model: ModelSpec, train: TrainingSpec, mesh: MeshShape, c: ClusterSpec, share: RankShare
 ) -> ComputeTime:
@@ -96,12 +114,20 @@ def _share_time(
 
     residual = residual_bytes(train, mesh)
     compiled = train.compile != "none"
-    elementwise = memory_s(sum(block_forward_bytes(model, train, mesh, compiled, residual).values()) * tokens,
-                           c.hbm_bw)  # fmt: skip
+    per_block = block_forward_bytes(model, train, mesh, compiled, residual)
+    elementwise = memory_s(sum(per_block.values()) * tokens, c.hbm_bw)
+    moe = share.moe_blocks
+    if moe:  # MoE blocks: the routed and shared experts' GEMMs and memory-bound ops in place of the SwiGLU MLP's
+        moe_fwd, moe_bwd = _moe_block_s(model, mesh, c, tokens, linears)
+        sparse = {**per_block, **moe_forward_bytes(model, train, mesh)}
+        fwd_mm, bwd_mm = _mixed(fwd_mm, moe_fwd, blocks, moe), _mixed(bwd_mm, moe_bwd, blocks, moe)
+        re_mm = _mixed(re_mm, moe_fwd if len(again) == len(linears) else re_mm, blocks, moe)
+        elementwise = _mixed(elementwise, memory_s(sum(sparse.values()) * tokens, c.hbm_bw), blocks, moe)
     head = memory_s(head_bytes(model, train, mesh, train.compiled_loss, residual) * tokens, c.hbm_bw)
     head = head if share.head else 0.0
     params_local = params_per_rank(model, mesh, share)
-    casts = memory_s(weight_cast_bytes(model, train, mesh, params_local), c.hbm_bw)
+    gathered = gathered_params(model, mesh, share) if moe else None
+    casts = memory_s(weight_cast_bytes(model, train, mesh, params_local, gathered), c.hbm_bw)
     forward = {
         "matmul": blocks * fwd_mm + head_mm,
         "attention": blocks * attn_fwd,

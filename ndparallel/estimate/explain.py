@@ -13,6 +13,7 @@ EXPOSED_BY_DIM = {
     "tp": "tp: sequence-parallel all-gathers / reduce-scatters, norm + loss all-reduces (not overlapped)",
     "cp_ring": "cp: ring K/V transfers attention did not hide",
     "cp": "cp: all-gather / all-to-all attention (not overlapped)",
+    "ep": "ep / dp x cp: all-to-all of routed tokens and expert counts, router statistics (not overlapped)",
     "pp": "pp: fill and drain sends",
     "loss": "pp: the step's loss reduction and broadcast",
     "after_schedule": "dp_replicate: gradient all-reduce after the pipeline schedule",

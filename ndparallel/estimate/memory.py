@@ -18,6 +18,15 @@ from ndparallel.config.precision import forward_autocast_dtype
 from ndparallel.distributed.ulysses import kv_heads_sent
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.checkpointing import checkpointed_count, per_op
+from ndparallel.estimate.experts import (
+    expert_elements,
+    gathered_expert_elements,
+    gathered_router_elements,
+    moe_block_params,
+    moe_ffn_activation_bytes_per_token,
+    stored_expert_elements,
+    stored_router_elements,
+)
 from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
 from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
 
@@ -29,6 +38,8 @@ __all__ = [
     "checkpointed_blocks",
     "estimate_memory",
     "fsdp_units",
+    "dense_params",
+    "gathered_params",
     "layer_activation_bytes_per_token",
     "params_per_rank",
     "pipeline_train",
@@ -74,16 +85,59 @@ def fsdp_units(model: ModelSpec, tp: int) -> dict[str, float]:
     }
 
 
-def tp_local_params(model: ModelSpec, tp: int, share: RankShare | None = None) -> float:
-    """Parameter elements of ``share`` (default: the whole model) on one tensor-parallel rank, before FSDP."""
+def largest_unit(model: ModelSpec, mesh: MeshShape) -> float:
+    """The largest FSDP unit once gathered on one rank: :func:`fsdp_units`, an MoE block counted with its
+    gathered experts (its own unit under ep, all-gathered at the same time)."""
+    units = fsdp_units(model, mesh.tp)
+    if not model.is_moe:
+        return max(units.values())
+    if model.n_moe_layers == model.n_layers:
+        del units["block"]
+    return max(*units.values(), moe_block_params(model, mesh.tp) + gathered_moe_elements(model, mesh))
+
+
+def gathered_moe_elements(model: ModelSpec, mesh: MeshShape) -> float:
+    """An MoE block's router and routed experts, all-gathered on one rank (padding included)."""
+    return gathered_router_elements(model, mesh) + gathered_expert_elements(model, mesh)
+
+
+def dense_params(model: ModelSpec, tp: int, share: RankShare | None = None) -> float:
+    """Parameter elements of ``share`` (default: the whole model) on one tensor-parallel rank that FSDP shards
+    evenly over dp_shard x cp: all but the MoE blocks' routers and routed experts (whose small dim 0 it pads)."""
     share = share or RankShare.whole(model)
     units = fsdp_units(model, tp)
-    return units["embedding"] * share.embedding + share.blocks * units["block"] + units["head"] * share.head
+    dense = share.blocks - share.moe_blocks
+    local = units["embedding"] * share.embedding + dense * units["block"] + units["head"] * share.head
+    return local + share.moe_blocks * moe_block_params(model, tp) if share.moe_blocks else local
+
+
+def tp_local_params(model: ModelSpec, tp: int, share: RankShare | None = None) -> float:
+    """Parameter elements of ``share`` (default: the whole model) on one tensor-parallel rank, before FSDP (all the
+    routed experts included)."""
+    share = share or RankShare.whole(model)
+    if not share.moe_blocks:
+        return dense_params(model, tp, share)
+    moe = model.router_params + model.n_experts * expert_elements(model, tp)
+    return dense_params(model, tp, share) + share.moe_blocks * moe
 
 
 def params_per_rank(model: ModelSpec, mesh: MeshShape, share: RankShare | None = None) -> float:
-    """Parameter elements held by one rank: its tp-local share of the model / (dp_shard x cp)."""
-    return tp_local_params(model, mesh.tp, share) / mesh.fsdp
+    """Parameter elements held by one rank: its evenly sharded part (:func:`dense_params`) / (dp_shard x cp), and
+    each MoE block's router and expert shards (:mod:`ndparallel.estimate.experts`, FSDP2's padding included)."""
+    share = share or RankShare.whole(model)
+    dense = dense_params(model, mesh.tp, share) / mesh.fsdp
+    if not share.moe_blocks:
+        return dense
+    return dense + share.moe_blocks * (stored_router_elements(model, mesh) + stored_expert_elements(model, mesh))
+
+
+def gathered_params(model: ModelSpec, mesh: MeshShape, share: RankShare | None = None) -> float:
+    """Elements of ``share``'s FSDP units all-gathered on one rank: the tp-local share, each MoE block's experts
+    its ``n_experts / ep`` (the all-gathers' outputs, the reduce-scatters' inputs; padding included)."""
+    share = share or RankShare.whole(model)
+    if not share.moe_blocks:
+        return dense_params(model, mesh.tp, share)
+    return dense_params(model, mesh.tp, share) + share.moe_blocks * gathered_moe_elements(model, mesh)
 
 
 def norm_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int) -> float:
@@ -98,7 +152,9 @@ def norm_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: i
     return internal + 4 / t + e * d
 
 
-def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int, cp: int = 1) -> float:
+def layer_activation_bytes_per_token(
+    model: ModelSpec, train: TrainingSpec, tp: int, cp: int = 1, moe: bool = False
+) -> float:
     """Bytes one block saves for backward per token (of this rank's sequence shard), no checkpointing.
 
     Counted tensor by tensor for the reference block with SP (``d`` = dim, ``f`` = ffn_dim, ``t`` = tp),
@@ -109,7 +165,8 @@ def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: 
     SwiGLU's w1 out, silu out, w3 out and product (``4f/t``), in the compute dtype (compiled: w1 and w3 out only,
     ``2f/t``). All-to-all (Ulysses)
     context parallel keeps the kv heads it sent (``lcm(kv heads, cp)`` when cp does not divide them) and, besides
-    the output the projection saves, SDPA's own head-sharded output (one more ``q_dim/t``).
+    the output the projection saves, SDPA's own head-sharded output (one more ``q_dim/t``). ``moe``: an MoE
+    block, whose feed-forward saves :func:`ndparallel.estimate.experts.moe_ffn_activation_bytes_per_token`.
     """
     e, t = train.bytes.compute, tp
     repeated = model.n_kv_heads < model.n_heads and cp == 1  # CoreAttention's repeat_interleave for GQA
@@ -121,6 +178,8 @@ def layer_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: 
     attention = e * (2 * model.q_dim + 2 * kv_saved) / t + 4 * model.n_heads / t + ulysses_output
     # Compiled, the partitioner recomputes silu(w1 x) * w3 x in backward from the two matmul outputs it saves.
     mlp = e * (2 if train.compile != "none" else 4) * model.ffn_dim / t
+    if moe:
+        mlp = moe_ffn_activation_bytes_per_token(model, train, tp)
     return 2 * norm_activation_bytes_per_token(model, train, tp) + attention + mlp
 
 
@@ -142,30 +201,44 @@ def activation_bytes(
     blocks: int | None = None,
     head: bool = True,
     saved_only: bool = False,
+    moe_blocks: int | None = None,
 ) -> float:
     """Peak activation bytes of one micro-batch on one rank for checkpointing ``mode`` (default: train's).
 
     ``none``: every block's saved tensors. ``full``: each block keeps only its (sequence-sharded) input,
     and one block's tensors exist again while it is recomputed. ``selective``: every other block is
     checkpointed (ndparallel's definition). The loss head is never checkpointed. ``blocks`` / ``head``: a
-    pipeline stage's part (default the whole model). ``saved_only``: what autograd saves, without the head's
-    logits and their fp32 gradient (live at the start of backward, not saved).
+    pipeline stage's part (default the whole model), ``moe_blocks`` how many of them are MoE blocks (default: the
+    model's, or none of a stage's). ``saved_only``: what autograd saves, without the head's logits and their
+    fp32 gradient (live at the start of backward, not saved).
     """
     mode = mode or train.activation_checkpointing
     tokens = train.micro_batch * train.seq_len / mesh.cp
-    layer = layer_activation_bytes_per_token(model, train, mesh.tp, mesh.cp) * tokens
-    block_input = train.bytes.compute * model.dim / mesh.tp * tokens
     n_layers = model.n_layers if blocks is None else blocks
+    n_moe = (model.n_moe_layers if blocks is None else 0) if moe_blocks is None else moe_blocks
+    layer, largest = _layer_bytes(model, train, mesh, n_layers, n_moe)
+    layer, largest = layer * tokens, largest * tokens
+    block_input = train.bytes.compute * model.dim / mesh.tp * tokens
     checkpointed = checkpointed_blocks(n_layers, mode, train.selective_ac_option)
     stored = (n_layers - checkpointed) * layer + checkpointed * block_input
     if per_op(mode, train.selective_ac_option):
         stored = n_layers * per_op_layer_bytes_per_token(model, train, mesh.tp) * tokens
-    recompute = layer if checkpointed else 0.0
+    recompute = largest if checkpointed else 0.0
     head_bytes = head_activation_bytes_per_token(model, train, mesh.tp) * tokens if head else 0.0
     if head and saved_only:
         transient = train.bytes.compute if train.compiled_loss else train.bytes.compute + 4
         head_bytes -= model.vocab_size / mesh.tp * transient * tokens
     return stored + recompute + head_bytes
+
+
+def _layer_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, blocks: int, moe: int) -> tuple[float, float]:
+    """(mean, largest) bytes per token one of ``blocks`` blocks saves, ``moe`` of them MoE blocks."""
+    dense = layer_activation_bytes_per_token(model, train, mesh.tp, mesh.cp)
+    if not moe:
+        return dense, dense
+    sparse = layer_activation_bytes_per_token(model, train, mesh.tp, mesh.cp, moe=True)
+    mean = ((blocks - moe) * dense + moe * sparse) / blocks
+    return mean, max(sparse, dense) if moe < blocks else sparse
 
 
 def autocasts(train: TrainingSpec, mesh: MeshShape) -> bool:
@@ -197,15 +270,21 @@ def residual_bytes(train: TrainingSpec, mesh: MeshShape) -> int:
 
 
 def autocast_weight_bytes(
-    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, blocks: int, head: bool, mode: str | None = None
-) -> float:
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, blocks: int, head: bool, mode: str | None = None,
+    moe_blocks: int = 0,
+) -> float:  # fmt: skip
     """Under autocast each forward saves its own compute-dtype copy of the matmul weights it used (the blocks
     not checkpointed and the output projection; the embedding and norms run in fp32), until its backward: one
-    copy per pipeline micro-batch in flight (measured: tests/estimate/test_estimate_pp.py, docs/planning.md)."""
+    copy per pipeline micro-batch in flight (measured: tests/estimate/test_estimate_pp.py, docs/planning.md).
+    An MoE block (``moe_blocks`` of the ``blocks``) casts every expert it holds (no FSDP under autocast: all)."""
     if not autocasts(train, mesh):
         return 0.0
     stored = blocks - checkpointed_blocks(blocks, mode or train.activation_checkpointing, train.selective_ac_option)
-    return train.bytes.compute * (stored * model.layer_matmul_params + head * model.vocab_size * model.dim) / mesh.tp
+    matmul = stored * model.layer_matmul_params
+    if moe_blocks:
+        sparse = model.moe_matmul_params(model.n_experts) + model.router_params * (mesh.tp - 1)  # gate: whole
+        matmul = stored * ((blocks - moe_blocks) * model.layer_matmul_params + moe_blocks * sparse) / blocks
+    return train.bytes.compute * (matmul + head * model.vocab_size * model.dim) / mesh.tp
 
 
 def pipeline_train(train: TrainingSpec, mesh: MeshShape) -> TrainingSpec:
@@ -228,9 +307,9 @@ def saved_activation_bytes(
     counts = in_flight(mesh, microbatches(train, mesh), pp_rank)
     total = 0.0
     for i, (blocks, count) in enumerate(zip(share.stage_blocks, counts, strict=True)):
-        head = i == share.last_stage_local
-        per_mb = activation_bytes(model, train, mesh, mode, blocks, head, saved_only)
-        total += count * (per_mb + autocast_weight_bytes(model, train, mesh, blocks, head, mode))
+        head, moe = i == share.last_stage_local, share.moe_blocks_of(i)
+        per_mb = activation_bytes(model, train, mesh, mode, blocks, head, saved_only, moe)
+        total += count * (per_mb + autocast_weight_bytes(model, train, mesh, blocks, head, mode, moe))
     return total
 
 
@@ -278,17 +357,17 @@ def estimate_memory(
     precision = train.bytes
     share = rank_shares(model, mesh)[pp_rank or 0]
     params = params_per_rank(model, mesh, share)
-    units = fsdp_units(model, mesh.tp)
+    unsharded = gathered_params(model, mesh, share) if share.moe_blocks else params * mesh.fsdp
     if mesh.pp > 1 and mesh.fsdp > 1:
         # Under pp the schedule keeps every unit gathered (reshard_after_forward=False) and its gradients
         # unsharded from the first micro-batch's backward to the last (docs/planning.md, "FSDP x pp").
-        transient = params * mesh.fsdp * (precision.compute + precision.reduce)
+        transient = unsharded * (precision.compute + precision.reduce)
     elif mesh.fsdp > 1:
-        largest = max(units.values())
+        largest = largest_unit(model, mesh)
         if train.reshard_after_forward:
             gathered = 2 * largest * precision.compute  # the unit in use + the prefetched next one
         else:
-            gathered = params * mesh.fsdp * precision.compute  # every unit stays gathered forward -> backward
+            gathered = unsharded * precision.compute  # every unit stays gathered forward -> backward
         transient = gathered + largest * precision.reduce  # unsharded gradient before reduce-scatter
     else:
         tp_local = params
@@ -306,7 +385,7 @@ def estimate_memory(
     else:
         by_mode = {mode: activation_bytes(model, train, mesh, mode) for mode in ACTIVATION_CHECKPOINTING}
     deferred_sync = train.defer_grad_sync and train.accumulation_steps(mesh) > 1 and mesh.pp == 1
-    accumulated = params * mesh.fsdp * precision.reduce if deferred_sync and mesh.fsdp > 1 else 0.0
+    accumulated = unsharded * precision.reduce if deferred_sync and mesh.fsdp > 1 else 0.0
     return MemoryEstimate(
         params=params * precision.param,
         grads=params * precision.grad,

@@ -77,7 +77,9 @@ def head_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, compiled:
     return norm + (3 * e if compiled else 2 * e + 40) * vocab
 
 
-def weight_cast_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, params_local: float) -> float:
+def weight_cast_bytes(
+    model: ModelSpec, train: TrainingSpec, mesh: MeshShape, params_local: float, gathered: float | None = None
+) -> float:
     """Mixed-precision traffic of one micro-batch on the rank's parameters, outside the blocks' activations.
 
     FSDP2 (bf16 policy): each all-gather casts the fp32 shard into the send buffer (``4 + e`` per local element)
@@ -85,9 +87,10 @@ def weight_cast_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, pa
     reduce-scatter copies the bf16 gradient into an fp32 buffer (``e + 4``) and accumulates the shard (12 bytes
     per local element). Autocast (no FSDP): each forward casts the matmul weights (``4 + e``), each backward
     casts their gradients up (``e + 4``) and accumulates them (12). fp32: nothing but the gradient accumulation.
+    ``gathered``: the elements the units gather when not ``params_local x dp_shard x cp`` (routed experts).
     """
     e, p = train.bytes.compute, train.bytes.param
-    full = params_local * mesh.fsdp  # the tp-local unsharded elements the FSDP units gather
+    full = params_local * mesh.fsdp if gathered is None else gathered  # the tp-local elements the units gather
     if mesh.fsdp > 1:
         gathers = 2 if train.reshard_after_forward else 1
         cast = (p + e) if e != p else 0.0

@@ -47,14 +47,24 @@ class RankShare:
     head: bool
     last_stage_local: int = -1
     """Index (in ``stage_ids``) of the local stage that holds the head, -1 if none."""
+    stage_moe_blocks: tuple[int, ...] = ()
+    """How many of each local stage's blocks are mixture-of-experts blocks (empty: none)."""
 
     @property
     def blocks(self) -> int:
         return sum(self.stage_blocks)
 
+    @property
+    def moe_blocks(self) -> int:
+        return sum(self.stage_moe_blocks)
+
+    def moe_blocks_of(self, local_stage: int) -> int:
+        """The MoE blocks of local stage ``local_stage``."""
+        return self.stage_moe_blocks[local_stage] if self.stage_moe_blocks else 0
+
     @classmethod
     def whole(cls, model: ModelSpec) -> RankShare:
-        return cls((0,), (model.n_layers,), True, True, 0)
+        return cls((0,), (model.n_layers,), True, True, 0, (model.n_moe_layers,) if model.is_moe else ())
 
 
 def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None = None) -> list[range]:
@@ -68,11 +78,10 @@ def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None 
 
 @functools.lru_cache(maxsize=256)
 def _balanced_ranges(model: ModelSpec, n_stages: int) -> tuple[range, ...]:
-    block = model.layer_matmul_params + model.layer_norm_params
     first, last = model.embedding_params, model.output_params + model.dim
     if n_stages > model.n_layers:
         return tuple(range(i, i + 1) for i in range(n_stages))  # invalid shape (refused by the planner)
-    return tuple(balanced_split([block] * model.n_layers, n_stages, first, last))
+    return tuple(balanced_split([model.block_params(i) for i in range(model.n_layers)], n_stages, first, last))
 
 
 def stage_ids_of_rank(pp_rank: int, mesh: MeshShape) -> list[int]:
@@ -98,10 +107,12 @@ def _shares(model: ModelSpec, mesh: MeshShape, split: list[list[int]] | None) ->
     n_stages = mesh.pp * mesh.stages_per_rank
     ranges = stage_ranges(model, n_stages, split)
     shares = []
+    moe = set(model.moe_layers)
     for r in range(mesh.pp):
         ids = stage_ids_of_rank(r, mesh)
         last = ids.index(n_stages - 1) if n_stages - 1 in ids else -1
-        shares.append(RankShare(tuple(ids), tuple(len(ranges[i]) for i in ids), 0 in ids, last >= 0, last))
+        moe_blocks = tuple(len(moe.intersection(ranges[i])) for i in ids) if moe else ()
+        shares.append(RankShare(tuple(ids), tuple(len(ranges[i]) for i in ids), 0 in ids, last >= 0, last, moe_blocks))
     return shares
 
 

@@ -14,8 +14,13 @@ from ndparallel.estimate.pipeline import microbatches
 from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
 from ndparallel.parallel.compile import check_compile
+from ndparallel.parallel.moe_tensor_parallel import moe_tp_problem
 
 __all__ = ["MAX_SHAPES", "Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
+
+MOE_TP_FAMILIES = ("transformer",)
+"""Model families whose MoE blocks tensor parallelism splits (a ``MoETensorParallel`` table: the reference's
+``MOE_TENSOR_PARALLEL``); ``parallelize`` refuses tp > 1 on the others' MoE blocks."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class Estimate:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "mesh": {**self.mesh.as_dict(), **(self.mesh.pp_dict() if self.mesh.pp > 1 else {})},
+            "mesh": {**self.mesh.as_dict(), "ep": self.mesh.ep, **(self.mesh.pp_dict() if self.mesh.pp > 1 else {})},
             "microbatches": self.microbatches,
             "valid": self.valid,
             "fits": self.fits,
@@ -112,7 +117,16 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
         return [str(err)]
     micro_batch = None if mesh.pp > 1 and mesh.pp_microbatches else train.micro_batch
     job = JobShape(train.global_batch, train.seq_len, micro_batch, train.defer_grad_sync or None)
-    return job_problems(cfg, job, model.preflight_shape())
+    return job_problems(cfg, job, model.preflight_shape()) + _moe_tp_problems(model, mesh)
+
+
+def _moe_tp_problems(model: ModelSpec, mesh: MeshShape) -> list[str]:
+    """``parallelize``'s refusal of tp on MoE blocks its family cannot split (Hugging Face's), in its own words:
+    :func:`~ndparallel.parallel.moe_tensor_parallel.moe_tp_problem` with no split table (it reads no layer then)."""
+    if not model.is_moe or model.family in MOE_TP_FAMILIES:
+        return []
+    problem = moe_tp_problem((None,), None, mesh.tp, model.family)  # type: ignore[arg-type]  # a stand-in layer
+    return [problem] if problem else []
 
 
 def estimate(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec | None = None) -> Estimate:
@@ -136,28 +150,44 @@ sizes. 4096 GPUs give 1,610 shapes with pp searched for an 8B model; 2**20 GPUs,
 
 
 def mesh_shapes(
-    world_size: int, fixed: Mapping[str, int] | None = None, pp_schedules: tuple[str, ...] = (), **pp_knobs: int
+    world_size: int,
+    fixed: Mapping[str, int] | None = None,
+    pp_schedules: tuple[str, ...] = (),
+    search_ep: bool = False,
+    **pp_knobs: int,
 ) -> list[MeshShape]:
-    """Every (dp_replicate, dp_shard, cp, tp) whose product is ``world_size``; ``fixed`` pins dims (``pp`` too).
-    With ``pp_schedules``, also every pp > 1 dividing the world, once per schedule (``pp_knobs``:
-    ``pp_microbatches``, ``pp_stages_per_rank``)."""
-    return list(_iter_mesh_shapes(world_size, dict(fixed or {}), pp_schedules, world_size, pp_knobs))
+    """Every (dp_replicate, dp_shard, cp, tp) whose product is ``world_size``; ``fixed`` pins dims (``pp`` and
+    ``ep`` too). With ``pp_schedules``, also every pp > 1 dividing the world, once per schedule (``pp_knobs``:
+    ``pp_microbatches``, ``pp_stages_per_rank``); with ``search_ep`` (a mixture of experts), every ep dividing
+    dp_shard x cp, the ranks it borrows."""
+    return list(_iter_mesh_shapes(world_size, dict(fixed or {}), pp_schedules, world_size, pp_knobs, search_ep))
 
 
 def _iter_mesh_shapes(
-    world_size: int, fixed: dict[str, int], pp_schedules: tuple[str, ...], max_pp: int, pp_knobs: Mapping[str, int]
+    world_size: int,
+    fixed: dict[str, int],
+    pp_schedules: tuple[str, ...],
+    max_pp: int,
+    pp_knobs: Mapping[str, int],
+    search_ep: bool = False,
 ) -> Iterator[MeshShape]:
     """:func:`mesh_shapes` one at a time, pp at most ``max_pp``: each size runs over the divisors of what the
     sizes before it leave, so the work is the number of shapes, not the world size."""
     bad = {k: v for k, v in fixed.items() if not isinstance(v, int) or v < 1}
     if bad:
         raise ConfigError(f"pinned mesh size(s) {bad} must be positive integers")
-    unknown = sorted(set(fixed) - {*MeshShape().as_dict(), "pp"})
+    unknown = sorted(set(fixed) - {*MeshShape().as_dict(), "pp", "ep"})
     if unknown:
-        raise ConfigError(f"unknown mesh dim(s) {unknown}; dims are pp, dp_replicate, dp_shard, cp, tp")
+        raise ConfigError(f"unknown mesh dim(s) {unknown}; dims are pp, dp_replicate, dp_shard, cp, tp (and ep)")
 
     def sizes(dim: str, left: int) -> list[int]:  # the candidates for ``dim`` when ``left`` ranks remain
         return [v for v in ([fixed[dim]] if dim in fixed else divisors(left)) if left % v == 0]
+
+    def eps(borrowed: int) -> list[int]:  # ep borrows from dp_shard x cp; a pinned ep that does not divide them is
+        # kept, for the config's own refusal (ndparallel.config.dims.ep_mesh_problem) to name the rule
+        if "ep" in fixed:
+            return [fixed["ep"]]
+        return divisors(borrowed) if search_ep else [1]
 
     for pp in sizes("pp", world_size) if pp_schedules else [fixed.get("pp", 1)]:
         if pp > max_pp or world_size % pp:
@@ -168,10 +198,13 @@ def _iter_mesh_shapes(
                     rest = world_size // (pp * tp * cp * shard)
                     if fixed.get("dp_replicate", rest) != rest:
                         continue
-                    if pp == 1:
-                        yield MeshShape(rest, shard, cp, tp)
-                    else:
-                        yield from (MeshShape(rest, shard, cp, tp, pp, name, **pp_knobs) for name in pp_schedules)
+                    for ep in eps(shard * cp):
+                        if pp == 1:
+                            yield MeshShape(rest, shard, cp, tp, ep=ep)
+                        else:
+                            yield from (
+                                MeshShape(rest, shard, cp, tp, pp, name, **pp_knobs, ep=ep) for name in pp_schedules
+                            )
 
 
 def _searched_shapes(
@@ -180,7 +213,7 @@ def _searched_shapes(
     """The shapes :func:`plan` estimates: those whose pipeline has no more stages than the model has blocks (the
     others are refused by the pre-flight, and one costs O(pp**2) to estimate), at most :data:`MAX_SHAPES`."""
     shapes, dropped = [], None
-    for shape in _iter_mesh_shapes(world_size, fixed, pp_schedules, model.n_layers, pp_knobs):
+    for shape in _iter_mesh_shapes(world_size, fixed, pp_schedules, model.n_layers, pp_knobs, model.is_moe):
         if shape.pp * shape.stages_per_rank > model.n_layers:
             dropped = dropped or shape
             continue
@@ -222,7 +255,8 @@ def plan(
     **pp_knobs: int,
 ) -> Plan:
     """Estimate every mesh shape of ``cluster.num_gpus`` and rank the feasible ones by step time. ``search_pp``
-    (or a pinned ``pp``): pipeline shapes too, once per schedule in ``pp_schedules``."""
+    (or a pinned ``pp``): pipeline shapes too, once per schedule in ``pp_schedules``. A mixture of experts is
+    searched over ``ep`` too (every divisor of dp_shard x cp; ``fixed`` may pin it)."""
     with_pp = search_pp or dict(fixed or {}).get("pp", 1) > 1
     shapes = _searched_shapes(model, cluster.num_gpus, dict(fixed or {}), pp_schedules if with_pp else (), **pp_knobs)
     if not shapes:

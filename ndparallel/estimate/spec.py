@@ -17,7 +17,7 @@ from typing import Any
 
 from ndparallel.config.parallelism import CHOICES, ParallelismConfig
 from ndparallel.config.pipeline import PP_SCHEDULES
-from ndparallel.config.preflight import ModelShape
+from ndparallel.config.preflight import ModelShape, moe_problem
 from ndparallel.distributed.peak import GPU_PEAK_BF16
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.hardware import GPU_KINDS
@@ -35,6 +35,7 @@ __all__ = [
     "ModelSpec",
     "Precision",
     "TrainingSpec",
+    "hf_moe_fields",
     "model_spec",
     "parse_bandwidth",
     "parse_bytes",
@@ -97,17 +98,14 @@ def parse_count(value: str | float, name: str) -> float:
 # ---------------------------------------------------------------------------------------------- model
 
 
-def _moe_refusal(name: str, experts: str) -> str:
-    return (
-        f"model {name!r} is a mixture of experts ({experts}): the planner models dense decoders only (its experts' "
-        "memory, all-to-all and compute are not in the cost model yet, docs/planning.md); plan a dense model, "
-        "or measure the MoE with ndparallel bench"
-    )
-
-
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-style decoder's shape: all the estimator needs to know about a model."""
+    """A Llama-style decoder's shape: all the estimator needs to know about a model.
+
+    A mixture of experts (``n_experts > 0``) replaces the SwiGLU MLP of its MoE blocks (``moe_layers``) by a
+    router (``dim -> n_experts``), ``n_experts`` routed SwiGLU experts of width ``expert_ffn_dim`` of which each
+    token runs through ``top_k``, and a shared SwiGLU MLP of width ``shared_ffn_dim`` every token runs through:
+    the reference :class:`ndparallel.models.transformer.moe.MoE`."""
 
     dim: int
     n_layers: int
@@ -119,6 +117,19 @@ class ModelSpec:
     """0 means ``dim // n_heads``."""
     tied_embeddings: bool = False
     name: str = "custom"
+    n_experts: int = 0
+    """Routed experts per MoE block; 0: a dense model (the other MoE fields are then ignored)."""
+    top_k: int = 2
+    """Routed experts each token runs through."""
+    expert_ffn_dim: int = 0
+    """Hidden width of one routed expert; 0: ``ffn_dim``."""
+    shared_ffn_dim: int = 0
+    """Hidden width of the shared experts' one SwiGLU MLP (the reference's ``n_shared_experts x expert_ffn_dim``)."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the MoE blocks, the others dense blocks of ``ffn_dim``; empty with ``n_experts > 0``: every block."""
+    family: str = "transformer"
+    """The model family ``parallelize`` would use: ``transformer`` (the reference model, and Llama-shaped models) or
+    ``huggingface`` (a ``config.json``), whose MoE blocks tensor parallelism cannot split yet."""
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
@@ -131,12 +142,46 @@ class ModelSpec:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
+        self._normalise_experts()
+
+    def _normalise_experts(self) -> None:
+        """Check the MoE fields with the model config's own rule (``moe_problem``) and fill their defaults."""
+        problem = moe_problem(self.n_experts, self.top_k, 0, "softmax")
+        for key in ("expert_ffn_dim", "shared_ffn_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problem = problem or f"model.{key}={value!r} must be an integer >= 0"
+        if problem:
+            raise ConfigError(problem)
+        layers = tuple(self.moe_layers)
+        if not self.n_experts:
+            object.__setattr__(self, "moe_layers", ())
+            return
+        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.n_layers for i in layers):
+            raise ConfigError(f"model.moe_layers={list(layers)} must be block indices in [0, {self.n_layers})")
+        object.__setattr__(self, "moe_layers", tuple(sorted(set(layers))) or tuple(range(self.n_layers)))
+        object.__setattr__(self, "expert_ffn_dim", self.expert_ffn_dim or self.ffn_dim)
 
     # -- parameter counts ------------------------------------------------------------------------
     def preflight_shape(self) -> ModelShape:
-        """What the job pre-flight checks, named as ``ndparallel train``'s ``model:`` section names them."""
-        split = {f"model.{name}": getattr(self, name) for name in TP_SPLIT_FIELDS}
-        return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads))
+        """What the job pre-flight checks, named as ``ndparallel train``'s ``model:`` section names them (an MoE's
+        tp splits the experts' width, and the dense width only where dense blocks remain)."""
+        fields = list(TP_SPLIT_FIELDS)
+        if self.is_moe:
+            fields[fields.index("ffn_dim")] = "expert_ffn_dim"
+            if self.n_moe_layers < self.n_layers:
+                fields.append("ffn_dim")
+        split = {f"model.{name}": getattr(self, name) for name in fields}
+        experts = ("model.n_experts", self.n_experts) if self.is_moe else None
+        return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads), experts=experts)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe_layers)
 
     @property
     def q_dim(self) -> int:
@@ -147,14 +192,45 @@ class ModelSpec:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def attention_params(self) -> int:
+        """wq, wk, wv and wo of one block."""
+        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
+
+    @property
     def layer_matmul_params(self) -> int:
-        """wq, wk, wv, wo and the SwiGLU w1, w3, w2 of one block (the weights tensor parallel splits)."""
+        """wq, wk, wv, wo and the SwiGLU w1, w3, w2 of one dense block (the weights tensor parallel splits)."""
         return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn_dim
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's w1, w3, w2 (``3 d F``)."""
+        return 3 * self.dim * self.expert_ffn_dim
+
+    @property
+    def router_params(self) -> int:
+        """The router's gate, ``dim -> n_experts`` (replicated over tensor-parallel ranks)."""
+        return self.dim * self.n_experts
+
+    @property
+    def shared_params(self) -> int:
+        """The shared experts' SwiGLU MLP (``3 d S``)."""
+        return 3 * self.dim * self.shared_ffn_dim
+
+    def moe_matmul_params(self, experts: int) -> int:
+        """An MoE block's matmul weights with ``experts`` routed experts: attention, router, shared experts and
+        those experts (``n_experts``: what it holds; ``top_k``: what one token runs through)."""
+        return self.attention_params + self.router_params + self.shared_params + experts * self.expert_params
 
     @property
     def layer_norm_params(self) -> int:
         """attention_norm + ffn_norm (replicated across tensor-parallel ranks)."""
         return 2 * self.dim
+
+    def block_params(self, index: int) -> int:
+        """Every parameter of block ``index`` (what the pipeline split balances)."""
+        if index in self.moe_layers:
+            return self.moe_matmul_params(self.n_experts) + self.layer_norm_params
+        return self.layer_matmul_params + self.layer_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -167,12 +243,20 @@ class ModelSpec:
     def num_params(self) -> int:
         """All parameters (same count as ``TransformerConfig.num_params`` for the reference model)."""
         per_layer = self.layer_matmul_params + self.layer_norm_params
-        return self.n_layers * per_layer + self.embedding_params + self.output_params + self.dim
+        moe = self.n_moe_layers * (self.moe_matmul_params(self.n_experts) + self.layer_norm_params)
+        dense = (self.n_layers - self.n_moe_layers) * per_layer
+        return dense + moe + self.embedding_params + self.output_params + self.dim
+
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: all but the routed experts it is not routed to."""
+        return self.num_params() - self.n_moe_layers * (self.n_experts - self.top_k) * self.expert_params
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, forward + backward: 6 x matmul params + causal attention (12 L d s / 2)."""
-        matmul = self.n_layers * self.layer_matmul_params + self.vocab_size * self.dim  # output projection
-        return 6 * matmul + self.attention_flops_per_token(seq_len)
+        """Training FLOPs per token, forward + backward: 6 x matmul params + causal attention (12 L d s / 2); an
+        MoE block counts the ``top_k`` experts a token runs through (its active parameters), not all of them."""
+        moe = self.n_moe_layers * self.moe_matmul_params(self.top_k)
+        dense = (self.n_layers - self.n_moe_layers) * self.layer_matmul_params
+        return 6 * (dense + moe + self.vocab_size * self.dim) + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """The q k^T and p v part of ``flops_per_token`` (what context parallel splits and ring P2P overlaps)."""
@@ -181,11 +265,15 @@ class ModelSpec:
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: TransformerConfig, name: str = "custom") -> ModelSpec:
-        if cfg.n_experts:
-            raise ConfigError(_moe_refusal(name, f"n_experts={cfg.n_experts}"))
+        experts = {}
+        if cfg.is_moe:
+            experts = dict(
+                n_experts=cfg.n_experts, top_k=cfg.top_k, expert_ffn_dim=cfg.expert_ffn_dim,
+                shared_ffn_dim=cfg.n_shared_experts * cfg.expert_ffn_dim,
+            )  # fmt: skip
         return cls(
             dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=int(cfg.n_kv_heads or cfg.n_heads),
-            ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, name=name,
+            ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, name=name, **experts,
         )  # fmt: skip
 
     @classmethod
@@ -196,25 +284,59 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str = "hf") -> ModelSpec:
-        """From a Hugging Face ``config.json`` dict (Llama / Mistral / Qwen style field names)."""
+        """From a Hugging Face ``config.json`` dict (Llama / Mistral / Qwen style field names; a mixture of experts
+        by :func:`hf_moe_fields`)."""
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         missing = [key for key in required if key not in config]
         if missing:
             raise ConfigError(f"HF config is missing {missing}; it needs {list(required)} (+ num_key_value_heads)")
-        experts = expert_count(config)
-        if experts:
-            raise ConfigError(_moe_refusal(str(config.get("model_type") or name), f"{experts} routed experts"))
         return cls(
             dim=int(config["hidden_size"]),
             n_layers=int(config["num_hidden_layers"]),
             n_heads=int(config["num_attention_heads"]),
             n_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            ffn_dim=int(config["intermediate_size"]),
+            ffn_dim=int(config.get("intermediate_size_mlp") or config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             head_dim=int(config.get("head_dim") or 0),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             name=str(config.get("_name_or_path") or config.get("model_type") or name),
+            family="huggingface",
+            **hf_moe_fields(config),
         )
+
+
+def hf_moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelSpec` MoE fields of a Hugging Face ``config.json`` ({} for a dense model): the routed experts
+    (:func:`ndparallel.models.hf.tp_plan.expert_count`, the runtime's own reader), ``num_experts_per_tok``, the
+    expert width (``moe_intermediate_size``, else ``intermediate_size``), the shared experts
+    (``shared_expert_intermediate_size``, else ``n_shared_experts`` experts) and which blocks are MoE, by each
+    family's own rule: an explicit ``moe_layers`` list (Llama 4), DeepSeek's ``first_k_dense_replace`` dense blocks
+    first, Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``; every block otherwise (Mixtral)."""
+    experts = expert_count(config)
+    if not experts:
+        return {}
+    top_k = config.get("num_experts_per_tok")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(
+            f"HF config declares {experts} routed experts but num_experts_per_tok={top_k!r}: set the experts each "
+            "token is routed to"
+        )
+    width = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    shared = config.get("shared_expert_intermediate_size") or int(config.get("n_shared_experts") or 0) * width
+    return dict(
+        n_experts=experts, top_k=top_k, expert_ffn_dim=width, shared_ffn_dim=int(shared),
+        moe_layers=_hf_moe_layers(config, int(config["num_hidden_layers"])),
+    )  # fmt: skip
+
+
+def _hf_moe_layers(config: Mapping[str, Any], n_layers: int) -> tuple[int, ...]:
+    """The blocks a Hugging Face MoE config makes MoE blocks (its modeling file's rule, see :func:`hf_moe_fields`)."""
+    if isinstance(config.get("moe_layers"), list):
+        return tuple(int(i) for i in config["moe_layers"])
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense_only = set(config.get("mlp_only_layers") or ())
+    return tuple(i for i in range(first_dense, n_layers) if (i + 1) % step == 0 and i not in dense_only)
 
 
 def model_spec(model: str | os.PathLike | Mapping[str, Any] | TransformerConfig | ModelSpec) -> ModelSpec:
@@ -446,7 +568,8 @@ class TrainingSpec:
 
 @dataclass(frozen=True, order=True)
 class MeshShape:
-    """Sizes of the mesh dims, outer -> inner: (pp,) dp_replicate, dp_shard, cp, tp; and the pipeline's knobs.
+    """Sizes of the mesh dims, outer -> inner: (pp,) dp_replicate, dp_shard, cp, tp; the pipeline's knobs; and
+    ``ep``, expert parallelism, which borrows its ranks from dp_shard x cp (``ep_fsdp`` = what remains of them).
 
     ``pp`` is listed last as a field (so ``MeshShape(rep, shard, cp, tp)`` keeps working) but is the outermost
     mesh dim. The pp knobs mirror ``ParallelismConfig``'s (:meth:`from_config` / :meth:`to_config` convert;
@@ -462,9 +585,12 @@ class MeshShape:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0
+    ep: int = 1
+    """Expert-parallel size: the inner ``ep`` ranks of dp_shard x cp each own ``n_experts / ep`` routed experts
+    (``ParallelismConfig.ep_size``; not a mesh dim of its own)."""
 
     def __post_init__(self) -> None:
-        for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
+        for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"mesh {key}={value!r} must be a positive integer")
@@ -480,7 +606,7 @@ class MeshShape:
         """The shape of a resolved :class:`ParallelismConfig` (``dp_shard_size`` -> ``dp_shard``, ...)."""
         return cls(
             cfg.dp_replicate_size, cfg.dp_shard_size, cfg.cp_size, cfg.tp_size, cfg.pp_size, cfg.pp_schedule,
-            cfg.pp_microbatches or 0, cfg.pp_stages_per_rank or 0,
+            cfg.pp_microbatches or 0, cfg.pp_stages_per_rank or 0, cfg.ep_size,
         )  # fmt: skip
 
     def to_config(self, train: TrainingSpec | None = None) -> ParallelismConfig:
@@ -496,7 +622,7 @@ class MeshShape:
         sizes = {f"{dim}_size": value for dim, value in self.as_dict().items()}
         return ParallelismConfig(
             **sizes, pp_size=self.pp, pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches or None,
-            pp_stages_per_rank=self.pp_stages_per_rank or None, **knobs,
+            pp_stages_per_rank=self.pp_stages_per_rank or None, ep_size=self.ep, **knobs,
         )  # fmt: skip
 
     @property
@@ -514,6 +640,11 @@ class MeshShape:
         return self.dp_shard * self.cp
 
     @property
+    def ep_fsdp(self) -> int:
+        """Ranks the routed experts' FSDP shards over: what ep leaves of dp_shard x cp (1 without FSDP)."""
+        return max(1, self.fsdp // self.ep)
+
+    @property
     def dp(self) -> int:
         """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
@@ -526,7 +657,7 @@ class MeshShape:
         return self.pp_stages_per_rank or (1 if self.pp_schedule in ("gpipe", "1f1b") else 2)
 
     def describe(self) -> str:
-        inner = f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
+        inner = f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}" + (f" ep{self.ep}" if self.ep > 1 else "")
         return inner if self.pp == 1 else f"pp{self.pp} {self.pp_schedule} x {inner}"
 
     def as_dict(self) -> dict[str, int]:

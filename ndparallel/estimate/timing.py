@@ -10,6 +10,9 @@ Overlap assumptions (FSDP2 prefetching, overlapped gradient reduction, no async 
 * CP ring K/V transfers hide behind attention compute (forward, backward and recompute); the
   allgather and alltoall (Ulysses) collectives run before or after the attention that needs them:
   fully exposed.
+* Mixture of experts: the all-to-alls of routed tokens and the router's statistics sit between the router and
+  the experts (the experts wait for their rows, the block's output for the rows coming back): fully exposed.
+  The experts' own FSDP units overlap like any other unit.
 * Pipeline parallel: each rank computes its stages' share of the FLOPs (the slowest rank sets the pace),
   stretched by the schedule's bubble, ``compute / (1 - bubble)``; the point-to-point sends of the fill and
   the drain (``2 (p - 1)`` of one micro-batch) are exposed, the others overlap the next micro-batch. Pure
@@ -130,6 +133,7 @@ def estimate_step_time(
         "tp": total("tp"),
         "cp_ring": max(0.0, total("cp_ring") - attention_s),
         "cp": total("cp"),
+        "ep": total("ep"),
         "loss": total("loss"),
         "after_schedule": total("after_schedule"),
     }
@@ -156,7 +160,7 @@ def _flat_compute(
     tokens = train.micro_batch * seq  # per data-parallel rank and micro-batch, shared by its cp x tp ranks
     flops_per_token = model.flops_per_token(seq)
     attention_per_token = model.attention_flops_per_token(seq)
-    layer_matmul_per_token = 6 * model.n_layers * model.layer_matmul_params
+    layer_matmul_per_token = 6 * _active_matmul(model, model.n_layers, model.n_moe_layers)
     recomputed = checkpointed_blocks(model.n_layers, train.activation_checkpointing, train.selective_ac_option)
     # Recompute = one more forward (1/3 of forward + backward) of the checkpointed blocks.
     recompute_per_token = recomputed / model.n_layers * (layer_matmul_per_token + attention_per_token) / 3
@@ -172,6 +176,12 @@ def _largest_share(model: ModelSpec, mesh: MeshShape) -> float:
     """The largest fraction of the model's matmul FLOPs one pp rank computes (1 without pp)."""
     if mesh.pp == 1:
         return 1.0
-    block = model.layer_matmul_params
-    total = model.n_layers * block + model.vocab_size * model.dim
-    return max((s.blocks * block + s.head * model.vocab_size * model.dim) / total for s in rank_shares(model, mesh))
+    head = model.vocab_size * model.dim
+    total = _active_matmul(model, model.n_layers, model.n_moe_layers) + head
+    shares = rank_shares(model, mesh)
+    return max((_active_matmul(model, s.blocks, s.moe_blocks) + s.head * head) / total for s in shares)
+
+
+def _active_matmul(model: ModelSpec, blocks: int, moe_blocks: int) -> int:
+    """Matmul weights a token runs through in ``blocks`` blocks, ``moe_blocks`` of them MoE (``top_k`` experts)."""
+    return (blocks - moe_blocks) * model.layer_matmul_params + moe_blocks * model.moe_matmul_params(model.top_k)
