@@ -127,14 +127,7 @@ class PipelineModel:
             yield from stage.named_parameters(*args, **kwargs)
 
     def modules(self) -> Iterator[nn.Module]:
-        """Every module of this rank's stages (each once), as ``nn.Module.modules``: what walks a model, such as
-        ``update_router_biases(model, rate)`` after the optimizer step of an MoE, reaches every stage's routers."""
-        seen: set[int] = set()
-        for stage in self.stages:
-            for module in stage.modules():
-                if id(module) not in seen:
-                    seen.add(id(module))
-                    yield module
+        yield from self.pipeline.modules()
 
     def one_process_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their one-process names: a tied weight's copy (the last stage's

@@ -16,7 +16,8 @@ What the step makes right across stages (docs/pipeline-parallel.md):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ from ndparallel.parallel.context_parallel import context_parallel
 from ndparallel.parallel.pipeline.aux_loss import AuxLossRecord
 from ndparallel.parallel.pipeline.tied import TiedCopies, sum_tied_grads
 from ndparallel.parallel.replicate import no_sync
+
+T = TypeVar("T")
 
 __all__ = ["Pipeline"]
 
@@ -76,12 +79,12 @@ class Pipeline:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every parameter of this rank's stages (once, should two stages share one)."""
-        seen: set[int] = set()
-        for stage in self.stages:
-            for param in stage.parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield param
+        return _once(param for stage in self.stages for param in stage.parameters())
+
+    def modules(self) -> Iterator[nn.Module]:
+        """Every module of this rank's stages (once), what a walk of the model such as
+        ``update_router_biases(model, rate)`` needs to reach every stage's routers."""
+        return _once(module for stage in self.stages for module in stage.modules())
 
     def check_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Refuse (ConfigError, this rank only) a batch the schedule cannot run: not ``[batch, seq]``, a batch the
@@ -236,3 +239,12 @@ class Pipeline:
     def zero_grad(self) -> None:
         for stage in self.stages:
             stage.zero_grad(set_to_none=True)
+
+
+def _once(items: Iterable[T]) -> Iterator[T]:
+    """``items`` without repeats (by identity): stages may share a module or parameter (tied weights)."""
+    seen: set[int] = set()
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            yield item
