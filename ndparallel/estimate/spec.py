@@ -165,12 +165,15 @@ class ModelSpec:
     # -- parameter counts ------------------------------------------------------------------------
     def preflight_shape(self) -> ModelShape:
         """What the job pre-flight checks, named as ``ndparallel train``'s ``model:`` section names them (an MoE's
-        tp splits the experts' width, and the dense width only where dense blocks remain)."""
+        tp splits the experts' width, the shared experts' width, and the dense width only where dense blocks
+        remain)."""
         fields = list(TP_SPLIT_FIELDS)
         if self.is_moe:
             fields[fields.index("ffn_dim")] = "expert_ffn_dim"
             if self.n_moe_layers < self.n_layers:
                 fields.append("ffn_dim")
+            if self.shared_ffn_dim:
+                fields.append("shared_ffn_dim")
         split = {f"model.{name}": getattr(self, name) for name in fields}
         experts = ("model.n_experts", self.n_experts) if self.is_moe else None
         return ModelShape(self.n_layers, split, ("model.n_heads", self.n_heads), experts=experts)

@@ -10,6 +10,7 @@ docs/planning.md ("Mixture of experts").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 
@@ -64,6 +65,10 @@ def test_moe_counts_match_the_reference_model_and_hf_configs():
     # parallelize cannot split a Hugging Face model's MoE blocks over tp: the planner refuses it in its words
     hf_tp = estimate(mixtral, TrainingSpec(global_batch=8), MeshShape(dp_shard=4, tp=2, ep=4), ClusterSpec(num_gpus=8))
     assert any("model family 'huggingface' has no tensor-parallel plan for its MoE blocks" in p for p in hf_tp.problems)
+    # tp splits the shared experts' width too: the pre-flight names it
+    odd_shared = dataclasses.replace(model_spec("tiny-moe"), shared_ffn_dim=33)
+    odd = estimate(odd_shared, TrainingSpec(global_batch=8), MeshShape(dp_shard=2, tp=2, ep=2), ClusterSpec(num_gpus=4))
+    assert odd.problems == ["tp_size=2 does not divide model.shared_ffn_dim=33; choose a tp_size that divides it"]
     with pytest.raises(ConfigError, match="num_experts_per_tok=None"):
         model_spec({**MIXTRAL_HF, "num_experts_per_tok": None})
     with pytest.raises(ConfigError, match=r"model.top_k=5 must be between 1 and model.n_experts=4"):
