@@ -15,13 +15,17 @@ CPU_RANKS ?= 4
 # half as much CPU again in contention for the same tests (docs/architecture.md, "Tests", has the times).
 WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
+# pip byte-compiles every file it installs (~25 s of a fresh install, mostly torch's, most never imported);
+# --no-compile leaves that to the first import, which caches only what runs, so bytecode writing stays on.
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test test-fast zoo bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,hf,trainer,plot,notebook,tensorboard]" "$(TRANSFORMERS)" "$(ACCELERATE)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH)"
+	$(PIP_INSTALL) -e ".[dev,hf,trainer,plot,notebook,tensorboard]" "$(TRANSFORMERS)" "$(ACCELERATE)"
 	@touch $@
 
 demo: $(STAMP)
