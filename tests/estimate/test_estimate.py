@@ -28,6 +28,7 @@ from ndparallel.estimate.cli import main as plan_main
 from ndparallel.estimate.memory import head_activation_bytes_per_token, layer_activation_bytes_per_token
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
+from tests.estimate.tables import comparison_row, table_header
 
 GiB = 1024**3
 LLAMA3_8B_HF = {
@@ -472,23 +473,15 @@ def test_predictions_match_parallelized_ranks_within_10_percent(world_size):
 
 def validation_table() -> str:
     """Predicted vs measured (rank 0) for every validation run: ``python -m tests.estimate.test_estimate``."""
-    lines = [
-        "| world | mesh (rep x shard x cp x tp) | precision | ckpt | micro-batches | quantity | measured bytes "
-        "| predicted | error |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_header("world", "mesh (rep x shard x cp x tp)", "precision", "ckpt", "micro-batches")
     for world_size, runs in sorted(VALIDATION_RUNS.items()):
         measured, acts = run_distributed(measure_runs, world_size, runs, timeout=240)[0]
         for run, got in zip(runs, measured, strict=True):
             want = predicted(*run)
             rows = [(k, got[k], want[k]) for k in ("params", "grads", "optimizer")]
             rows += [(k, got["comm"].get(k, 0), want["comm"].get(k, 0)) for k in sorted(want["comm"])]
-            for key, value, guess in rows:
-                error = (guess - value) / value if value else float("nan")
-                lines.append(
-                    f"| {world_size} | {run[0].describe()} | {run[1]} | {run[2]} | {run[3]} | {key} | {value:,} | "
-                    f"{guess:,.0f} | {error:+.2%} |"
-                )
+            cells = (world_size, run[0].describe(), *run[1:4])
+            lines += [comparison_row(cells, key, value, guess) for key, value, guess in rows]
     cfg = TransformerConfig(**VALIDATION_MODEL)
     checks = [
         ("1", "1 process", measure_activations(Transformer(cfg)), predicted_activations(cfg, "fp32", 1, BATCH * SEQ)),
@@ -496,12 +489,8 @@ def validation_table() -> str:
         ("2", "cp=2", acts["cp2"], predicted_activations(cfg, "fp32", 1, BATCH * SEQ // 2, cp=2)),
     ]
     for world, label, got, want in checks:
-        for key in ("block", "head"):
-            error = (want[key] - got[key]) / got[key]
-            lines.append(
-                f"| {world} | {label} | fp32 | none | 1 | saved activations, {key} | {got[key]:,} | "
-                f"{want[key]:,.0f} | {error:+.2%} |"
-            )
+        cells = (world, label, "fp32", "none", 1)
+        lines += [comparison_row(cells, f"saved activations, {k}", got[k], want[k]) for k in ("block", "head")]
     return "\n".join(lines)
 
 

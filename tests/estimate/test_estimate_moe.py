@@ -35,6 +35,7 @@ from ndparallel.estimate.experts import expert_rows, moe_ffn_activation_bytes_pe
 from ndparallel.estimate.memory import layer_activation_bytes_per_token
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
+from tests.estimate.tables import comparison_row, table_header
 from tests.estimate.test_estimate import LLAMA3_8B_HF, measure_activations
 
 MIXTRAL_HF = {
@@ -280,11 +281,7 @@ def test_moe_predictions_equal_counted_bytes_on_parallelized_ranks(world_size):
 
 def validation_table() -> str:
     """Predicted vs counted (rank 0; all-to-all: the mean over its ep group) for every run."""
-    lines = [
-        "| world | mesh (rep x shard x cp x tp, ep) | precision | micro-batches | experts | quantity | measured bytes "
-        "| predicted | error |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_header("world", "mesh (rep x shard x cp x tp, ep)", "precision", "micro-batches", "experts")
     for world_size, runs in sorted(MOE_RUNS.items()):
         per_rank = run_distributed(measure_moe_runs, world_size, runs, timeout=240)
         for i, run in enumerate(runs):
@@ -295,12 +292,8 @@ def validation_table() -> str:
             rows += [
                 (f"{names[ranks]}/{kind}", got.get((ranks, kind), 0), v) for (ranks, kind), v in want["comm"].items()
             ]
-            for key, value, guess in sorted(rows, key=lambda row: row[0]):
-                error = (guess - value) / value if value else float("nan")
-                lines.append(
-                    f"| {world_size} | {run[0].describe()} | {run[1]} | {run[2]} | {run[3]} | {key} | {value:,.0f} | "
-                    f"{guess:,.0f} | {error:+.2%} |"
-                )
+            cells = (world_size, run[0].describe(), *run[1:4])
+            lines += [comparison_row(cells, *row) for row in sorted(rows, key=lambda row: row[0])]
     return "\n".join(lines)
 
 

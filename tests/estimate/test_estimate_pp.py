@@ -21,6 +21,7 @@ from ndparallel.estimate.memory import activation_bytes, estimate_memory, params
 from ndparallel.estimate.pipeline import bubble_fraction, in_flight, rank_shares, stage_ranges
 from ndparallel.models import TransformerConfig
 from ndparallel.testing import run_distributed
+from tests.estimate.tables import comparison_row, table_header
 
 MODEL = dict(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16, dtype="float32")
 BATCH, SEQ = 8, 16
@@ -217,10 +218,7 @@ def test_pipeline_predictions_match_measured_ranks(world_size):
 
 def validation_table() -> str:
     """Measured (every rank) vs predicted, for docs/planning.md."""
-    lines = [
-        "| shape | schedule | m | rank (stages) | quantity | measured bytes | predicted | error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_header("shape", "schedule", "m", "rank (stages)")
     for world_size, specs in sorted(RUNS.items()):
         per_rank = run_distributed(measure_many, world_size, [_run(*s) for s in specs], timeout=240)
         for i, spec in enumerate(specs):
@@ -230,12 +228,8 @@ def validation_table() -> str:
                 got, exp = results[i], want[_pp_rank(sizes, rank)]
                 rows = [(k, got[k], exp[k]) for k in ("saved_activation_bytes", "param_bytes")]
                 rows += [(k, got["comm"].get(k, 0), v) for k, v in sorted(exp["comm"].items())]
-                for key, value, guess in rows:
-                    error = (guess - value) / value if value else float("nan")
-                    lines.append(
-                        f"| {shape} | {schedule} | {m} | {rank} {got['stage_ids']} | {key} | {value:,} | "
-                        f"{guess:,.0f} | {error:+.2%} |"
-                    )
+                cells = (shape, schedule, m, f"{rank} {got['stage_ids']}")
+                lines += [comparison_row(cells, key, value, guess) for key, value, guess in rows]
                 lines.append(
                     f"| {shape} | {schedule} | {m} | {rank} {got['stage_ids']} | retained from step 1 (not modelled) "
                     f"| {got['retained_bytes']:,} | - | - |"
