@@ -192,9 +192,11 @@ def collectives(
     norms = 2 * layers + share.head
     # Once per micro-batch, pp included: the first by the gradient's hook, each later one when its Partial
     # gradient is added to the Replicate one (counted through ndparallel.parallel.pipeline:
-    # tests/estimate/test_estimate_pp.py).
+    # tests/estimate/test_estimate_pp.py). In the dtype the norm ran in: the compute dtype under FSDP's
+    # policy (before FSDP's reduce-scatter casts to fp32), fp32 under autocast, like a router gate's below.
+    unsharded_grad_bytes = residual_bytes(train, mesh)
     add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",
-        norms * micro_steps, norms * model.dim * precision.reduce * micro_steps)  # fmt: skip
+        norms * micro_steps, norms * model.dim * unsharded_grad_bytes * micro_steps)  # fmt: skip
     if share.head:  # loss_parallel: cross-entropy over vocab-sharded logits all-reduces max, sum-exp, target logit
         add("TP all-reduce (loss-parallel stats)", "all_reduce", ("tp",), "tp",
             3 * micro_steps, 3 * tokens * 4 * micro_steps)  # fmt: skip
@@ -202,9 +204,7 @@ def collectives(
     for row in _context_parallel(model, train, mesh, tokens, recomputed, layers):
         add(*row[:3], "cp_ring" if train.cp_rotate_method == "ring" else "cp", *row[3:])
     if share.moe_blocks:
-        # the router gate's unsharded gradient: in the compute dtype under FSDP's policy, fp32 under autocast
-        grad_bytes = residual_bytes(train, mesh)
-        for row in moe_collectives(model, train, share.moe_blocks, tokens, micro_steps, grad_bytes):
+        for row in moe_collectives(model, train, share.moe_blocks, tokens, micro_steps, unsharded_grad_bytes):
             add(*row)
     if mesh.pp > 1:
         _pipeline_rows(add, train, mesh, share, tokens * model.dim * residual_bytes(train, mesh) / mesh.tp)

@@ -277,6 +277,7 @@ VALIDATION_RUNS: dict[int, list[Run]] = {
         (MeshShape(dp_replicate=2, dp_shard=2), "fp32", "none", 1),
         (MeshShape(dp_replicate=2, dp_shard=2), "fp32", "none", 2),
         (MeshShape(dp_shard=2, tp=2), "fp32", "none", 1),
+        (MeshShape(dp_shard=2, tp=2), "bf16", "none", 1),  # the norms' tp all-reduce in bf16
         (MeshShape(dp_shard=2, cp=2), "fp32", "full", 1),
         (MeshShape(dp_replicate=4), "fp32", "none", 1),
         (MeshShape(dp_replicate=4), "fp32", "none", 2),

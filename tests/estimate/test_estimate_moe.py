@@ -172,6 +172,7 @@ MOE_RUNS: dict[int, list[Run]] = {
     4: [
         (MeshShape(dp_shard=4, ep=2), "fp32", 1, 4),
         (MeshShape(dp_shard=2, tp=2, ep=2), "fp32", 1, 4),
+        (MeshShape(dp_shard=2, tp=2, ep=2), "bf16", 1, 4),  # the norms' and the routers' tp all-reduces in bf16
         (MeshShape(dp_replicate=2, dp_shard=2, ep=2), "fp32", 1, 4),
         (MeshShape(dp_shard=2, cp=2, ep=4), "fp32", 1, 4),
         (MeshShape(dp_shard=4), "fp32", 1, 2),  # 2 experts over 4 FSDP ranks: padded to one a rank
