@@ -14,6 +14,7 @@ consecutive ones), ``ep_fsdp`` the rest (spread over the whole of dp_shard x cp)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ndparallel.distributed.ulysses import kv_heads_sent
@@ -207,7 +208,8 @@ def collectives(
         for row in moe_collectives(model, train, share.moe_blocks, tokens, micro_steps, unsharded_grad_bytes):
             add(*row)
     if mesh.pp > 1:
-        _pipeline_rows(add, train, mesh, share, tokens * model.dim * residual_bytes(train, mesh) / mesh.tp)
+        activation = tokens * model.dim * residual_bytes(train, mesh) / mesh.tp
+        _pipeline_rows(add, train, mesh, share, activation, model.is_moe)
     return rows
 
 
@@ -271,17 +273,23 @@ def _pipeline_fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshSh
             units, experts * precision.reduce)  # fmt: skip
 
 
-def _pipeline_rows(add, train: TrainingSpec, mesh: MeshShape, share: RankShare, activation: float) -> None:  # noqa: ANN001
+def _pipeline_rows(
+    add: Callable[..., None], train: TrainingSpec, mesh: MeshShape, share: RankShare, activation: float, moe: bool
+) -> None:
     """Point-to-point between stages: per micro-batch each stage sends its output ([mb, seq/(cp tp), dim], the
-    sequence-parallel shard, in the residual stream's dtype) forward and its input's gradient backward (same size)."""
+    sequence-parallel shard, in the residual stream's dtype) forward and its input's gradient backward (same size).
+    Then the step's reported loss, and an MoE's aux losses, one float64 each."""
     forward, backward = p2p_sends(mesh, microbatches(train, mesh), share)
     add("PP send (activations)", "send_recv", ("pp",), "pp", forward, forward * activation)
     add("PP send (activation grads)", "send_recv", ("pp",), "pp", backward, backward * activation)
-    # The step's loss (one float64): averaged over dp x cp where the last stage is, then broadcast over pp.
+    # The step's loss: averaged over dp x cp where the last stage is, then broadcast over pp.
+    dp_cp = ("dp_shard", "cp") if mesh.dp_replicate == 1 else ("dp_replicate", "dp_shard", "cp")
     if share.head:
-        dp_cp = ("dp_shard", "cp") if mesh.dp_replicate == 1 else ("dp_replicate", "dp_shard", "cp")
         add("PP loss all-reduce (dp x cp)", "all_reduce", dp_cp, "loss", 1, 8)
     add("PP loss broadcast", "broadcast", ("pp",), "loss", 1, 8)
+    if moe:  # every stage's aux losses: summed over pp, then averaged over dp x cp (parallel/pipeline/runtime.py)
+        add("PP aux-loss all-reduce", "all_reduce", ("pp",), "loss", 1, 8)
+        add("PP aux-loss all-reduce (dp x cp)", "all_reduce", dp_cp, "loss", 1, 8)
 
 
 def _context_parallel(

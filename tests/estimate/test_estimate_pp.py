@@ -24,11 +24,17 @@ from ndparallel.testing import run_distributed
 from tests.estimate.tables import comparison_row, table_header
 
 MODEL = dict(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16, dtype="float32")
+MODELS = {"dense": MODEL, "moe": {**MODEL, "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "expert_ffn_dim": 16}}
 BATCH, SEQ = 8, 16
-# (sizes, schedule, micro-batches[, mixed_precision]): >= 6 pp shapes, on 2 and 4 ranks (one spawned group each);
-# bf16 once under FSDP (the policy) and once without (the trainer's forward autocast)
+# (sizes, schedule, micro-batches[, mixed_precision[, model]]): >= 6 pp shapes, on 2 and 4 ranks (one spawned group
+# each); bf16 once under FSDP (the policy) and once without (the trainer's forward autocast); the MoE twice
 RUNS = {
-    2: [({"pp": 2}, "gpipe", 4), ({"pp": 2}, "1f1b", 4), ({"pp": 2}, "interleaved_1f1b", 4)],
+    2: [
+        ({"pp": 2}, "gpipe", 4),
+        ({"pp": 2}, "1f1b", 4),
+        ({"pp": 2}, "interleaved_1f1b", 4),
+        ({"pp": 2}, "1f1b", 4, "no", "moe"),
+    ],
     4: [
         ({"pp": 4}, "1f1b", 4),
         ({"pp": 4}, "interleaved_1f1b", 4),
@@ -38,13 +44,18 @@ RUNS = {
         ({"pp": 2, "dp_replicate": 2}, "1f1b", 2),
         ({"pp": 2, "dp_shard": 2}, "1f1b", 2, "bf16"),
         ({"pp": 2, "dp_replicate": 2}, "1f1b", 2, "bf16"),
+        ({"pp": 2, "dp_shard": 2}, "1f1b", 2, "no", "moe"),
     ],
 }
 INNER = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
-def _run(sizes: dict[str, int], schedule: str, m: int, mixed_precision: str = "no") -> PipelineRun:
-    return PipelineRun(MODEL, sizes, schedule, m, batch=BATCH, seq=SEQ, steps=2, mixed_precision=mixed_precision)
+def _run(
+    sizes: dict[str, int], schedule: str, m: int, mixed_precision: str = "no", model: str = "dense"
+) -> PipelineRun:
+    return PipelineRun(
+        MODELS[model], sizes, schedule, m, batch=BATCH, seq=SEQ, steps=2, mixed_precision=mixed_precision
+    )
 
 
 def _activation_bound(spec: tuple) -> float:
@@ -63,14 +74,19 @@ def _mesh(sizes: dict[str, int], schedule: str, m: int) -> MeshShape:
 
 
 def _label(group: str, mesh: MeshShape) -> str:
-    """The measurement's name of an estimator group: it names each rank set once, and with dp_shard = 1 the cp
-    group is the dp_shard_cp group (ndparallel/bench/pipeline.py, ``_group_labels``)."""
-    return "dp_shard_cp" if group == "cp" and mesh.dp_shard == 1 else group
+    """The measurement's name of an estimator group: it names each rank set once, so with dp_shard = 1 the cp
+    group, and with dp_replicate = 1 the dp_cp group, is the dp_shard_cp group (ndparallel/bench/pipeline.py,
+    ``_group_labels``)."""
+    if (group == "cp" and mesh.dp_shard == 1) or (group == "dp_cp" and mesh.dp_replicate == 1):
+        return "dp_shard_cp"
+    return group
 
 
-def predicted(sizes: dict[str, int], schedule: str, m: int, mixed_precision: str = "no") -> list[dict]:
+def predicted(
+    sizes: dict[str, int], schedule: str, m: int, mixed_precision: str = "no", model_name: str = "dense"
+) -> list[dict]:
     """The estimator's per-pp-rank numbers for one run (CPU's composite RMSNorm)."""
-    model = model_spec(TransformerConfig(**MODEL))
+    model = model_spec(TransformerConfig(**MODELS[model_name]))
     mesh = _mesh(sizes, schedule, m)
     precision = "fp32" if mixed_precision == "no" else mixed_precision
     train = TrainingSpec(global_batch=BATCH, seq_len=SEQ, precision=precision, fused_norm=False)
@@ -223,7 +239,9 @@ def validation_table() -> str:
         per_rank = run_distributed(measure_many, world_size, [_run(*s) for s in specs], timeout=240)
         for i, spec in enumerate(specs):
             (sizes, schedule, m), want = spec[:3], predicted(*spec)
-            shape = " x ".join(f"{k}{v}" for k, v in sizes.items()) + "".join(f" {p}" for p in spec[3:])
+            shape = " x ".join(f"{k}{v}" for k, v in sizes.items()) + "".join(
+                f" {p}" for p in spec[3:] if p not in ("no", "dense")
+            )
             for rank, results in enumerate(per_rank):
                 got, exp = results[i], want[_pp_rank(sizes, rank)]
                 rows = [(k, got[k], exp[k]) for k in ("saved_activation_bytes", "param_bytes")]
