@@ -61,10 +61,8 @@ class PipelineRun:
 
     @property
     def world_size(self) -> int:
-        size = 1
-        for value in self.sizes.values():
-            size *= value
-        return size
+        """The ranks the run takes (``ep`` borrows its ranks from dp_shard x cp: it adds none)."""
+        return self.parallelism().world_size
 
     def parallelism(self) -> ParallelismConfig:
         """The run's config: its mesh sizes (``dp_shard`` etc.), pp fields and mixed precision."""
@@ -78,7 +76,7 @@ class PipelineRun:
 def build_pipeline(run: PipelineRun) -> Pipeline:
     """This rank's share of ``run``: ``ndparallel.parallel.pipeline.build_pipeline`` on a meta-device model."""
     cfg = run.parallelism()
-    mesh = _mesh(tuple(cfg.sizes.items()))
+    mesh = _mesh(tuple(run.sizes.items()))
     with torch.device("meta"):
         model = Transformer(TransformerConfig.from_dict(run.model))
     return build_runtime(model, cfg, mesh)
@@ -92,12 +90,18 @@ def _mesh(sizes: tuple[tuple[str, int], ...]) -> Mesh:
 
 class SavedActivations:
     """Live and peak bytes of the storages autograd saves for backward (each storage once; ``exclude``d
-    tensors, i.e. parameters and rotary tables, never), through ``torch.autograd.graph.saved_tensors_hooks``."""
+    tensors, i.e. the rotary tables, and the ``modules``' weights never), through
+    ``torch.autograd.graph.saved_tensors_hooks``."""
 
-    def __init__(self, exclude: list[torch.Tensor]):
+    def __init__(self, exclude: list[torch.Tensor], modules: list[nn.Module]):
         self.excluded = {_local(t).untyped_storage().data_ptr() for t in exclude}
+        self.modules = modules
         self.refs: dict[int, int] = {}
         self.live = self.peak = 0
+
+    def _weight_storages(self) -> set[int]:
+        """The storages of the weights registered now (FSDP swaps in its gathered ones around each forward)."""
+        return {_storage_ptr(p) for m in self.modules for p in m.parameters()}
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter):
@@ -110,6 +114,8 @@ class SavedActivations:
             key, size = id(tensor), local.numel() * local.element_size()
         if key in self.excluded or size == 0:
             return tensor
+        if key not in self.refs and key in self._weight_storages():
+            return tensor  # a weight reached through to_local() (ep's local experts): not a Parameter, its storage
         if key not in self.refs:
             self.live += size
             self.peak = max(self.peak, self.live)
@@ -141,9 +147,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _storage_ptr(param: torch.Tensor) -> int:
+    """Where a parameter's local elements live. DTensor's private ``_local_tensor``: the public ``to_local()`` goes
+    through autograd and dispatch (45x slower), and this runs for every tensor autograd saves."""
+    local = getattr(param, "_local_tensor", param)
+    return local.untyped_storage().data_ptr()
+
+
 def _group_labels(mesh: Any, pp_group: Any) -> dict[tuple[int, ...], str]:
     labels = {tuple(dist.get_process_group_ranks(pp_group)): "pp"}
-    for name in ("dp_shard_cp", "tp", "dp_replicate"):
+    experts = ("ep", "ep_fsdp") if mesh.size("ep") > 1 else ()  # the views exist under ep only
+    for name in ("dp_shard_cp", "tp", "dp_replicate", "dp_cp", *experts):
         if mesh.size(name) > 1:
             labels.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), name)
     return labels
@@ -181,7 +195,7 @@ def measure_pipeline(run: PipelineRun) -> dict[str, Any]:
     mesh = pipe.mesh.without_pp()
     params = [p for stage in pipe.stages for p in stage.parameters()]
     buffers = [b for stage in pipe.stages for b in stage.buffers()]
-    tracker = SavedActivations(params + buffers)
+    tracker = SavedActivations(buffers, list(pipe.stages))
     dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     generator = torch.Generator().manual_seed(0)
     data = torch.randint(0, run.model["vocab_size"], (run.batch, run.seq + 1), generator=generator)

@@ -27,7 +27,8 @@ MODEL = dict(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size
 MODELS = {"dense": MODEL, "moe": {**MODEL, "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "expert_ffn_dim": 16}}
 BATCH, SEQ = 8, 16
 # (sizes, schedule, micro-batches[, mixed_precision[, model]]): >= 6 pp shapes, on 2 and 4 ranks (one spawned group
-# each); bf16 once under FSDP (the policy) and once without (the trainer's forward autocast); the MoE twice
+# each); bf16 once under FSDP (the policy) and once without (the trainer's forward autocast); the MoE three
+# times (pp2, pp2 x dp_shard2, and that with ep 2 over the dp_shard ranks)
 RUNS = {
     2: [
         ({"pp": 2}, "gpipe", 4),
@@ -45,6 +46,7 @@ RUNS = {
         ({"pp": 2, "dp_shard": 2}, "1f1b", 2, "bf16"),
         ({"pp": 2, "dp_replicate": 2}, "1f1b", 2, "bf16"),
         ({"pp": 2, "dp_shard": 2}, "1f1b", 2, "no", "moe"),
+        ({"pp": 2, "dp_shard": 2, "ep": 2}, "1f1b", 2, "no", "moe"),
     ],
 }
 INNER = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -70,16 +72,33 @@ def _activation_bound(spec: tuple) -> float:
 
 def _mesh(sizes: dict[str, int], schedule: str, m: int) -> MeshShape:
     inner = {dim: sizes.get(dim, 1) for dim in INNER}
-    return MeshShape(**inner, pp=sizes["pp"], pp_schedule=schedule, pp_microbatches=m)
+    return MeshShape(**inner, ep=sizes.get("ep", 1), pp=sizes["pp"], pp_schedule=schedule, pp_microbatches=m)
 
 
 def _label(group: str, mesh: MeshShape) -> str:
     """The measurement's name of an estimator group: it names each rank set once, so with dp_shard = 1 the cp
     group, and with dp_replicate = 1 the dp_cp group, is the dp_shard_cp group (ndparallel/bench/pipeline.py,
     ``_group_labels``)."""
-    if (group == "cp" and mesh.dp_shard == 1) or (group == "dp_cp" and mesh.dp_replicate == 1):
-        return "dp_shard_cp"
-    return group
+    same_ranks = (
+        (group == "cp" and mesh.dp_shard == 1)
+        or (group == "dp_cp" and mesh.dp_replicate == 1)
+        or (group == "ep" and mesh.ep == mesh.dp_shard * mesh.cp)
+    )
+    return "dp_shard_cp" if same_ranks else group
+
+
+def _measured_comm(per_rank: list[list[dict]], i: int, rank: int, sizes: dict[str, int]) -> dict[str, float]:
+    """Run ``i``'s counted bytes on ``rank``, an all-to-all's as the mean over the rank's ep group: a rank's received
+    rows depend on the routing, their mean is what every rank sends (``T k`` rows) and what the planner predicts.
+    The ep runs spread ep over all of a stage's ranks, so the ep group is the stage's."""
+    comm = dict(per_rank[rank][i]["comm"])
+    if sizes.get("ep", 1) > 1:
+        inner = _mesh(sizes, "1f1b", 1).inner_size
+        assert sizes["ep"] == inner, f"ep must span a stage's {inner} ranks in these runs: {sizes}"
+        stage = range(rank // inner * inner, (rank // inner + 1) * inner)
+        for key in [k for k in comm if k.endswith("/all_to_all")]:
+            comm[key] = sum(per_rank[r][i]["comm"][key] for r in stage) / inner
+    return comm
 
 
 def predicted(
@@ -229,7 +248,7 @@ def test_pipeline_predictions_match_measured_ranks(world_size):
             bound = _activation_bound(spec)
             assert got["saved_activation_bytes"] == pytest.approx(exp["saved_activation_bytes"], rel=bound), where
             assert got["param_bytes"] == exp["param_bytes"], where  # bytes are deterministic: exact
-            assert got["comm"] == exp["comm"], where  # every group and kind, every byte
+            assert _measured_comm(per_rank, i, rank, spec[0]) == exp["comm"], where  # every group and kind, byte
 
 
 def validation_table() -> str:
@@ -245,7 +264,8 @@ def validation_table() -> str:
             for rank, results in enumerate(per_rank):
                 got, exp = results[i], want[_pp_rank(sizes, rank)]
                 rows = [(k, got[k], exp[k]) for k in ("saved_activation_bytes", "param_bytes")]
-                rows += [(k, got["comm"].get(k, 0), v) for k, v in sorted(exp["comm"].items())]
+                comm = _measured_comm(per_rank, i, rank, sizes)
+                rows += [(k, comm.get(k, 0), v) for k, v in sorted(exp["comm"].items())]
                 cells = (shape, schedule, m, f"{rank} {got['stage_ids']}")
                 lines += [comparison_row(cells, key, value, guess) for key, value, guess in rows]
                 lines.append(
