@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ndparallel.bench.memory import local_shard, state_bytes
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.counter import CommCounter
 from ndparallel.distributed.mesh import Mesh
@@ -89,24 +90,24 @@ def _mesh(sizes: tuple[tuple[str, int], ...]) -> Mesh:
 
 
 class SavedActivations:
-    """Live and peak bytes of the storages autograd saves for backward (each storage once; ``exclude``d
-    tensors, i.e. the rotary tables, and the ``modules``' weights never), through
+    """Live and peak bytes of the storages autograd saves for backward (each storage once; never the ``exclude``d
+    tensors, i.e. the stages' buffers, nor the ``modules``' weights), through
     ``torch.autograd.graph.saved_tensors_hooks``."""
 
     def __init__(self, exclude: list[torch.Tensor], modules: list[nn.Module]):
-        self.excluded = {_local(t).untyped_storage().data_ptr() for t in exclude}
+        self.excluded = {local_shard(t).untyped_storage().data_ptr() for t in exclude}
         self.modules = modules
         self.refs: dict[int, int] = {}
         self.live = self.peak = 0
 
     def _weight_storages(self) -> set[int]:
         """The storages of the weights registered now (FSDP swaps in its gathered ones around each forward)."""
-        return {_storage_ptr(p) for m in self.modules for p in m.parameters()}
+        return {local_shard(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter):
             return tensor  # a weight (FSDP's gathered copy included), saved as itself or a view (weight.t())
-        local = _local(tensor)
+        local = local_shard(tensor)
         try:
             storage = local.untyped_storage()
             key, size = storage.data_ptr(), storage.nbytes()
@@ -143,17 +144,6 @@ class _Held:
         self.owner.release(self.key, self.size)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _storage_ptr(param: torch.Tensor) -> int:
-    """Where a parameter's local elements live. DTensor's private ``_local_tensor``: the public ``to_local()`` goes
-    through autograd and dispatch (45x slower), and this runs for every tensor autograd saves."""
-    local = getattr(param, "_local_tensor", param)
-    return local.untyped_storage().data_ptr()
-
-
 def _group_labels(mesh: Any, pp_group: Any) -> dict[tuple[int, ...], str]:
     labels = {tuple(dist.get_process_group_ranks(pp_group)): "pp"}
     experts = ("ep", "ep_fsdp") if mesh.size("ep") > 1 else ()  # the views exist under ep only
@@ -188,8 +178,6 @@ def _compute_only_s(pipe: Pipeline, run: PipelineRun, tokens: torch.Tensor, labe
 
 def measure_pipeline(run: PipelineRun) -> dict[str, Any]:
     """Rank entry point: build, train ``run.steps`` steps; measure the last one (memory, communication)."""
-    from ndparallel.bench.memory import state_bytes
-
     torch.set_num_threads(run.threads)
     pipe = build_pipeline(run)
     mesh = pipe.mesh.without_pp()

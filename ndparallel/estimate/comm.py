@@ -283,13 +283,12 @@ def _pipeline_rows(
     add("PP send (activations)", "send_recv", ("pp",), "pp", forward, forward * activation)
     add("PP send (activation grads)", "send_recv", ("pp",), "pp", backward, backward * activation)
     # The step's loss: averaged over dp x cp where the last stage is, then broadcast over pp.
-    dp_cp = ("dp_shard", "cp") if mesh.dp_replicate == 1 else ("dp_replicate", "dp_shard", "cp")
     if share.head:
-        add("PP loss all-reduce (dp x cp)", "all_reduce", dp_cp, "loss", 1, 8)
+        add("PP loss all-reduce (dp x cp)", "all_reduce", ("dp_cp",), "loss", 1, 8)
     add("PP loss broadcast", "broadcast", ("pp",), "loss", 1, 8)
     if moe:  # every stage's aux losses: summed over pp, then averaged over dp x cp (parallel/pipeline/runtime.py)
         add("PP aux-loss all-reduce", "all_reduce", ("pp",), "loss", 1, 8)
-        add("PP aux-loss all-reduce (dp x cp)", "all_reduce", dp_cp, "loss", 1, 8)
+        add("PP aux-loss all-reduce (dp x cp)", "all_reduce", ("dp_cp",), "loss", 1, 8)
 
 
 def _context_parallel(

@@ -76,15 +76,17 @@ def _mesh(sizes: dict[str, int], schedule: str, m: int) -> MeshShape:
 
 
 def _label(group: str, mesh: MeshShape) -> str:
-    """The measurement's name of an estimator group: it names each rank set once, so with dp_shard = 1 the cp
-    group, and with dp_replicate = 1 the dp_cp group, is the dp_shard_cp group (ndparallel/bench/pipeline.py,
-    ``_group_labels``)."""
-    same_ranks = (
+    """The measurement's name of an estimator group: it names each rank set once, dp_shard_cp before dp_replicate
+    (ndparallel/bench/pipeline.py, ``_group_labels``). So the cp group with dp_shard = 1, the dp_cp group with
+    dp_replicate = 1 and the ep group spanning dp_shard x cp are dp_shard_cp; the dp_cp group with dp_shard x cp
+    = 1 is dp_replicate."""
+    if (
         (group == "cp" and mesh.dp_shard == 1)
         or (group == "dp_cp" and mesh.dp_replicate == 1)
         or (group == "ep" and mesh.ep == mesh.dp_shard * mesh.cp)
-    )
-    return "dp_shard_cp" if same_ranks else group
+    ):
+        return "dp_shard_cp"
+    return "dp_replicate" if group == "dp_cp" and mesh.dp_shard * mesh.cp == 1 else group
 
 
 def _measured_comm(per_rank: list[list[dict]], i: int, rank: int, sizes: dict[str, int]) -> dict[str, float]:
