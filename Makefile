@@ -15,7 +15,7 @@ CPU_RANKS ?= 4
 # half as much CPU again in contention for the same tests (docs/architecture.md, "Tests", has the times).
 WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
-# pip byte-compiles every file it installs (~25 s of a fresh install, mostly torch's, most never imported);
+# pip byte-compiles every file it installs (~27 s of a fresh install, mostly torch's, most never imported);
 # --no-compile leaves that to the first import, which caches only what runs, so bytecode writing stays on.
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE

@@ -165,8 +165,9 @@ class ModelSpec:
     # -- parameter counts ------------------------------------------------------------------------
     def preflight_shape(self) -> ModelShape:
         """What the job pre-flight checks, named as ``ndparallel train``'s ``model:`` section names them (an MoE's
-        tp splits the experts' width, the shared experts' width, and the dense width only where dense blocks
-        remain)."""
+        tp splits the experts' width, and the dense width only where dense blocks remain). tp splits the shared
+        experts' width too: the reference model's is ``n_shared_experts x expert_ffn_dim``, split whenever the
+        experts' is, but a spec from raw numbers (``ndparallel plan --shared-ffn-dim``) may give any width."""
         fields = list(TP_SPLIT_FIELDS)
         if self.is_moe:
             fields[fields.index("ffn_dim")] = "expert_ffn_dim"

@@ -1,4 +1,4 @@
-"""The predicted-vs-measured markdown tables of docs/planning.md, one row format for every validation run."""
+"""The predicted-vs-measured markdown tables of docs/planning.md: one heading and one row format for them all."""
 
 from __future__ import annotations
 

@@ -176,7 +176,9 @@ def _launch(tmp_path: Path, *extra: str) -> subprocess.Popen:
     steps["train"]["steps"] = 100_000  # far more than the test waits for
     steps["train"]["log_every"] = 2  # a progress line soon after a restart (the job trains while a test waits)
     steps["train"]["metrics_file"] = str(tmp_path / "metrics.jsonl")
-    steps["train"]["timeout_s"] = 20  # a killed rank is judged lost after 3 s of silence, not 6 (the default 600 s)
+    # A killed rank is judged lost after 3 s of silence, not 6 (the default 600 s); a hang would end the job after
+    # 20 s, as in test_job_faults.py's two-node runs (`--timeout 20`), which start as many ranks.
+    steps["train"]["timeout_s"] = 20
     config.write_text(json.dumps(steps))  # JSON is YAML
     return start_ndparallel(
         "launch",
