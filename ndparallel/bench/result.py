@@ -53,7 +53,8 @@ class CaseResult:
     """pp cases: ``schedule``, ``microbatches``, ``stages_per_rank`` and the cost model's ``bubble`` fraction."""
     experts: dict[str, Any] = field(default_factory=dict)
     """MoE cases: the router health of the instrumented step (``imbalance``: the worst router's max / mean tokens
-    per expert over the global batch; ``dropped`` tokens; ``tokens_per_expert`` per router), and
+    per expert over the global batch, ``per_router`` each one's; ``dropped`` tokens; ``tokens_per_expert`` per
+    router), and
     ``all_to_all_min_bytes``, the least all-to-all payload the routing needs on one rank (balanced experts)."""
 
     def to_dict(self) -> dict[str, Any]:

@@ -330,7 +330,11 @@ class _StepLog:
         if self.metrics_file:
             record = dict(step=step, loss=loss, grad_norm=grad_norm, lr=lr, tokens_per_s=rate, mfu=mfu)
             if router is not None:
-                record.update(expert_imbalance=router["imbalance"], dropped_tokens=router["dropped"])
+                record.update(
+                    expert_imbalance=router["imbalance"],
+                    expert_imbalance_per_router=router["per_router"],
+                    dropped_tokens=router["dropped"],
+                )
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
 

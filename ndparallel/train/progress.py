@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -24,17 +25,17 @@ def format_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.0f}"
 
 
-def router_health(loads: list[torch.Tensor]) -> dict[str, float | int] | None:
-    """An MoE step's router health from each router's global tokens per expert: ``imbalance``, the worst
-    router's max / mean tokens per expert (1.0: perfectly balanced), and ``dropped`` tokens (the reference MoE
-    is dropless: 0). None without routers."""
+def router_health(loads: list[torch.Tensor]) -> dict[str, Any] | None:
+    """An MoE step's router health from each router's global tokens per expert: ``per_router``, each router's max
+    / mean tokens per expert in model order (1.0: perfectly balanced); ``imbalance``, the worst of them; and
+    ``dropped`` tokens (the reference MoE is dropless: 0). None without routers."""
     if not loads:
         return None
-    worst = max(float(load.max() / load.mean()) if load.sum() > 0 else 1.0 for load in loads)
-    return {"imbalance": worst, "dropped": 0}
+    per_router = [float(load.max() / load.mean()) if load.sum() > 0 else 1.0 for load in loads]
+    return {"imbalance": max(per_router), "per_router": per_router, "dropped": 0}
 
 
-def format_router_health(health: dict[str, float | int]) -> str:
+def format_router_health(health: dict[str, Any]) -> str:
     """``1.23 max/mean, 0 dropped``: the progress line's ``experts`` field."""
     return f"{health['imbalance']:.2f} max/mean, {health['dropped']} dropped"
 

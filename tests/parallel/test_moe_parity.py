@@ -262,7 +262,7 @@ def test_router_health_formatting():
     from ndparallel.train.progress import format_router_health, router_health
 
     loads = [torch.tensor([2.0, 2.0, 2.0, 2.0]), torch.tensor([1.0, 5.0, 1.0, 1.0])]
-    assert router_health(loads) == {"imbalance": 2.5, "dropped": 0}  # the worst router: 5 / 2
+    assert router_health(loads) == {"imbalance": 2.5, "per_router": [1.0, 2.5], "dropped": 0}  # the worst: 5 / 2
     assert router_health([]) is None
     assert format_router_health({"imbalance": 2.5, "dropped": 0}) == "2.50 max/mean, 0 dropped"
 
@@ -278,6 +278,8 @@ def test_train_progress_shows_router_health_and_rate_moves_training(group):
     metrics = [json.loads(line) for line in (tmp / "on.jsonl").read_text().splitlines()]
     for match, record in zip(shown, metrics, strict=True):
         assert record["dropped_tokens"] == 0 and record["expert_imbalance"] >= 1.0
+        per_router = record["expert_imbalance_per_router"]  # tiny-moe: both blocks are MoE
+        assert len(per_router) == 2 and max(per_router) == record["expert_imbalance"], record
         assert float(match.group(1)) == pytest.approx(record["expert_imbalance"], abs=0.005)
     assert results[1]["loop"]["stdout"] == "", "rank 0 only"
     on, off = rank0["losses"], results[0]["loop_off"]["losses"]
