@@ -115,9 +115,9 @@ class SavedActivations:
             key, size = id(tensor), local.numel() * local.element_size()
         if key in self.excluded or size == 0:
             return tensor
-        if key not in self.refs and key in self._weight_storages():
-            return tensor  # a weight reached through to_local() (ep's local experts): not a Parameter, its storage
         if key not in self.refs:
+            if key in self._weight_storages():
+                return tensor  # a weight reached through to_local() (ep's local experts): not a Parameter
             self.live += size
             self.peak = max(self.peak, self.live)
         self.refs[key] = self.refs.get(key, 0) + 1
