@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ndparallel.config.dims import MESH_DIMS
 from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.distributed.memory import physical_memory  # re-exported: it lived here first
 from ndparallel.distributed.mesh import INNER_DIMS, VIEWS, Mesh, flatten
 from ndparallel.errors import ConfigError
 
@@ -29,7 +28,6 @@ __all__ = [
     "file_job_store",
     "init_distributed",
     "job_store",
-    "physical_memory",
 ]
 
 DEVICE_TYPES = ("cpu", "cuda")

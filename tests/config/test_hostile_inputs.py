@@ -211,7 +211,7 @@ def test_special_files_and_huge_max_bytes_are_refused(tmp_path, capsys):
         ByteCorpus(32, linked, 20000)
     with pytest.raises(ConfigError, match="'/dev/zero' is a character device, not a regular file"):
         ByteCorpus(32, "/dev/zero", 20000)
-    from ndparallel.distributed.process import physical_memory
+    from ndparallel.distributed.memory import physical_memory
 
     too_many = physical_memory() + 1
     _one_line_error(capsys, ["train", f"data.max_bytes={too_many}"], f"data.max_bytes={too_many} needs")
