@@ -5,7 +5,8 @@ checks between collectives (a file one node cannot see, one rank's bad input, a 
 one rank) calls :func:`agree`, which turns a failure on any rank into the same error on every
 rank before anyone reaches the next collective, instead of a hang until the process-group
 timeout. Strings travel as UTF-8 bytes in
-tensors (:func:`broadcast_text`, :func:`gather_text`): nothing is pickled. Without a process
+tensors (:func:`broadcast_text`, :func:`gather_text`), numbers as tensors (:func:`gather_vectors`): nothing is
+pickled. Without a process
 group every function is its single-process identity.
 """
 
@@ -16,7 +17,16 @@ import torch.distributed as dist
 
 from ndparallel.errors import CheckpointError, ConfigError
 
-__all__ = ["agree", "broadcast_text", "distributed", "failed_ranks", "gather_text", "rank", "world_size"]
+__all__ = [
+    "agree",
+    "broadcast_text",
+    "distributed",
+    "failed_ranks",
+    "gather_text",
+    "gather_vectors",
+    "rank",
+    "world_size",
+]
 
 
 def distributed() -> bool:
@@ -59,17 +69,24 @@ def broadcast_text(text: str, src: int = 0) -> str:
 def gather_text(text: str, group: dist.ProcessGroup | None = None) -> list[str]:
     """Every rank's ``text`` (of ``group``, default the world), on every rank of it, in group-rank order, as
     UTF-8 bytes in tensors (nothing is pickled)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    return [bytes(part.tolist()).decode() for part in gather_vectors(data, group)]
+
+
+def gather_vectors(vector: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Every rank's 1-D ``vector`` (of ``group``, default the world; lengths may differ), on every rank of it, in
+    group-rank order, as CPU tensors: two all-gathers (the lengths, then the vectors padded to the longest)."""
+    vector = vector.detach().reshape(-1).cpu()
     if not distributed() or dist.get_world_size(group) == 1:
-        return [text]
-    data = text.encode()
+        return [vector]
     sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=_device()), group=group)
-    longest = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(max(longest, 1), dtype=torch.uint8, device=_device())
-    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    bufs = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(sizes, torch.tensor([vector.numel()], dtype=torch.int64, device=_device()), group=group)
+    lengths = [int(size.item()) for size in sizes]
+    buf = torch.zeros(max(max(lengths), 1), dtype=vector.dtype, device=_device())
+    buf[: vector.numel()] = vector
+    bufs = [torch.empty_like(buf) for _ in lengths]
     dist.all_gather(bufs, buf, group=group)
-    return [bytes(b[: int(n.item())].cpu().tolist()).decode() for b, n in zip(bufs, sizes, strict=True)]
+    return [b[:n].cpu() for b, n in zip(bufs, lengths, strict=True)]
 
 
 def failed_ranks(failed: bool) -> list[int]:

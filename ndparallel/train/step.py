@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ndparallel.config.precision import forward_autocast_dtype
+from ndparallel.distributed.agree import gather_vectors
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.models.transformer.moe import nonfinite_routers, router_loads, update_router_biases
@@ -176,8 +176,33 @@ class TrainStep:
             update_router_biases(module, self.router_bias_rate if applied else 0.0)
         if not pipeline or self.model.aux_losses is None:
             return [load for per_module in loads for load in per_module]
-        mine = [(sid, [load.tolist() for load in per]) for sid, per in zip(self.model.stage_ids, loads, strict=True)]
-        every: list = [None] * self.model.mesh.size("pp")
-        dist.all_gather_object(every, mine, group=self.model.pp_group)
-        stages = sorted(stage for rank in every for stage in rank)
-        return [torch.tensor(load, dtype=torch.float64) for _, per in stages for load in per]
+        mine = [(sid, per) for sid, per in zip(self.model.stage_ids, loads, strict=True)]
+        every = gather_vectors(_encode_stage_loads(mine), group=self.model.pp_group)
+        stages = sorted(stage for vector in every for stage in _decode_stage_loads(vector))
+        return [load for _, per in stages for load in per]
+
+
+def _encode_stage_loads(stages: Sequence[tuple[int, Sequence[torch.Tensor]]]) -> torch.Tensor:
+    """``[(stage id, [tokens per expert of each router])]`` as one float64 vector, for a tensor all-gather:
+    per stage ``[id, routers, (experts, counts...) per router]``."""
+    parts: list[torch.Tensor] = []
+    for stage_id, per_router in stages:
+        parts.append(torch.tensor([stage_id, len(per_router)], dtype=torch.float64))
+        for load in per_router:
+            parts += [torch.tensor([load.numel()], dtype=torch.float64), load.detach().cpu().double().reshape(-1)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _decode_stage_loads(vector: torch.Tensor) -> list[tuple[int, list[torch.Tensor]]]:
+    """The inverse of :func:`_encode_stage_loads`."""
+    values, at, stages = vector.double(), 0, []
+    while at < values.numel():
+        stage_id, routers = int(values[at]), int(values[at + 1])
+        at += 2
+        per_router = []
+        for _ in range(routers):
+            n = int(values[at])
+            per_router.append(values[at + 1 : at + 1 + n].clone())
+            at += 1 + n
+        stages.append((stage_id, per_router))
+    return stages
