@@ -1,7 +1,10 @@
 """The package's floors hold (tests/floors.py): no import points up or sideways, every package has a floor,
-the root holds only its four modules, and docs/architecture.md shows the table the guard uses."""
+the root holds only the modules the floor table names, ``parallel/__init__`` names every module of its package,
+and docs/architecture.md shows the table the guard uses."""
 
 from __future__ import annotations
+
+import re
 
 from tests.floors import (
     FLOORS,
@@ -26,10 +29,20 @@ def test_every_package_and_root_module_has_a_floor():
     assert units_on_disk() == on_floors
 
 
-def test_the_root_holds_only_its_four_modules():
+def test_the_root_holds_only_the_modules_on_the_floor_table():
     from tests.floors import PACKAGE
 
     assert {p.stem for p in PACKAGE.glob("*.py")} == set(ROOT_MODULES)
+
+
+def test_the_parallel_package_docstring_names_each_of_its_modules():
+    import ndparallel.parallel
+    from tests.floors import PACKAGE
+
+    modules = {p.stem for p in (PACKAGE / "parallel").glob("*.py")} - {"__init__"} | {"pipeline"}
+    documented = set(re.findall(r"``(\w+)/?``", ndparallel.parallel.__doc__))
+    assert modules - documented == set(), "name the new module in ndparallel/parallel/__init__.py's docstring"
+    assert documented - modules == set(), "a module named in ndparallel/parallel/__init__.py's docstring is gone"
 
 
 def test_the_documented_floor_table_is_the_guards():

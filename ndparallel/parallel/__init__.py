@@ -3,6 +3,8 @@
 
 ``family`` (the protocol a model family implements, and the lookup), ``parallelize`` (the one order:
 TP/SP -> CP -> MoE/EP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate), one module per planner
-(``tensor_parallel``, ``context_parallel``, ``activation_checkpoint``, ``compile``, ``fully_shard``,
-``replicate``), ``fqn`` (module-path patterns), ``grad_sync``, ``clip``, ``loss``, and ``pipeline/``.
+(``tensor_parallel``, ``context_parallel``, ``expert_parallel``, ``moe_tensor_parallel``,
+``activation_checkpoint``, ``compile``, ``fully_shard``, ``replicate``), ``master_weights`` (fp32 masters of
+low-precision parameters, as Accelerate keeps them), ``fqn`` (module-path patterns), ``grad_sync``, ``clip``,
+``loss``, and ``pipeline/``. tests/test_architecture.py holds that this list names every module here.
 """
