@@ -2,12 +2,14 @@
 # CPU build 2.13.0; e.g. `make test TORCH=torch==2.11.0` or a CUDA build); a torch already
 # importable in .venv is kept. TRANSFORMERS pins the hf extra to the release the tests were measured on
 # (its catalogue of plans changes between releases: docs/models.md); the package itself asks only >=5.24.
-# ACCELERATE likewise for the trainer extra (ndparallel.hf.Trainer; the Trainer imports accelerate).
+# ACCELERATE likewise for the trainer extra (ndparallel.hf.Trainer; the Trainer imports accelerate), TRL for the trl
+# extra (SFTTrainer on ndparallel).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.25.0
 ACCELERATE ?= accelerate==1.16.0
+TRL ?= trl==1.16.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
@@ -25,7 +27,7 @@ unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH)"
-	$(PIP_INSTALL) -e ".[dev,hf,trainer,plot,notebook,tensorboard]" "$(TRANSFORMERS)" "$(ACCELERATE)"
+	$(PIP_INSTALL) -e ".[dev,hf,trainer,trl,plot,notebook,tensorboard]" "$(TRANSFORMERS)" "$(ACCELERATE)" "$(TRL)"
 	@touch $@
 
 demo: $(STAMP)
@@ -39,10 +41,11 @@ test: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo"
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
 
-# The inner loop: everything but the jobs (torchrun launches, CLI processes, notebooks, signals: marker
-# `jobs`) and the costliest tests, 10-60 s each (marker `slow`: big parity groups, inductor builds).
+# The inner loop, what a plain `pytest` runs (pyproject's addopts): everything but the jobs (torchrun launches,
+# CLI processes, notebooks, signals: marker `jobs`) and the costliest tests, 10-60 s each (marker `slow`: big
+# parity groups, inductor builds).
 test-fast: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not jobs and not slow and not zoo"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST)
 
 # Breadth sweeps that add no code path of their own (marker `zoo`: every other translated Hugging Face plan
 # of the catalogue on tp 2, dp_shard 2, cp 2 and pp 2, ~20 s); docs/models.md records their last result.

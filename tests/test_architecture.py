@@ -35,6 +35,13 @@ def test_the_root_holds_only_the_modules_on_the_floor_table():
     assert {p.stem for p in PACKAGE.glob("*.py")} == set(ROOT_MODULES)
 
 
+def test_every_test_package_mirrors_a_package_of_ndparallel():
+    from tests.floors import PACKAGE, ROOT
+
+    test_packages = {p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")}
+    assert {name for name in test_packages if not (PACKAGE / name / "__init__.py").exists()} == set()
+
+
 def test_the_parallel_package_docstring_names_each_of_its_modules():
     import ndparallel.parallel
     from tests.floors import PACKAGE
