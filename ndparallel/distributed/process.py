@@ -189,8 +189,15 @@ def _destroy_at_exit() -> None:
     the script's last line: measured in 1 of 12 launches of the README example under load). A rank ending on an
     uncaught exception (``sys.last_value``) or a reported error (:func:`exit_without_barrier`) skips the barrier:
     its peers may never reach it, and the launcher stops them anyway. gloo's barrier is a monitored one, bounded
-    by ``EXIT_BARRIER_S``."""
+    by ``EXIT_BARRIER_S``.
+
+    The hang watchdog's thread is stopped in every case, also when the script destroyed the group itself with
+    ``torch.distributed.destroy_process_group()``: a daemon thread caught inside a C++ store call by the
+    interpreter's finalization aborts the process (docs/troubleshooting.md#exit-time-aborts)."""
+    from ndparallel.distributed.watchdog import Watchdog
+
     if not dist.is_initialized():
+        Watchdog.stop_current()
         return
     if _exit_waits_for_peers and getattr(sys, "last_value", None) is None:
         try:

@@ -64,4 +64,6 @@ def test_an_overflowing_router_loss_names_its_coefficient():
         destroy_distributed()
     message = str(caught.value)
     assert "the router losses are inf while the cross entropy is" in message and "aux_loss_coef=1e+300" in message
-    assert message.endswith("Lower model.aux_loss_coef / model.z_loss_coef (the router losses overflowed, not the model)")  # noqa: E501
+    assert message.endswith(
+        "Lower model.aux_loss_coef / model.z_loss_coef (the router losses overflowed, not the model)"
+    )  # noqa: E501

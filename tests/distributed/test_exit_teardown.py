@@ -1,12 +1,21 @@
 """The exit teardown a torchrun rank registers (``ndparallel.distributed.process._destroy_at_exit``): a rank ending
 normally waits for its peers, then destroys its group; one ending on a reported error does not wait. Real gloo
-ranks; the hook is called directly, as ``atexit`` would (the intermittent abort it prevents cannot be forced)."""
+ranks; the hook is called directly, as ``atexit`` would. The exit abort of a watchdog thread caught in a store call
+at finalization is forced in a real process (tests/stress/watchdog_exit.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from ndparallel.testing import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _both_end_normally() -> dict:
@@ -50,3 +59,16 @@ def test_a_rank_ending_on_a_reported_error_does_not_wait():
     ranks = run_distributed(_rank_0_reported_an_error, 2, timeout=120)
     assert all(r["destroyed"] for r in ranks), ranks
     assert ranks[0]["took_s"] < EXIT_BARRIER_S / 2, ranks
+
+
+@pytest.mark.jobs  # a Python process that really exits (ranks of run_distributed skip finalization)
+def test_the_watchdog_is_stopped_before_finalization_even_after_torchs_own_destroy(tmp_path):
+    """tests/stress/watchdog_exit.py: the heartbeat thread blocked in a store call as the interpreter exits. The
+    exit teardown stops it (and waits it out) also when the script destroyed the group with torch's call; before,
+    it returned early and the process aborted: "terminate called without an active exception", -6, every run."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "stress" / "watchdog_exit.py"), str(tmp_path / "store")],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "DONE"
