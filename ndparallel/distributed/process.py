@@ -181,33 +181,37 @@ def exit_without_barrier() -> None:
     _exit_waits_for_peers = False
 
 
-def _destroy_at_exit() -> None:
+def _destroy_at_exit() -> bool | None:
     """``destroy_distributed`` for a script that did not call it, run by ``atexit`` on a rank ending normally.
 
-    Why: otherwise the interpreter's teardown destroys a rank's gloo group while a peer may still be finishing
-    the last collective, and that peer aborts ("terminate called without an active exception", SIGABRT after
-    the script's last line: measured in 1 of 12 launches of the README example under load). A rank ending on an
-    uncaught exception (``sys.last_value``) or a reported error (:func:`exit_without_barrier`) skips the barrier:
-    its peers may never reach it, and the launcher stops them anyway. gloo's barrier is a monitored one, bounded
-    by ``EXIT_BARRIER_S``.
+    Why: the hang watchdog's daemon thread must be gone before the interpreter finalizes. Caught inside a C++
+    store call (a heartbeat) by the finalization, it aborts the process as the call returns ("terminate called
+    without an active exception", SIGABRT, or SIGSEGV in static destructors, after the script's last line:
+    1 in 12 launches of the README example under load before this hook; docs/troubleshooting.md#exit-time-aborts).
+    So the watchdog is stopped in every case, also when the script destroyed the group itself with
+    ``torch.distributed.destroy_process_group()``. A rank ending normally first waits for its peers (a monitored
+    barrier of at most ``EXIT_BARRIER_S``), so that none tears its group down under a peer's last collective; a
+    rank ending on an uncaught exception (``sys.last_value``) or a reported error (:func:`exit_without_barrier`)
+    does not wait: its peers may never come, and the launcher stops them anyway.
 
-    The hang watchdog's thread is stopped in every case, also when the script destroyed the group itself with
-    ``torch.distributed.destroy_process_group()``: a daemon thread caught inside a C++ store call by the
-    interpreter's finalization aborts the process (docs/troubleshooting.md#exit-time-aborts)."""
+    Returns whether the peers met at the barrier (None: no barrier)."""
     from ndparallel.distributed.watchdog import Watchdog
 
     if not dist.is_initialized():
         Watchdog.stop_current()
-        return
+        return None
+    met = None
     if _exit_waits_for_peers and getattr(sys, "last_value", None) is None:
         try:
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
             else:
                 dist.barrier()
+            met = True
         except Exception:  # noqa: BLE001 - a peer gone at exit: tear down anyway, the job's outcome is decided
-            pass
+            met = False
     _teardown()
+    return met
 
 
 def _clear_sharding_cache() -> None:

@@ -29,8 +29,9 @@ def _both_end_normally() -> dict:
     start = time.monotonic()
     if dist.get_rank() == 1:
         time.sleep(1.0)  # the peer reaches its exit late: rank 0 must wait for it at the barrier
-    process._destroy_at_exit()
-    return {"destroyed": not dist.is_initialized(), "waited_s": time.monotonic() - start, "sum": value.item()}
+    met = process._destroy_at_exit()
+    waited = time.monotonic() - start
+    return {"destroyed": not dist.is_initialized(), "met": met, "waited_s": waited, "sum": value.item()}
 
 
 def _rank_0_reported_an_error() -> dict:
@@ -38,19 +39,21 @@ def _rank_0_reported_an_error() -> dict:
 
     from ndparallel.distributed import process
 
-    start = time.monotonic()
+    start, met = time.monotonic(), "not called"
     if dist.get_rank() == 0:
         process.exit_without_barrier()
-        process._destroy_at_exit()  # its peer never comes to a barrier: it must not wait EXIT_BARRIER_S
+        met = process._destroy_at_exit()  # its peer never comes to a barrier: it must not wait EXIT_BARRIER_S
     else:
         dist.destroy_process_group()
-    return {"destroyed": not dist.is_initialized(), "took_s": time.monotonic() - start}
+    return {"destroyed": not dist.is_initialized(), "took_s": time.monotonic() - start, "met": met}
 
 
 def test_exit_teardown_waits_for_peers_and_destroys_the_group():
     ranks = run_distributed(_both_end_normally, 2, timeout=120)
     assert all(r["destroyed"] and r["sum"] == 2.0 for r in ranks), ranks
-    assert 0.9 <= ranks[0]["waited_s"] < 10.0, ranks  # it waited for rank 1, within EXIT_BARRIER_S
+    # rank 0 waited for rank 1 at the barrier, which both passed (not its EXIT_BARRIER_S timeout: wall time is not
+    # a proxy for that on a loaded machine, where this took 12 s)
+    assert all(r["met"] is True for r in ranks) and ranks[0]["waited_s"] >= 0.9, ranks
 
 
 def test_a_rank_ending_on_a_reported_error_does_not_wait():
@@ -58,7 +61,8 @@ def test_a_rank_ending_on_a_reported_error_does_not_wait():
 
     ranks = run_distributed(_rank_0_reported_an_error, 2, timeout=120)
     assert all(r["destroyed"] for r in ranks), ranks
-    assert ranks[0]["took_s"] < EXIT_BARRIER_S / 2, ranks
+    # no barrier at all (None), rather than a wall-clock bound: on a loaded machine the teardown alone took 11 s
+    assert ranks[0]["met"] is None and ranks[0]["took_s"] < 3 * EXIT_BARRIER_S, ranks
 
 
 @pytest.mark.jobs  # a Python process that really exits (ranks of run_distributed skip finalization)
