@@ -149,6 +149,34 @@ def init_distributed(
     return Mesh(device_mesh, resolved, views, inner)
 
 
+# process_group_timeout(h) - h - process_group_timeout(0) is at most this (6 heartbeats of at most 2 s, less the
+# 6 x 0.2 s already in process_group_timeout(0)): a watchdog that judges at T - 10 - 10.8 comes before T
+_LONGEST_BACKSTOP_S = 10.8
+
+
+def script_group_timeout() -> datetime.timedelta:
+    """The timeout of a group a script under ``ndparallel launch`` starts with torch's own call and no timeout: the
+    watchdog's backstop, after its verdict (``--timeout``, default 600 s)."""
+    from ndparallel.distributed.watchdog import job_timeout, process_group_timeout
+
+    return datetime.timedelta(seconds=process_group_timeout(job_timeout()))
+
+
+def watch_script_group(group_timeout_s: float | None) -> None:
+    """The hang watchdog and the exit teardown of :func:`init_distributed`, for a default group a script under
+    ``ndparallel launch`` started itself (``ndparallel/launch/script_runner.py``). It judges at ``--timeout``, or
+    early enough to come before ``group_timeout_s``, the group's own timeout when the script set one."""
+    from ndparallel.distributed.watchdog import Watchdog, job_timeout, process_group_timeout
+
+    if not dist.is_initialized() or dist.get_world_size() < 2 or "RANK" not in os.environ:
+        return
+    hang = job_timeout()
+    if group_timeout_s is not None and process_group_timeout(hang) > group_timeout_s:
+        hang = max(1.0, group_timeout_s - process_group_timeout(0.0) - _LONGEST_BACKSTOP_S)
+    Watchdog.for_job(hang)
+    atexit.register(_destroy_at_exit)
+
+
 def destroy_distributed() -> None:
     """Tear down the default process group (safe to call twice).
 
