@@ -77,6 +77,19 @@ def _safetensors(file: Path) -> Iterator[Any]:
         ) from None
 
 
+def unreadable_weights(folder: str | os.PathLike) -> str | None:
+    """Why ``folder/model.safetensors`` cannot be read (truncated, corrupt), or None (readable, or absent)."""
+    file = Path(folder) / SAFE_WEIGHTS
+    if not file.is_file():
+        return None
+    try:
+        with _safetensors(file) as f:
+            f.keys()
+    except ConfigError as err:
+        return str(err).split("; save or copy it again")[0]
+    return None
+
+
 def _stored_files(path: Path) -> dict[str, Path]:
     """Stored tensor name -> safetensors file, from ``model.safetensors`` or a sharded index."""
     index = path / SAFE_INDEX
