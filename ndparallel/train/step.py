@@ -39,6 +39,11 @@ from ndparallel.train.nonfinite import NonFiniteGuard
 __all__ = ["StepResult", "TrainStep"]
 
 
+# Router losses this many times the cross entropy (or inf) are what overflowed, when a step is not finite (float64:
+# aux_loss_coef=1e300 gives a finite 1e300 loss, and the gradient norm overflows).
+_ROUTER_LOSS_DOMINATES = 1e6
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor
@@ -173,13 +178,16 @@ class TrainStep:
         """When the cross entropy was finite but the routers' losses were not (logits fine): their coefficients
         (``model.aux_loss_coef=1e300`` overflowed; the advice used to be about the lr and the data)."""
         ce, aux = getattr(self, "_router_losses", None) or (None, None)
-        if ce is None or not bool(torch.isfinite(ce).all()) or bool(torch.isfinite(aux).all()):
+        if ce is None or not bool(torch.isfinite(ce).all()):
             return ""
+        ce_value, aux_value = float(ce.sum()), float(aux.sum())
+        if math.isfinite(aux_value) and abs(aux_value) < _ROUTER_LOSS_DOMINATES * max(1.0, abs(ce_value)):
+            return ""  # finite and not a million times the cross entropy: not what overflowed
         owners = (m for m in self.model.modules() if hasattr(m, "z_loss_coef"))
         coefs = next(((m.aux_loss_coef, m.z_loss_coef) for m in owners), None)
         said = f" (model.aux_loss_coef={coefs[0]:g}, model.z_loss_coef={coefs[1]:g})" if coefs else ""
         return (
-            f"the router losses are {float(aux.sum()):.4g} while the cross entropy is {float(ce.sum()):.4g}: their "
+            f"the router losses are {aux_value:.4g} while the cross entropy is {ce_value:.4g}: their "
             f"coefficients{said} overflow"
         )
 

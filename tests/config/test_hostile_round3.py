@@ -53,7 +53,7 @@ def test_an_overflowing_router_loss_names_its_coefficient():
     from ndparallel.train import train
 
     cfg = TrainConfig.from_dict({
-        "model": {"preset": "tiny-moe", "aux_loss_coef": 1e300, "n_layers": 1},
+        "model": {"preset": "tiny-moe", "aux_loss_coef": 1e300, "n_layers": 1, "dtype": "float32"},
         "train": {"steps": 1, "global_batch": 2},
         "data": {"seq_len": 16, "max_bytes": 4096},
     })  # fmt: skip

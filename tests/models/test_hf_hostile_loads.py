@@ -25,7 +25,7 @@ def _tiny(path: Path, **save) -> None:
         num_key_value_heads=2, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path, **save)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(path, **save)  # F32, whatever the default dtype
 
 
 def _declare(file: Path, name: str, dtype: str) -> None:
@@ -62,7 +62,7 @@ def test_a_float_weight_declared_int32_is_refused_by_load_pretrained_and_import(
 
     with pytest.raises(ConfigError, match=rf"{VICTIM}: 'model.safetensors' stores it as I32, which does not fit"):
         _load(folders["lie"])
-    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folders["lie"]))
+    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folders["lie"])).float()
     before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
     with pytest.raises(CheckpointError, match=rf"stored dtypes of another kind .*{VICTIM}: file I32 vs model"):
         import_safetensors(folders["lie"] / "model.safetensors", model)
