@@ -1,6 +1,7 @@
-"""A launched training script as the README writes it, ending without ``destroy_distributed()`` (the exit teardown
-does it), plus the Accelerate example's own loss average (``all_reduce(op=AVG)``, which gloo divides in place in
-its worker thread). ``make stress`` launches it repeatedly under load and counts native crashes."""
+"""A launched training script as the README writes it, ending without ``destroy_distributed()`` (the exit
+teardown does it), plus the Accelerate example's loss average, ``all_reduce(op=AVG)``, on ``loss.detach()``: the
+workaround for torch 2.13's race of gloo's in-place AVG division with autograd (tests/stress/avg_race.py).
+``make stress`` launches it repeatedly under load and counts native crashes."""
 
 import torch
 import torch.distributed as dist
@@ -18,5 +19,5 @@ for _ in range(2):
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp_cp"].get_group())
+    dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG, group=mesh["dp_cp"].get_group())
 print("DONE", dist.get_rank(), f"{loss.item():.6f}", flush=True)
