@@ -22,7 +22,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-fast zoo bench lint format clean
+.PHONY: demo test test-fast zoo stress bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,14 @@ test-fast: $(STAMP)
 # of the catalogue on tp 2, dp_shard 2, cp 2 and pp 2, ~20 s); docs/models.md records their last result.
 zoo: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m zoo
+
+# Native-crash stress (docs/troubleshooting.md, "Exit-time aborts"): STRESS_ROUNDS rounds of pytest -n 2 on the
+# multi-process test groups and STRESS_LAUNCHES real launches (a training script, the transformers Trainer), beside
+# a CPU burner; one JSON line a round, then the counts. Any native crash or failed job exits 1.
+STRESS_ROUNDS ?= 20
+STRESS_LAUNCHES ?= 4
+stress: $(STAMP)
+	env -u ATEN_CPU_CAPABILITY $(PY) -m tests.stress.run --rounds $(STRESS_ROUNDS) --launches $(STRESS_LAUNCHES)
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml

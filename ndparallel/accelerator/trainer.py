@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 from typing import Any
 
 import numpy as np
@@ -434,6 +435,18 @@ class NDParallelTrainerMixin:
         save_checkpoint(os.path.join(output_dir, STATE_FOLDER), self.model, self.optimizer)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The weights come from ``ndp_state/`` with the optimizer (below); an unreadable ``model.safetensors``
+        (truncated) is named and skipped for it, instead of safetensors' bare error (docs/troubleshooting.md)."""
+        from ndparallel.models.hf.pretrained import unreadable_weights
+
+        problem = unreadable_weights(resume_from_checkpoint)
+        if problem is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, STATE_FOLDER)):
+            raise ConfigError(f"{problem}; and the checkpoint has no {STATE_FOLDER}/ to load the weights from")
+        warnings.warn(f"{problem}: its weights are read from {STATE_FOLDER}/ instead", UserWarning, stacklevel=2)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

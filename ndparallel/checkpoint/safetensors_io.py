@@ -22,6 +22,7 @@ from ndparallel.checkpoint import dcp_io
 from ndparallel.checkpoint.checksums import verify_share
 from ndparallel.checkpoint.format import placeholder_key, placeholders
 from ndparallel.checkpoint.loading import read_checkpoint
+from ndparallel.config.precision import stored_dtype_fits
 from ndparallel.distributed.agree import agree, rank, world_size
 from ndparallel.distributed.distinct import distinct_texts
 from ndparallel.errors import CheckpointError
@@ -138,7 +139,9 @@ def _check_safetensors_fit(file: Path, model: nn.Module) -> None:
         raise CheckpointError(f"no safetensors file at {str(file)!r}")
     try:
         with safe_open(str(file), framework="pt") as f:
-            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            shapes = {k: list(s.get_shape()) for k, s in slices.items()}
+            dtypes = {k: s.get_dtype() for k, s in slices.items()}
     except Exception as e:  # safetensors raises its own error types for a bad header
         raise CheckpointError(f"{str(file)!r} is not a readable safetensors file: {e}") from e
     live = get_model_state_dict(model)
@@ -152,3 +155,12 @@ def _check_safetensors_fit(file: Path, model: nn.Module) -> None:
     bad = [f"{k}: file {shapes[k]} vs model {list(t.shape)}" for k, t in live.items() if shapes[k] != list(t.shape)]
     if bad:
         raise CheckpointError(f"{str(file)!r} does not fit the model: shapes differ: {bad[:5]}")
+    bad = [
+        f"{k}: file {dtypes[k]} vs model {t.dtype}"
+        for k, t in live.items()
+        if not stored_dtype_fits(dtypes[k], t.dtype)
+    ]
+    if bad:  # a float weight's bytes declared I32 would be read as integers: other numbers, no error
+        raise CheckpointError(
+            f"{str(file)!r} does not fit the model: stored dtypes of another kind (a corrupt header?): {bad[:5]}"
+        )

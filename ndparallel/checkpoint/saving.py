@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ndparallel.checkpoint import dcp_io, leftovers, storage
@@ -36,10 +37,17 @@ from ndparallel.checkpoint.format import split_state
 from ndparallel.checkpoint.keys import union_over_ranks
 from ndparallel.checkpoint.rank_state import ModelArg, OptimizerArg, RankState, as_modules, as_optimizers
 from ndparallel.checkpoint.rng import rng_states
+from ndparallel.checkpoint.write_errors import disk_full
 from ndparallel.distributed.agree import agree, broadcast_text, gather_text, rank, world_size
 from ndparallel.errors import CheckpointError
 
 __all__ = ["AsyncSave", "save", "save_async"]
+
+
+def _share_bytes(tensors: dict[str, Any]) -> int:
+    """The bytes of this rank's shards in ``tensors`` (what its part of the write puts on disk, roughly)."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor))
 
 
 def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
@@ -207,8 +215,11 @@ def save(
     )
     try:
         dcp_io.write(tensors, tmp)
-    except Exception:  # DCP reports a failed write on every rank
+    except (Exception, CheckpointException) as err:  # DCP reports a failed write on every rank (a BaseException)
+        full = disk_full(err, tmp, _share_bytes(tensors))  # before the discard frees the partial files' space
         storage.discard(tmp)
+        if full is not None:
+            raise full from None
         raise
     return _finish(path, tmp, token, skeleton, info, keep_last, _hash_share(tmp))
 
@@ -233,8 +244,8 @@ class AsyncSave:
             digests: dict[str, str] = {}
             try:
                 digests = self._future.result()
-            except Exception as e:  # a write that failed on some ranks only must not strand the others
-                error = e
+            except (Exception, CheckpointException) as e:  # a write that failed on some ranks only must not
+                error = e  # strand the others
             try:
                 agree(error, "asynchronous checkpoint write failed (nothing committed)")
             except CheckpointError:
@@ -262,7 +273,7 @@ def save_async(
     path, tmp, token, tensors, skeleton, info = _prepare(
         path, model, optimizer, save_rng, keep_last, allow_nonfinite, state
     )
-    hashed = _hash_when_written(dcp_io.write_async(tensors, tmp), tmp)
+    hashed = _hash_when_written(dcp_io.write_async(tensors, tmp), tmp, _share_bytes(tensors))
     return AsyncSave(
         hashed,
         lambda digests: _finish(path, tmp, token, skeleton, info, keep_last, digests),
@@ -270,7 +281,7 @@ def save_async(
     )
 
 
-def _hash_when_written(written: Any, tmp: Path) -> concurrent.futures.Future:
+def _hash_when_written(written: Any, tmp: Path, share_bytes: int) -> concurrent.futures.Future:
     """A future of this rank's share of the SHA-256 (:func:`hash_share`), computed in a background
     thread once DCP's background write ``written`` is done (then every rank's files are on disk)."""
     this_rank, ranks = rank(), world_size()
@@ -281,7 +292,7 @@ def _hash_when_written(written: Any, tmp: Path) -> concurrent.futures.Future:
             written.result()
             hashed.set_result(hash_share(tmp, this_rank, ranks))
         except BaseException as e:  # handed to wait(), which agrees on it across ranks
-            hashed.set_exception(e)
+            hashed.set_exception(disk_full(e, tmp, share_bytes) or e)
 
     threading.Thread(target=run, name="ndparallel-checkpoint-hash", daemon=True).start()
     return hashed

@@ -34,7 +34,7 @@ from ndparallel.config.pipeline import check_pipeline_fields
 from ndparallel.config.sources import did_you_mean, load_yaml_mapping, parse_overrides, parse_scalar
 from ndparallel.errors import ConfigError, brief_repr
 
-__all__ = ["ParallelismConfig", "environment_fields"]
+__all__ = ["ParallelismConfig", "environment_fields", "is_parallelism_key"]
 
 
 # Allowed values of the string knobs.
@@ -272,6 +272,14 @@ class ParallelismConfig(AccelerateNames):
 
 def _field_names() -> set[str]:
     return {f.name for f in dataclasses.fields(ParallelismConfig)}
+
+
+def is_parallelism_key(key: str) -> bool:
+    """Whether a ``parallelism:`` section may hold ``key``: a field, an alias, Accelerate's prefixed name, or one
+    of Accelerate's sequence-parallel keys (:meth:`ParallelismConfig.from_dict` refuses those with their own
+    reason)."""
+    name = key.removeprefix(_ACCELERATE_PREFIX)
+    return _ALIASES.get(name, name) in _field_names() or name in _SEQUENCE_PARALLEL_KEYS
 
 
 # Accelerate's DeepSpeed-Ulysses sequence-parallel settings: a dimension ndparallel does not have.

@@ -27,6 +27,7 @@ __all__ = [
     "master_dtype",
     "master_weights_message",
     "parallelize_config",
+    "stored_dtype_fits",
 ]
 
 # The one name -> dtype table: parameter dtypes (model.dtype) and mixed-precision compute dtypes ("no": none).
@@ -87,3 +88,16 @@ def parallelize_config(cfg: ParallelismConfig) -> ParallelismConfig:
     if forward_autocast_dtype(cfg) is None:
         return cfg
     return dataclasses.replace(cfg, mixed_precision="no")
+
+
+def stored_dtype_fits(stored: str, dtype: torch.dtype) -> bool:
+    """Whether a safetensors header dtype (``F32``, ``BF16``, ``F8_E4M3``, ``I64``, ``U8``, ``BOOL``, ``C64``) is of
+    the kind of ``dtype``: another float width is a cast, but the bytes of a float weight declared ``I32`` would
+    be read as integers and cast one by one (other numbers, no error)."""
+    kind = "float" if stored.startswith(("F", "BF")) else "int" if stored.startswith(("I", "U")) else stored
+    kind = "complex" if stored.startswith("C") else "bool" if stored == "BOOL" else kind
+    if dtype.is_complex:
+        return kind == "complex"
+    if dtype.is_floating_point:
+        return kind == "float"
+    return kind == ("bool" if dtype == torch.bool else "int")

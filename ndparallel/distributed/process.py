@@ -147,6 +147,34 @@ def init_distributed(
     return Mesh(device_mesh, resolved, views, inner)
 
 
+# process_group_timeout(h) - h - process_group_timeout(0) is at most this (6 heartbeats of at most 2 s, less the
+# 6 x 0.2 s already in process_group_timeout(0)): a watchdog that judges at T - 10 - 10.8 comes before T
+_LONGEST_BACKSTOP_S = 10.8
+
+
+def script_group_timeout() -> datetime.timedelta:
+    """The timeout of a group a script under ``ndparallel launch`` starts with torch's own call and no timeout: the
+    watchdog's backstop, after its verdict (``--timeout``, default 600 s)."""
+    from ndparallel.distributed.watchdog import job_timeout, process_group_timeout
+
+    return datetime.timedelta(seconds=process_group_timeout(job_timeout()))
+
+
+def watch_script_group(group_timeout_s: float | None) -> None:
+    """The hang watchdog and the exit teardown of :func:`init_distributed`, for a default group a script under
+    ``ndparallel launch`` started itself (``ndparallel/launch/script_runner.py``). It judges at ``--timeout``, or
+    early enough to come before ``group_timeout_s``, the group's own timeout when the script set one."""
+    from ndparallel.distributed.watchdog import Watchdog, job_timeout, process_group_timeout
+
+    if not dist.is_initialized() or dist.get_world_size() < 2 or "RANK" not in os.environ:
+        return
+    hang = job_timeout()
+    if group_timeout_s is not None and process_group_timeout(hang) > group_timeout_s:
+        hang = max(1.0, group_timeout_s - process_group_timeout(0.0) - _LONGEST_BACKSTOP_S)
+    Watchdog.for_job(hang)
+    atexit.register(_destroy_at_exit)
+
+
 def destroy_distributed() -> None:
     """Tear down the default process group (safe to call twice).
 
@@ -179,26 +207,37 @@ def exit_without_barrier() -> None:
     _exit_waits_for_peers = False
 
 
-def _destroy_at_exit() -> None:
+def _destroy_at_exit() -> bool | None:
     """``destroy_distributed`` for a script that did not call it, run by ``atexit`` on a rank ending normally.
 
-    Why: otherwise the interpreter's teardown destroys a rank's gloo group while a peer may still be finishing
-    the last collective, and that peer aborts ("terminate called without an active exception", SIGABRT after
-    the script's last line: measured in 1 of 12 launches of the README example under load). A rank ending on an
-    uncaught exception (``sys.last_value``) or a reported error (:func:`exit_without_barrier`) skips the barrier:
-    its peers may never reach it, and the launcher stops them anyway. gloo's barrier is a monitored one, bounded
-    by ``EXIT_BARRIER_S``."""
+    Why: the hang watchdog's daemon thread must be gone before the interpreter finalizes. Caught inside a C++
+    store call (a heartbeat) by the finalization, it aborts the process as the call returns ("terminate called
+    without an active exception", SIGABRT, or SIGSEGV in static destructors, after the script's last line:
+    1 in 12 launches of the README example under load before this hook; docs/troubleshooting.md#exit-time-aborts).
+    So the watchdog is stopped in every case, also when the script destroyed the group itself with
+    ``torch.distributed.destroy_process_group()``. A rank ending normally first waits for its peers (a monitored
+    barrier of at most ``EXIT_BARRIER_S``), so that none tears its group down under a peer's last collective; a
+    rank ending on an uncaught exception (``sys.last_value``) or a reported error (:func:`exit_without_barrier`)
+    does not wait: its peers may never come, and the launcher stops them anyway.
+
+    Returns whether the peers met at the barrier (None: no barrier)."""
+    from ndparallel.distributed.watchdog import Watchdog
+
     if not dist.is_initialized():
-        return
+        Watchdog.stop_current()
+        return None
+    met = None
     if _exit_waits_for_peers and getattr(sys, "last_value", None) is None:
         try:
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
             else:
                 dist.barrier()
+            met = True
         except Exception:  # noqa: BLE001 - a peer gone at exit: tear down anyway, the job's outcome is decided
-            pass
+            met = False
     _teardown()
+    return met
 
 
 def _clear_sharding_cache() -> None:

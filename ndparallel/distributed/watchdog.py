@@ -67,6 +67,7 @@ TIMEOUT_ENV = "NDP_TIMEOUT_S"
 _VERDICT = "verdict"
 _LEAVING = "exiting:"  # the phase of a rank that has explained its failure and is about to exit
 _SILENT_AFTER = 3  # intervals without a new heartbeat before a rank counts as silent
+_STORE_TIMEOUT_FLOOR_S = 5.0  # the job store's timeout is at least this (a heartbeat's store call ends by then)
 _PHASE_POST_GAP = 0.02  # seconds between two heartbeats posted for new phases: at most 50 a second
 _TOLD = "told/"  # + rank: this rank has printed the verdict
 _TELL_PEERS_S = 10.0
@@ -339,7 +340,7 @@ class Watchdog:
             return running
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return cls(None, 0, 1, timeout_s)
-        store = job_store(max(5.0, _SILENT_AFTER * heartbeat_interval(timeout_s)))
+        store = job_store(max(_STORE_TIMEOUT_FLOOR_S, _SILENT_AFTER * heartbeat_interval(timeout_s)))
         cls._current = cls(store, dist.get_rank(), dist.get_world_size(), timeout_s)
         return cls._current
 
@@ -372,10 +373,20 @@ class Watchdog:
         return self._position[1] or "starting"
 
     def stop(self) -> None:
+        """Stop the thread and wait until it has left any store call it was in (bounded by the store's timeout).
+
+        Why wait that long: a daemon thread still inside a C++ store call when the interpreter finalizes aborts
+        the process as the call returns (Python 3.11 ends such a thread with ``pthread_exit``, whose unwinding
+        through pybind11's GIL guard calls ``std::terminate``: "terminate called without an active exception",
+        docs/troubleshooting.md#exit-time-aborts)."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval + 1)
+            self._thread.join(timeout=self._store_timeout_s() + 2 * self.interval + 1)
+
+    def _store_timeout_s(self) -> float:
+        timeout = getattr(self.store, "timeout", None) if self.store is not None else None
+        return timeout.total_seconds() if timeout is not None else _STORE_TIMEOUT_FLOOR_S
 
     def explain(self, err: BaseException) -> JobError | None:
         """After a failed collective: a JobError naming the rank(s) or node(s) that went silent, or

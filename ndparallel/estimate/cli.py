@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from typing import Any
 
 from ndparallel.config.parallelism import CHOICES
@@ -229,6 +230,9 @@ def run_plan(args: argparse.Namespace) -> int:
         fixed = {k: v for k, v in fixed.items() if v is not None}
         for flag in ("top", "rejected"):
             _non_negative(getattr(args, flag), f"--{flag}")
+        if args.top == 0:  # printed an empty table, exit 0
+            raise ConfigError("--top=0 would print no shape: give --top 1 or more (10 by default)")
+        _check_pinned_ep(model, fixed.get("ep", 1))
         if args.no_pp and fixed.get("pp", 1) > 1:
             raise ConfigError(f"--no-pp contradicts --pp {fixed['pp']}")
         result = plan(
@@ -248,6 +252,16 @@ def run_plan(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `ndparallel plan ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if result.ranked else 1
+
+
+def _check_pinned_ep(model: ModelSpec, ep: int) -> None:
+    """A pinned ``--ep`` that no shape can take, refused first (it used to headline "no mesh shape fits: try
+    --ac full", with the cause only in the rejected rows)."""
+    if ep > 1 and model.is_moe and model.n_experts % ep:
+        raise ConfigError(
+            f"--ep {ep} does not divide the model's {model.n_experts} experts (each ep rank owns experts / ep of "
+            f"them): choose an --ep that divides {model.n_experts}"
+        )
 
 
 def _pp_schedules(text: str) -> tuple[str, ...]:
@@ -328,6 +342,11 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 8) -> str:
                 f"{e.time.tokens_per_s:>10,.0f} {e.time.mfu:>6.1%}  {e.reason()}"
             )
         lines += ["", *_breakdown(result.ranked[0], m)]
+    elif result.rejected and all(e.problems for e in result.rejected):  # refused by rules, none for memory
+        reasons = Counter(e.problems[0] for e in result.rejected)
+        lines.append(
+            f"no mesh shape fits: each is refused, none for memory; most often: {reasons.most_common(1)[0][0]}"
+        )
     else:
         lines.append(
             "no mesh shape fits: try activation checkpointing (--ac full), a smaller --micro-batch, or more GPUs"

@@ -69,10 +69,10 @@ def trainer_class(base: type, name: str | None = None) -> type:
 
 def __getattr__(name: str):
     """``Trainer`` / ``TrainingArguments``: imported on first use (transformers' Trainer imports accelerate)."""
-    if name == "TrainingArguments":
-        from transformers import TrainingArguments
+    if name == "TrainingArguments":  # transformers' own, refusing deepspeed= before transformers looks for it
+        from ndparallel.accelerator.training_args import training_arguments_class
 
-        return TrainingArguments
+        return training_arguments_class()
     if name == "Trainer":
         if "Trainer" not in _TRAINERS:
             from transformers import Trainer

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.parallelism import CPU_RANKS_ENV, ParallelismConfig
 from ndparallel.config.sources import load_yaml_mapping
 from ndparallel.errors import EXIT_INTERRUPTED, CheckpointError, ConfigError, DivergenceError, JobError
 from ndparallel.launch.torchrun import cpu_ranks, launch, without_option
@@ -43,6 +43,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ndparallel.train.job_config import job_device, refuse_cuda_on_cpu_ranks
 
     ranks = None if args.cpu_ranks is None else cpu_ranks(args.cpu_ranks)
+    if ranks is not None:  # before the config's memory checks, which count this machine's ranks (said "1 rank(s)")
+        os.environ[CPU_RANKS_ENV] = str(ranks)
     cfg = _train_config(args)
     # An unknown device, or cuda without CUDA, is refused here, before any rank starts (a bad
     # NDP_DEVICE even where --cpu-ranks overrides it).

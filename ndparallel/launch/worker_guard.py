@@ -9,7 +9,8 @@ therefore makes each worker run ``python -I worker_guard.py MODE PROGRAM...`` fi
    parent *thread* that forked it exits: torchrun's agent starts workers from its main thread;
 2. checks that the parent is still the launcher (``NDP_LAUNCHER_PID``): one that died before
    step 1 took effect would otherwise go unnoticed;
-3. replaces itself with the real program: ``python -u ARGS`` (MODE ``python``) or ``ARGS`` as
+3. replaces itself with the real program: ``python -u ARGS`` (MODE ``python``; a script runs under
+   ``-m ndparallel.launch.script_runner``, which gives its process group the hang watchdog) or ``ARGS`` as
    an executable (MODE ``exec``, torchrun's ``--no-python``).
 
 Run with ``python -I`` by file path: only the standard library, nothing of ndparallel or torch.
@@ -55,6 +56,8 @@ def main(argv: list[str]) -> int:
         )
         return 1
     mode, program = argv[0], argv[1:]
+    if mode == "python" and program[0] != "-m":  # a script: run with the hang watchdog (script_runner.py)
+        program = ["-m", "ndparallel.launch.script_runner", *program]
     try:
         if mode == "python":
             os.execv(sys.executable, [sys.executable, "-u", *program])

@@ -18,7 +18,13 @@ from typing import Any
 import torch
 import yaml
 
-from ndparallel.config.parallelism import CPU_RANKS_ENV, SIZE_FIELDS, ParallelismConfig, environment_note
+from ndparallel.config.parallelism import (
+    CPU_RANKS_ENV,
+    SIZE_FIELDS,
+    ParallelismConfig,
+    environment_note,
+    is_parallelism_key,
+)
 from ndparallel.config.preflight import JobShape, check_job, check_seq_fits, split_batch
 from ndparallel.config.sources import coerce_fields, load_yaml_mapping, parse_overrides
 from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
@@ -126,6 +132,7 @@ class TrainConfig:
                 f"unknown config section(s) {unknown}; sections are {sorted(known)}"
                 + (f"; did you mean {hint[0]!r}?" if hint else "")
             )
+        _check_known_fields(data)
         kwargs: dict[str, Any] = {"parallelism": ParallelismConfig.from_dict(data.get("parallelism") or {})}
         for name, section_cls in _SECTIONS.items():
             values = data.get(name) or {}
@@ -271,6 +278,36 @@ def job_device(cfg: TrainConfig) -> str:
     if os.environ.get("NDP_DEVICE"):
         return check_device_type(os.environ["NDP_DEVICE"], "NDP_DEVICE")
     return configured or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _section_fields(section: str) -> set[str]:
+    if section == "model":
+        return {f.name for f in dataclasses.fields(TransformerConfig)} | {"preset"}
+    return {f.name for f in dataclasses.fields(_SECTIONS[section])}
+
+
+def _check_known_fields(data: Mapping[str, Any]) -> None:
+    """Every unknown field of every section in one error (it took one run per typo), each with a did-you-mean, or
+    the section that has it (``model.ep_size`` is ``parallelism.ep_size``)."""
+    homes = {name: _section_fields(name) for name in _SECTIONS}
+    unknown = []
+    for section, values in data.items():
+        if not isinstance(values, Mapping):
+            continue  # the section's own error
+        for key in map(str, values):
+            if is_parallelism_key(key) if section == "parallelism" else key in homes[section]:
+                continue
+            home = [f"{name}.{key}" for name, fields in homes.items() if key in fields and name != section]
+            home += [f"parallelism.{key}"] if section != "parallelism" and is_parallelism_key(key) else []
+            options = homes.get(section) or {f.name for f in dataclasses.fields(ParallelismConfig)}
+            close = difflib.get_close_matches(key, sorted(options), n=1, cutoff=0.6)
+            hint = f" (it belongs in {home[0]})" if home else f" (did you mean {close[0]!r}?)" if close else ""
+            unknown.append(f"{section}.{key}{hint}")
+    if unknown:
+        raise ConfigError(
+            f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: fix or remove "
+            f"{'them' if len(unknown) > 1 else 'it'} (the fields of each section: docs/configuration.md)"
+        )
 
 
 def _build(section_cls: type, name: str, values: Mapping[str, Any]) -> Any:

@@ -54,11 +54,14 @@ class NonFiniteGuard:
         found = cause() if cause is not None else ""
         detail = f"loss {value:.4g}, grad norm {grad_norm:.4g}{f'; {found}' if found else ''}"
         if self.streak >= self.limit:
+            fix = "Lower train.lr, check the data, or resume from the last checkpoint"
+            if "model.aux_loss_coef" in found:  # the cause named the coefficients: that is the fix
+                fix = "Lower model.aux_loss_coef / model.z_loss_coef (the router losses overflowed, not the model)"
             raise DivergenceError(
                 f"training stopped at step {step}: the loss or the gradient norm is NaN/inf on rank(s) {bad_ranks} "
                 f"(this rank: {detail}) for {self.streak} step(s) in a row "
                 f"(train.max_nonfinite_steps={self.limit}); the bad steps updated nothing and no checkpoint of them "
-                "was saved. Lower train.lr, check the data, or resume from the last checkpoint"
+                f"was saved. {fix}"
             )
         if self.verbose:
             print(

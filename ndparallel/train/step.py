@@ -39,6 +39,11 @@ from ndparallel.train.nonfinite import NonFiniteGuard
 __all__ = ["StepResult", "TrainStep"]
 
 
+# Router losses this many times the cross entropy (or inf) are what overflowed, when a step is not finite (float64:
+# aux_loss_coef=1e300 gives a finite 1e300 loss, and the gradient norm overflows).
+_ROUTER_LOSS_DOMINATES = 1e6
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor
@@ -132,6 +137,7 @@ class TrainStep:
                     out = self.model(x, positions, labels=y) if fused_head else self.model(x, positions)
                 loss = out if fused_head else cross_entropy_loss(out, y)  # fp32 or wider (float64 stays)
                 aux = auxiliary_loss(self.model)  # an MoE router's balancing and z-loss, on the global micro-batch
+                self._router_losses = None if aux is None else (loss.detach(), aux.detach())
                 loss = (loss if aux is None else loss + aux) / len(micro_batches)
                 loss.backward()
             loss_sum = loss_sum + loss.detach()  # out of place: a float64 loss is not rounded to fp32
@@ -164,7 +170,26 @@ class TrainStep:
         diverging MoE), for the non-finite guard's message; empty if none did."""
         modules = self.model.stages if isinstance(self.model, Pipeline) else [self.model]
         names = [name for module in modules for name in nonfinite_routers(module)]
-        return f"NaN/inf router logits in {', '.join(names)}" if names else ""
+        if names:
+            return f"NaN/inf router logits in {', '.join(names)}"
+        return self._overflowing_router_losses()
+
+    def _overflowing_router_losses(self) -> str:
+        """When the cross entropy was finite but the routers' losses were not (logits fine): their coefficients
+        (``model.aux_loss_coef=1e300`` overflowed; the advice used to be about the lr and the data)."""
+        ce, aux = getattr(self, "_router_losses", None) or (None, None)
+        if ce is None or not bool(torch.isfinite(ce).all()):
+            return ""
+        ce_value, aux_value = float(ce.sum()), float(aux.sum())
+        if math.isfinite(aux_value) and abs(aux_value) < _ROUTER_LOSS_DOMINATES * max(1.0, abs(ce_value)):
+            return ""  # finite and not a million times the cross entropy: not what overflowed
+        owners = (m for m in self.model.modules() if hasattr(m, "z_loss_coef"))
+        coefs = next(((m.aux_loss_coef, m.z_loss_coef) for m in owners), None)
+        said = f" (model.aux_loss_coef={coefs[0]:g}, model.z_loss_coef={coefs[1]:g})" if coefs else ""
+        return (
+            f"the router losses are {aux_value:.4g} while the cross entropy is {ce_value:.4g}: their "
+            f"coefficients{said} overflow"
+        )
 
     def _end_routing(self, applied: bool) -> list[torch.Tensor]:
         """The routers' global tokens per expert of this step (under pp every stage's, in stage order, on every

@@ -39,8 +39,11 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from ndparallel.config.paths import check_writable_file
     from ndparallel.verify.api import verify
 
+    if args.json:  # before the run: a report that cannot be written must not cost a run, nor turn a PASS into 1
+        check_writable_file(args.json, "--json")
     start = time.monotonic()
     table = verify(
         args.model,
@@ -59,7 +62,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(table.format())
     print(f"verify: {time.monotonic() - start:.0f}s")
     if args.json:
-        table.write_json(args.json)
+        try:
+            table.write_json(args.json)
+        except OSError as err:  # checked before the run: the disk filled, or the path changed meanwhile
+            print(f"ndparallel: error: --json={args.json!r}: could not write the report ({err})", file=sys.stderr)
+            return 2
     return 0 if table.ok else 1
 
 

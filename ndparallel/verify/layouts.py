@@ -71,6 +71,8 @@ def parse_layouts(text: str, cpu_ranks: int, experts: bool = False) -> list[Layo
             dim = dim.strip().removesuffix("_size")
             if not eq or not value.strip().isdigit():
                 raise ConfigError(f"layout {item!r}: expected dim=size[,dim=size], e.g. dp_shard=2,tp=2")
+            if dim in sizes:
+                raise ConfigError(f"layout {item!r} gives {dim} twice: give each dimension once, e.g. dp_shard=2,tp=2")
             sizes[dim] = int(value)
         layout = Layout.of(sizes)
         if layout.size("ep") > 1 and layout.ranks < 2:

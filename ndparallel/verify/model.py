@@ -57,6 +57,11 @@ class ModelSpec:
         else:
             model = _call_factory(self.source)
         model = model.to(DTYPES[self.dtype]).train()
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(
+                f"{self.source}: {type(model).__name__} has no trainable parameters: verify compares what training "
+                "does to them; give it parameters (requires_grad=True)"
+            )
         if block_list(model) is None:
             raise ConfigError(
                 f"{self.source}: {type(model).__name__} has no nn.ModuleList of blocks: verify (and parallelize) "
@@ -104,9 +109,27 @@ class ModelSpec:
         else:
             out = model(tokens)
         aux, coef = getattr(out, "aux_loss", None), getattr(model, "router_aux_loss_coef", None)
+        logits = self._logits_of(out, tokens)
         if aux is not None and coef:  # an HF MoE, whatever built it (a config, or a factory of the user's)
-            return out.logits, coef * aux
-        return getattr(out, "logits", out), auxiliary_loss(model)
+            return logits, coef * aux
+        return logits, auxiliary_loss(model)
+
+    def _logits_of(self, out: Any, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits in a forward's output: the tensor itself, its ``logits`` attribute (a ModelOutput) or its
+        ``logits`` key (a dict), of shape ``[batch, seq, vocab]`` (one row per token); anything else is refused
+        in one line (a tuple or 2-D logits used to fail inside the loss, or the cross entropy's broadcasting)."""
+        logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", out)
+        if not isinstance(logits, torch.Tensor):
+            raise ConfigError(
+                f"{self.source}: the forward returned a {type(out).__name__} with no logits: verify reads the "
+                "logits; return them as a tensor, or as the `logits` key or attribute of the output"
+            )
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(tokens.shape):
+            raise ConfigError(
+                f"{self.source}: the forward returned logits of shape {tuple(logits.shape)} for tokens of shape "
+                f"{tuple(tokens.shape)}: verify needs [batch, seq, vocab] logits, one row per token"
+            )
+        return logits
 
 
 def check_fits_in_memory(spec: ModelSpec, ranks: int, memory: int | None = None) -> None:

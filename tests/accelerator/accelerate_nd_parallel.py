@@ -3,7 +3,9 @@
 Changed from Accelerate's file: the imports (``accelerate`` -> ``ndparallel``; its ``utils`` helpers ->
 tests/accelerator/nd_parallel_utils.py, synthetic data offline) and three literals hoisted into constants
 (``DTYPE``, ``MIXED_PRECISION``, ``LEARNING_RATE``, Accelerate's values by default) so that the test can also
-run it in float64. Everything else -- ``log_with=["wandb"]``, the FSDP plugin, ``from_pretrained(tp_plan="auto",
+run it in float64, and the loss average all-reduces ``loss.detach()`` (the same storage): on torch 2.13, gloo's
+AVG on a tensor that requires grad races with autograd and segfaulted under load (tests/stress/avg_race.py).
+Everything else -- ``log_with=["wandb"]``, the FSDP plugin, ``from_pretrained(tp_plan="auto",
 tp_size=, device_mesh=accelerator.torch_device_mesh)``, the collate whose ``labels`` is ``shift_labels``,
 ``maybe_context_parallel`` with ``no_restore_buffers``, the loss averaged over ``dp_cp``, ``save_state`` and
 ``save_pretrained`` -- is Accelerate's.
@@ -64,7 +66,9 @@ def forward(model, batch, optimizer, accelerator: Accelerator):
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=loss_reduce_grp)
+        # loss.detach(): the same storage, averaged in place, with no autograd history for gloo's AVG to race with
+        # (torch 2.13 segfault, docs/troubleshooting.md#exit-time-aborts-and-native-crashes)
+        dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG, group=loss_reduce_grp)
 
     return loss
 

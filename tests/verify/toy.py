@@ -6,6 +6,8 @@ level: the rank processes import the factories by ``module:name``."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -190,3 +192,26 @@ NORM_FAULT_PLAN = {
         use_local_output=True,
     ),
 }
+
+
+class Returns(Toy):
+    """The toy whose forward hands its logits back another way (``how``): a dict or an object with ``logits``
+    (accepted), a tuple, a dict without ``logits``, or ``[batch * seq, vocab]`` logits (refused)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, tokens: torch.Tensor):
+        logits = super().forward(tokens)
+        return {
+            "dict": lambda: {"logits": logits},
+            "object": lambda: SimpleNamespace(logits=logits),
+            "tuple": lambda: (logits,),
+            "scores": lambda: {"scores": logits},
+            "flat": lambda: logits.flatten(0, 1),
+        }[self.how]()
+
+
+def build_frozen() -> Toy:
+    return Toy().requires_grad_(False)

@@ -71,7 +71,31 @@ def _cannot(model: nn.Module, why: str) -> ConfigError:
     )
 
 
-def _global_router_loss_hook(group: dist.ProcessGroup, mask_position: int | None):
+def _one_process_order(batch: int, local_seq: int, cp: int, load_balance: bool, ranks: int) -> torch.Tensor:
+    """The index that puts one layer's router-logit rows, as gathered from the ``ranks`` dp x cp ranks (group order:
+    cp innermost; each rank's ``batch`` rows x its ``local_seq`` positions), in one process's order: batch row by
+    batch row, positions in sequence order. transformers sums the balancing loss in fp32, so only the same order
+    gives the same value (another order moved it by one fp32 ulp, 2**-27 at 0.06, under cp)."""
+    from ndparallel.parallel.context_parallel import sequence_indices  # the cp layout's one rule
+
+    seq = local_seq * cp
+    target = []
+    for r in range(ranks):
+        data_rank, positions = divmod(r, cp)[0], sequence_indices(seq, cp, r % cp, load_balance)
+        rows = torch.arange(batch)[:, None] * seq + positions[None, :]  # [batch, local_seq] one-process rows
+        target.append(data_rank * batch * seq + rows.reshape(-1))
+    return torch.cat(target).argsort()
+
+
+def _tokens_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """(batch, this rank's sequence length) of the forward's input ids or embeddings."""
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return None
+
+
+def _global_router_loss_hook(group: dist.ProcessGroup, mask_position: int | None, cp: int, load_balance: bool):
     def hook(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
         if not hasattr(outputs, "keys"):  # return_dict=False: a tuple whose aux loss cannot be told apart
             if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
@@ -94,6 +118,12 @@ def _global_router_loss_hook(group: dist.ProcessGroup, mask_position: int | None
         gathered = tuple(all_gather_rows(layer, group) for layer in logits)
         # flattened: each rank's rows in the logits' order, whatever each rank's padded length
         mask = None if mask is None else all_gather_rows(mask.reshape(-1), group).reshape(1, -1)
+        shape = _tokens_shape(args, kwargs)
+        ranks = dist.get_world_size(group)
+        if cp > 1 and shape and all(g.dim() == 2 and g.shape[0] == ranks * shape[0] * shape[1] for g in gathered):
+            order = _one_process_order(*shape, cp, load_balance, ranks).to(gathered[0].device)
+            gathered = tuple(g[order] for g in gathered)
+            mask = None if mask is None else mask[0, order.to(mask.device)].reshape(ranks // cp * shape[0], -1)
         total = balancing(gathered, model.num_experts, model.num_experts_per_tok, mask)
         if outputs.loss is not None:  # the model added coef x its local term: the same expression, swapped
             coef = model.router_aux_loss_coef
@@ -115,7 +145,10 @@ def install_global_router_loss(model: nn.Module, mesh: Mesh) -> None:
     if "output_router_logits" not in names:  # no aux loss from the router logits (DeepSeek-V3: a bias balances)
         return
     mask_position = names.index("attention_mask") if "attention_mask" in names else None
-    model.register_forward_hook(_global_router_loss_hook(mesh["dp_cp"].get_group(), mask_position), with_kwargs=True)
+    hook = _global_router_loss_hook(
+        mesh["dp_cp"].get_group(), mask_position, mesh.size("cp"), mesh.config.cp_load_balance
+    )
+    model.register_forward_hook(hook, with_kwargs=True)
 
 
 # ------------------------------------------------------------------------------------ expert parallel

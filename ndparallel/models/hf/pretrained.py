@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.config.precision import stored_dtype_fits
 from ndparallel.distributed.agree import agree
 from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
 from ndparallel.distributed.memory import ranks_on_this_machine
@@ -76,11 +77,31 @@ def _safetensors(file: Path) -> Iterator[Any]:
         ) from None
 
 
+def unreadable_weights(folder: str | os.PathLike) -> str | None:
+    """Why ``folder/model.safetensors`` cannot be read (truncated, corrupt), or None (readable, or absent)."""
+    file = Path(folder) / SAFE_WEIGHTS
+    if not file.is_file():
+        return None
+    try:
+        with _safetensors(file) as f:
+            f.keys()
+    except ConfigError as err:
+        return str(err).split("; save or copy it again")[0]
+    return None
+
+
 def _stored_files(path: Path) -> dict[str, Path]:
     """Stored tensor name -> safetensors file, from ``model.safetensors`` or a sharded index."""
     index = path / SAFE_INDEX
     if index.is_file():
-        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        stored = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        missing = sorted({file.name for file in stored.values() if not file.is_file()})
+        if missing:
+            raise ConfigError(
+                f"{str(index)!r} maps tensors to {missing[:3]} ({len(missing)} shard(s)), which are not in "
+                f"{str(path)!r}: copy the missing shard files there, or save the model again"
+            )
+        return stored
     single = path / SAFE_WEIGHTS
     if not single.is_file():
         raise ConfigError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}: save it with save_pretrained")
@@ -168,16 +189,34 @@ def _fill_from_files(model: nn.Module, files: dict[str, tuple[Path, str]]) -> No
         by_file.setdefault(files[source[name]][0], []).append(name)
     for file, names in by_file.items():
         with _safetensors(file) as f:
+            held = set(f.keys())
             for name in names:
                 target = wanted[name]
-                stored = f.get_slice(files[source[name]][1])
+                key = files[source[name]][1]
+                if key not in held:  # only an index can point a tensor at a file that lacks it
+                    raise ConfigError(
+                        f"{SAFE_INDEX} maps {key!r} to {file.name!r}, which does not hold it ({len(held)} other "
+                        f"tensors): fix that entry of the index's weight_map, or save the model again"
+                    )
+                stored = f.get_slice(key)
                 if tuple(stored.get_shape()) != tuple(target.shape):
                     raise ConfigError(
                         f"{name}: checkpoint shape {tuple(stored.get_shape())} != model shape {tuple(target.shape)}"
                     )
+                _check_stored_dtype(name, stored.get_dtype(), target, file)
                 local = target.to_local() if isinstance(target, DTensor) else target
                 if local.numel():
                     local.copy_(stored[local_region(target)])
+
+
+def _check_stored_dtype(name: str, dtype: str, target: torch.Tensor, file: Path) -> None:
+    """Refuse a stored dtype of another kind than the tensor it loads into: the bytes of a float weight
+    declared ``I32`` would be cast integer by integer (garbage, no error). Another float width is a cast."""
+    if not stored_dtype_fits(dtype, target.dtype):
+        raise ConfigError(
+            f"{name}: {file.name!r} stores it as {dtype}, which does not fit the model's {target.dtype} (its bytes "
+            "would load as other numbers); the file's header is corrupt or of another model: save or copy it again"
+        )
 
 
 def load_pretrained(

@@ -75,6 +75,11 @@ class TransformerConfig:
             raise ConfigError(f"head_dim={self.head_dim} (dim / n_heads) must be even for rotary embeddings")
         if self.expert_ffn_dim is None:
             self.expert_ffn_dim = self.ffn_dim
+        width = self.expert_ffn_dim
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise ConfigError(
+                f"model.expert_ffn_dim={brief_repr(width)} must be a positive integer (or null: model.ffn_dim)"
+            )
         problem = moe_problem(self.n_experts, self.top_k, self.n_shared_experts, self.router)
         if problem:
             raise ConfigError(problem)
