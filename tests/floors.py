@@ -35,7 +35,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "the public face: ndp.X, python -m, ndparallel.hf, ndparallel.testing; Accelerate's import paths",
     ),
 )
-ROOT_MODULES = ("__init__", "__main__", "errors", "parallelism_config", "testing", "utils")
+ROOT_MODULES = ("__init__", "__main__", "errors", "parallelism_config", "testing")
 
 
 def floor_of(unit: str) -> int:
