@@ -18,6 +18,10 @@ __all__ = [
 ]
 
 
+class _Plain(str, enum.Enum):
+    """A str enum printed as ``Class.MEMBER`` (as Accelerate's plain ones)."""
+
+
 class _Enum(str, enum.Enum):
     """A str enum printed as its value; ``list()`` gives the values (as Accelerate's ``BaseEnum``)."""
 
@@ -29,7 +33,7 @@ class _Enum(str, enum.Enum):
         return [member.value for member in cls]
 
 
-class ComputeEnvironment(_Enum):
+class ComputeEnvironment(_Plain):
     """Where ``accelerate config`` says the job runs (ndparallel: LOCAL_MACHINE)."""
 
     LOCAL_MACHINE = "LOCAL_MACHINE"
@@ -54,7 +58,7 @@ class DDPCommunicationHookType(_Enum):
     BATCHED_POWER_SGD = "batched_power_sgd"
 
 
-class DistributedType(_Enum):
+class DistributedType(_Plain):
     """What the processes do together: NO (one), MULTI_CPU / MULTI_GPU (data parallel), FSDP ..."""
 
     NO = "NO"
@@ -134,7 +138,7 @@ class RNGType(_Enum):
     GENERATOR = "generator"
 
 
-class SageMakerDistributedType(_Enum):
+class SageMakerDistributedType(_Plain):
     """SageMaker launch modes (not run by ndparallel)."""
 
     NO = "NO"

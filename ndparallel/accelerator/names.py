@@ -55,7 +55,7 @@ class ReportedNames:
     ao_recipe_handler = None
     te_recipe_handler = None
     deepspeed_plugin = None
-    fp8_backend = None
+    fp8_backend = "NO"  # Accelerate's FP8BackendType.NO (a str enum)
     optimizer_step_was_skipped = False  # bf16 / fp32: no scaler ever skips a step
 
     def __getattr__(self, name: str) -> Any:
