@@ -1,12 +1,14 @@
 """Weights and training state of the Accelerator: ``save`` (one object, main process), ``get_state_dict`` /
-``save_model`` (full weights), ``save_state`` / ``load_state`` (a DCP checkpoint of the prepared model,
-optimizer, schedulers, the objects given to ``register_for_checkpointing`` and the RNG states; loadable on any
-mesh), the pre-hooks of both, and Accelerate's automatic checkpoint naming."""
+``save_model`` (full weights), ``save_state`` / ``load_state`` of the prepared models, optimizers, schedulers,
+the objects given to ``register_for_checkpointing`` and the RNG states, the pre-hooks of both, and Accelerate's
+automatic checkpoint naming. Unsharded jobs (one process, plain data parallel) write and read Accelerate's own
+folder (accelerate_folder.py); sharded ones ndparallel's DCP checkpoint, loadable on any mesh."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from ndparallel import checkpoint
-from ndparallel.accelerator import saving, stepping
+from ndparallel.accelerator import accelerate_folder, saving, stepping
 from ndparallel.accelerator.pipeline import PipelineModel
 from ndparallel.accelerator.stage_optim import StageViews, merge_views, stage_views
 from ndparallel.errors import ConfigError
@@ -115,12 +117,21 @@ class CheckpointNames:
             output_dir = self._automatic_dir()
         elif output_dir is None:
             raise ConfigError("save_state() needs an output_dir (or ProjectConfiguration(automatic_checkpoint_naming))")
-        model, optimizer, views = self._checkpoint_parts()
         models = list(self._models)
         for hook in self._save_hooks.values():
             hook(models, [m.state_dict() for m in models], str(output_dir))
         if len(models) != len(self._models):
             raise ConfigError("a save_state pre-hook removed a model: save_state always writes the prepared model")
+        if self._writes_accelerate_folders:
+            if config.automatic_checkpoint_naming and config.total_limit is not None:
+                self._prune_automatic(config.total_limit)
+            path = accelerate_folder.save_folder(output_dir, models, self._optimizers, self._schedulers,
+                                                 self._custom_objects, self.step, safe_serialization,
+                                                 config.save_on_each_node, state)  # fmt: skip
+            if config.automatic_checkpoint_naming:
+                config.iteration += 1
+            return path
+        model, optimizer, views = self._checkpoint_parts()
         if self._schedulers:
             state["schedulers"] = [stepping.scheduler_state(s) for s in self._schedulers]
         for index, obj in enumerate(self._custom_objects):
@@ -140,6 +151,8 @@ class CheckpointNames:
             raise ConfigError(f"load_state({', '.join(load_model_func_kwargs)}=...): ndparallel takes input_dir only")
         if input_dir is None:
             input_dir = self._latest_automatic()
+        if accelerate_folder.is_accelerate_folder(input_dir):
+            return self._load_accelerate_folder(input_dir)
         model, optimizer, views = self._checkpoint_parts()
         for hook in self._load_hooks.values():
             hook(list(self._models), str(input_dir))
@@ -151,11 +164,44 @@ class CheckpointNames:
         for index, obj in enumerate(self._custom_objects):
             obj.load_state_dict(state.pop(_CUSTOM.format(index)))
         self.step = int(state.pop("accelerator_step", 0))
+        self._after_automatic_load(input_dir)
+        return state
+
+    @property
+    def _writes_accelerate_folders(self) -> bool:
+        """Unsharded models (one process, or plain data parallel): Accelerate's own folder layout."""
+        return self.mesh.size("dp_replicate") == self.num_processes and not any(
+            isinstance(m, PipelineModel) for m in self._models
+        )
+
+    def _load_accelerate_folder(self, input_dir: str | os.PathLike) -> dict[str, Any]:
+        if not self._writes_accelerate_folders:
+            raise ConfigError(
+                f"{str(input_dir)!r} is an Accelerate save_state folder of unsharded weights; this job shards them "
+                f"(mesh {self.parallelism_config.sizes}): resume it on plain data parallel, then save_state again"
+            )
+        for hook in self._load_hooks.values():
+            hook(list(self._models), str(input_dir))
+        self.step, extra = accelerate_folder.load_folder(
+            input_dir, self._models, self._optimizers, self._schedulers, self._custom_objects
+        )
+        self._after_automatic_load(input_dir)
+        return extra
+
+    def _after_automatic_load(self, input_dir: str | os.PathLike) -> None:
         if self.project_configuration.automatic_checkpoint_naming:
             match = re.search(r"checkpoint_(\d+)$", str(input_dir).rstrip("/"))
             if match:
                 self.project_configuration.iteration = int(match.group(1)) + 1
-        return state
+
+    def _prune_automatic(self, total_limit: int) -> None:
+        """Delete the oldest automatically named checkpoints, leaving room for one more (main process)."""
+        folder = Path(self._automatic_dir()).parent
+        if self.is_main_process and folder.is_dir():
+            found = sorted((int(p.name[11:]), p) for p in folder.glob("checkpoint_*") if p.name[11:].isdigit())
+            for _, old in found[: max(0, len(found) + 1 - total_limit)]:
+                shutil.rmtree(old)
+        self.wait_for_everyone()
 
     def _latest_automatic(self) -> str:
         if not self.project_configuration.automatic_checkpoint_naming:
