@@ -254,6 +254,10 @@ def deal_loader(loader: DataLoader, ranks: int, rank: int, gradient_state: Any, 
             "give the loader a map-style dataset, or read your stream per rank (accelerator.process_index)"
         )
     batches = loader.batch_sampler
+    if batches is None:
+        raise ConfigError(
+            "prepare() of a DataLoader without batches (batch_size=None): build it with batch_size= or batch_sampler="
+        )
     generator = None
     if ranks > 1:
         sampler = getattr(batches, "sampler", None)

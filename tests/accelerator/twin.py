@@ -6,15 +6,23 @@ with the imports renamed (``accelerate`` -> ``ndparallel``) and nothing else cha
 ``OUT/<package>/`` (their working directory, where they save files) with ``ARGS``. ndparallel runs first and
 tears its process group down; Accelerate then starts its own. Sharing the launch halves the start-up cost of
 the comparison tests (interpreter, torch, transformers), which is most of their time.
+
+``TWIN_SETUP=module``: ``module.install()`` runs first (the tiny model and data swap of
+tests/accelerator/examples/tiny_glue.py). Each run's printed output goes to ``OUT/<package>/stdout_rank<r>.txt``,
+and the training losses ``module.LOSSES`` recorded, if any, to ``OUT/<package>/losses_rank<r>.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import json
 import os
 import re
 import runpy
 import sys
 from pathlib import Path
+from typing import Any
 
 _IMPORT = re.compile(r"^(\s*)(from|import)\s+accelerate(\b[\w.]*)", re.MULTILINE)
 
@@ -24,25 +32,33 @@ def renamed(text: str) -> str:
     return _IMPORT.sub(lambda m: f"{m.group(1)}{m.group(2)} ndparallel{m.group(3)}", text)
 
 
-def run(script: Path, folder: Path, args: list[str]) -> None:
-    """Run ``script`` as ``__main__`` from ``folder`` with ``args``."""
+def run(script: Path, folder: Path, args: list[str], setup: Any = None) -> None:
+    """Run ``script`` as ``__main__`` from ``folder`` with ``args``; its output and losses land in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
+    rank = os.environ.get("RANK", "0")
     saved_argv, saved_cwd = sys.argv, os.getcwd()
     sys.argv = [str(script), *args]
     os.chdir(folder)
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        with open(f"stdout_rank{rank}.txt", "w") as out, contextlib.redirect_stdout(out):
+            runpy.run_path(str(script), run_name="__main__")
     except SystemExit as stop:
         if stop.code not in (None, 0):
             raise
     finally:
         sys.argv = saved_argv
         os.chdir(saved_cwd)
+    if setup is not None and hasattr(setup, "LOSSES"):
+        (folder / f"losses_rank{rank}.json").write_text(json.dumps(setup.LOSSES))
+        setup.LOSSES.clear()
 
 
 def main() -> None:
     script, out, args = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
     packages = os.environ.get("TWIN_PACKAGES", "ndparallel,accelerate").split(",")
+    setup = importlib.import_module(os.environ["TWIN_SETUP"]) if os.environ.get("TWIN_SETUP") else None
+    if setup is not None:
+        setup.install()
     for package in packages:
         folder = out / package
         if package == "ndparallel":
@@ -53,10 +69,10 @@ def main() -> None:
                 partial.write_text(renamed(script.read_text()))
                 partial.rename(copy)
             _wait_for(copy)
-            run(copy, folder, args)
+            run(copy, folder, args, setup)
             _destroy_group()
         else:
-            run(script, folder, args)
+            run(script, folder, args, setup)
 
 
 def _wait_for(path: Path) -> None:
