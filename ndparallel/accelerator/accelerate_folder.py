@@ -2,8 +2,8 @@
 written and read the way Accelerate does, so such folders move between Accelerate and ndparallel both ways.
 
 The files (``ndparallel.accelerator.constants``): ``model.safetensors`` (``model_<i>`` for the i-th model, or
-``pytorch_model.bin`` without ``safe_serialization``; the keys carry DDP's ``module.`` prefix on several
-processes, as Accelerate's DDP-wrapped model does), ``optimizer.bin``, ``scheduler.bin`` (``_<i>`` after the
+``pytorch_model.bin`` without ``safe_serialization``; the model's own keys, also under DDP; a ``module.`` prefix
+is dropped on loading), ``optimizer.bin``, ``scheduler.bin`` (``_<i>`` after the
 first), ``random_states_<rank>.pkl`` (the accumulation step and Python's, NumPy's, torch's and CUDA's generator
 states) and ``custom_checkpoint_<i>.pkl``. Pickles are read with torch's ``weights_only`` loader (NumPy's arrays
 and dtypes allowed, as Accelerate allows them): a folder cannot run code. A sharded job writes ndparallel's
@@ -36,7 +36,7 @@ from ndparallel.errors import ConfigError
 
 __all__ = ["is_accelerate_folder", "load_folder", "save_folder"]
 
-_PREFIX = "module."  # the keys of a DDP-wrapped model
+_PREFIX = "module."  # the keys of a DDP-wrapped model's own state_dict
 
 
 def _rank() -> int:
@@ -54,7 +54,7 @@ def is_accelerate_folder(path: str | Path) -> bool:
     return has_model and (folder / f"{RNG_STATE_NAME}_0.pkl").exists()
 
 
-def _model_state(model: nn.Module, wrapped: bool) -> dict[str, torch.Tensor]:
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """CPU copies of ``model``'s state, deduplicated (tied tensors once) and contiguous, as Accelerate saves it."""
     seen: dict[tuple, str] = {}
     state: dict[str, torch.Tensor] = {}
@@ -63,7 +63,7 @@ def _model_state(model: nn.Module, wrapped: bool) -> dict[str, torch.Tensor]:
         if key in seen and tensor.numel():
             continue
         seen[key] = name
-        state[(_PREFIX if wrapped else "") + name] = tensor.detach().to("cpu").contiguous()
+        state[name] = tensor.detach().to("cpu").contiguous()
     return state
 
 
@@ -85,14 +85,13 @@ def save_folder(folder: str | Path, models: list[nn.Module], optimizers: list, s
             (folder / EXTRA).write_text(text)
     if dist.is_initialized():
         dist.barrier()
-    wrapped = dist.is_initialized() and dist.get_world_size() > 1
     for index, model in enumerate(models):
         name = (
             f"{SAFE_MODEL_NAME}{_suffix(index)}.safetensors"
             if safe_serialization
             else f"{MODEL_NAME}{_suffix(index)}.bin"
         )
-        save(_model_state(model, wrapped), folder / name, save_on_each_node, safe_serialization)
+        save(_model_state(model), folder / name, save_on_each_node, safe_serialization)
     for index, optimizer in enumerate(optimizers):
         save(optimizer.state_dict(), folder / f"{OPTIMIZER_NAME}{_suffix(index)}.bin", save_on_each_node)
     for index, scheduler in enumerate(schedulers):

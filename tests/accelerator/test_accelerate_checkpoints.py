@@ -1,5 +1,5 @@
 """Accelerate's ``save_state`` folders and ndparallel's, both ways, for unsharded jobs (one process here; two
-ranks, where the keys carry DDP's ``module.`` prefix, in test_accelerate_examples.py's checkpointing runs): the
+ranks in test_accelerate_examples.py's checkpointing runs): the
 same files with the same contents, each loads into the other and training goes on identically. A folder of
 unsharded weights is refused by name in a sharded job; Accelerate's FSDP folders stay refused
 (test_trainer.py)."""
@@ -93,6 +93,8 @@ def test_both_write_the_same_files(folders):
     assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
     for name in ("optimizer.bin", "scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl"):
         assert _same(torch.load(ours / name, weights_only=False), torch.load(theirs / name, weights_only=False)), name
+    for path in ours.iterdir():  # measured: byte for byte
+        assert path.read_bytes() == (theirs / path.name).read_bytes(), path.name
 
 
 def _same(a, b) -> bool:

@@ -115,16 +115,17 @@ def test_checkpointing_example_resumes_from_the_other_librarys_folder(tmp_path, 
 
 
 def _same_folders(ours: Path, theirs: Path, names: list[str], ranks: int) -> None:
-    """The save_state folders of both runs: the same files, the same model tensors and optimizer states."""
-    import torch
+    """The save_state folders of both runs: the same files, byte for byte on 1 and 2 ranks (measured), the same
+    model tensors within fp32 round-off on 4."""
     from safetensors.torch import load_file
 
     for name in names:
         files = sorted(p.name for p in (ours / name).iterdir())
         assert files == sorted(p.name for p in (theirs / name).iterdir()), name
+        if ranks <= 2:
+            for file in files:
+                assert (ours / name / file).read_bytes() == (theirs / name / file).read_bytes(), (name, file)
+            continue
         mine, reference = load_file(ours / name / "model.safetensors"), load_file(theirs / name / "model.safetensors")
         assert mine.keys() == reference.keys(), name
-        tolerance = 0.0 if ranks <= 2 else 1e-5
-        assert all((mine[k] - reference[k]).abs().max() <= tolerance for k in mine), name
-        optimizer = [torch.load(p / name / "optimizer.bin", weights_only=True)["state"] for p in (ours, theirs)]
-        assert optimizer[0].keys() == optimizer[1].keys(), name
+        assert all((mine[k] - reference[k]).abs().max() <= 1e-5 for k in mine), name
