@@ -131,6 +131,7 @@ class Accelerator(ProcessNames, MetricNames, CheckpointNames, trackers.TrackerNa
         self._tracker_entries = trackers.tracker_names(log_with, self.logging_dir)
         launch = accelerate_launch_settings()
         self._fsdp_plugin = fsdp_plugin
+        self._sync_from_rank0 = launch.sync_module_states or bool(getattr(fsdp_plugin, "sync_module_states", False))
         cfg = parallelism_config or (
             mesh.config if mesh is not None else default_config(launch, fsdp_plugin is not None)
         )
@@ -308,6 +309,8 @@ class Accelerator(ProcessNames, MetricNames, CheckpointNames, trackers.TrackerNa
             )
         if self._pp:  # this rank's stages behind one call that runs the pipeline step (pipeline.py)
             return prepare_pipeline(model, self._config, self.mesh)
+        if self._sync_from_rank0:
+            model = saving.take_rank0_weights(model, self.device)
         # Without FSDP the forward autocasts (below); FSDP casts through its policy.
         cfg = parallelize_config(self._config)
         model = parallelize(model.to(self.device), cfg, mesh=self.mesh, blocks=self._blocks(model))

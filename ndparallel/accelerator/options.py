@@ -39,6 +39,11 @@ __all__ = [
 ]
 
 
+# Keywords that make every rank start from rank 0's weights (Accelerate's FSDP2 does so when either is true).
+_SYNC_FROM_RANK0 = ("sync_module_states", "cpu_ram_efficient_loading", "fsdp_sync_module_states",
+                    "fsdp_cpu_ram_efficient_loading")  # fmt: skip
+
+
 class FullyShardedDataParallelPlugin:
     """Accelerate's FSDP plugin, read as ``ParallelismConfig`` settings: ``reshard_after_forward``,
     ``cpu_offload`` and ``activation_checkpointing`` are honoured; ``fsdp_version=2``,
@@ -47,7 +52,9 @@ class FullyShardedDataParallelPlugin:
 
     def __init__(self, **options: Any):
         self.options = dict(options)
-        self.settings = fsdp_plugin_settings(options)
+        rank0 = {k: options[k] for k in _SYNC_FROM_RANK0 if k in options}
+        self.sync_module_states = any(bool(v) for v in rank0.values())
+        self.settings = fsdp_plugin_settings({k: v for k, v in options.items() if k not in rank0})
 
     def __repr__(self) -> str:
         return f"FullyShardedDataParallelPlugin({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"

@@ -3,7 +3,9 @@ settings, so a script it starts with ndparallel's Accelerator does what Accelera
 
 ``ACCELERATE_USE_FSDP=true`` shards over every rank (``dp_shard_size=-1``); without it the ranks are plain data
 parallel (``dp_replicate_size=-1``). ``FSDP_*`` keys go through the same tables as the YAML's ``fsdp_config``
-(ndparallel/config/accelerate.py): honoured, matched, or refused by name. DeepSpeed, Megatron-LM and compile
+(ndparallel/config/accelerate.py): honoured, matched, or refused by name; ``FSDP_SYNC_MODULE_STATES`` and
+``FSDP_CPU_RAM_EFFICIENT_LOADING`` (true by default in ``accelerate launch``) make every rank start from rank
+0's weights, as Accelerate's FSDP2 preparation does. DeepSpeed, Megatron-LM and compile
 settings are refused with the ndparallel setting to use instead.
 """
 
@@ -29,8 +31,6 @@ _FSDP_KEYS = {
     "FSDP_AUTO_WRAP_POLICY": "fsdp_auto_wrap_policy",
     "FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap",
     "FSDP_STATE_DICT_TYPE": "fsdp_state_dict_type",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "fsdp_cpu_ram_efficient_loading",
-    "FSDP_SYNC_MODULE_STATES": "fsdp_sync_module_states",
     "FSDP_USE_ORIG_PARAMS": "fsdp_use_orig_params",
     "FSDP_FORWARD_PREFETCH": "fsdp_forward_prefetch",
 }
@@ -67,11 +67,17 @@ def _typed(key: str, value: str) -> Any:
     return value
 
 
-class LaunchSettings:
-    """What the launcher's variables ask for: ParallelismConfig ``settings``, ``cpu``, ``fsdp``."""
+# Accelerate's FSDP2 takes rank 0's weights on every rank when either is true (its defaults): the Accelerator does.
+SYNC_FROM_RANK0 = ("FSDP_SYNC_MODULE_STATES", "FSDP_CPU_RAM_EFFICIENT_LOADING")
 
-    def __init__(self, settings: dict[str, Any], cpu: bool, fsdp: bool):
+
+class LaunchSettings:
+    """What the launcher's variables ask for: ParallelismConfig ``settings``, ``cpu``, ``fsdp``, and whether every
+    rank starts from rank 0's weights (``sync_module_states``)."""
+
+    def __init__(self, settings: dict[str, Any], cpu: bool, fsdp: bool, sync_module_states: bool = False):
         self.settings, self.cpu, self.fsdp = settings, cpu, fsdp
+        self.sync_module_states = sync_module_states
 
 
 def accelerate_launch_settings(environ: Mapping[str, str] | None = None) -> LaunchSettings:
@@ -91,10 +97,12 @@ def accelerate_launch_settings(environ: Mapping[str, str] | None = None) -> Laun
     if env.get("ACCELERATE_MIXED_PRECISION"):
         _translate("mixed_precision", env["ACCELERATE_MIXED_PRECISION"], settings, "ACCELERATE_MIXED_PRECISION", False)
     fsdp = "ACCELERATE_USE_FSDP" in env and _flag("ACCELERATE_USE_FSDP", env["ACCELERATE_USE_FSDP"])
+    sync = False
     if fsdp:
         _read_fsdp(env, settings)
+        sync = any(name in env and _flag(name, env[name]) for name in SYNC_FROM_RANK0)
     cpu = "ACCELERATE_USE_CPU" in env and _flag("ACCELERATE_USE_CPU", env["ACCELERATE_USE_CPU"])
-    return LaunchSettings(settings, cpu, fsdp)
+    return LaunchSettings(settings, cpu, fsdp, sync)
 
 
 def _read_fsdp(env: Mapping[str, str], settings: dict[str, Any]) -> None:

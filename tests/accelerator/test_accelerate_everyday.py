@@ -140,6 +140,12 @@ def _group(root: str) -> dict[str, Any]:
     logger.info("everyone", main_process_only=False)
     out["logged"] = records
     out["freed"] = acc.free_memory(model, optimizer)
+
+    # FSDP over both ranks from rank 0's weights (accelerate launch's default sync_module_states)
+    torch.manual_seed(rank)
+    synced = ndp.Accelerator(fsdp_plugin=ndp.FullyShardedDataParallelPlugin(sync_module_states=True), cpu=True)
+    sharded = synced.prepare(nn.Linear(3, 2))
+    out["synced"] = (str(synced.distributed_type), sharded.weight.full_tensor().tolist())
     acc.end_training()
     return out
 
@@ -178,4 +184,6 @@ def test_everyday_names_have_accelerates_semantics_on_two_ranks(tmp_path):
     assert zero["local 1"] == one["local 1"] and zero["local 2"] != one["local 2"]  # averaged every 2 steps
     assert zero["logged"] == ["main only", "everyone"] and one["logged"] == ["everyone"]
     assert torch.load(tmp_path / "saved.pt") == {"rank": 0}
+    torch.manual_seed(0)
+    assert zero["synced"] == one["synced"] == ("DistributedType.FSDP", torch.nn.Linear(3, 2).weight.tolist())
     assert json.loads((tmp_path / "traces" / "profile_1.json").read_text())

@@ -36,7 +36,8 @@ FSDP_LAUNCH = {
 
 def test_an_fsdp_launch_shards_over_every_rank_with_its_settings():
     launch = accelerate_launch_settings(FSDP_LAUNCH)
-    assert launch.fsdp and not launch.cpu
+    assert launch.fsdp and not launch.cpu and not launch.sync_module_states
+    assert accelerate_launch_settings({**FSDP_LAUNCH, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}).sync_module_states
     assert launch.settings == {"mixed_precision": "bf16", "reshard_after_forward": False, "cpu_offload": False,
                                "activation_checkpointing": "full"}  # fmt: skip
     cfg = default_config(launch, fsdp=False).resolve(4)
