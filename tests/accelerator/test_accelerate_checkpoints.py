@@ -1,8 +1,8 @@
 """Accelerate's ``save_state`` folders and ndparallel's, both ways, for unsharded jobs (one process here; two
 ranks in test_accelerate_examples.py's checkpointing runs): the
 same files with the same contents, each loads into the other and training goes on identically. A folder of
-unsharded weights is refused by name in a sharded job; Accelerate's FSDP folders stay refused
-(test_trainer.py)."""
+unsharded weights is refused by name in a sharded job (test_accelerate_everyday.py); Accelerate's FSDP folders
+stay refused (test_trainer.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ndparallel as ndp
-from ndparallel.errors import ConfigError
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -64,10 +63,11 @@ def _reset_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.fixture
-def folders(tmp_path):
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
     """Two steps, save_state, then two more steps, with Accelerate and with ndparallel; their folders and
     what each run did after saving."""
+    tmp_path = tmp_path_factory.mktemp("folders")
     runs = {}
     for name, accelerator_class in (("accelerate", accelerate.Accelerator), ("ndparallel", ndp.Accelerator)):
         acc, *objects = _setup(accelerator_class)
@@ -121,22 +121,3 @@ def test_each_loads_the_others_folder_and_trains_on_identically(folders, saved_b
     assert after == runs[saved_by]["after"] and torch.equal(torch.rand(3), runs[saved_by]["rng"])
     if loaded_by == "accelerate":
         _reset_accelerate()
-
-
-def test_a_sharded_job_refuses_an_unsharded_folder_by_name(folders):
-    root, _ = folders
-    from ndparallel.testing import run_distributed
-
-    messages = run_distributed(_load_sharded, 2, str(root / "accelerate"), timeout=120)
-    assert all("Accelerate save_state folder of unsharded weights" in m for m in messages), messages
-
-
-def _load_sharded(folder: str) -> str:
-    acc = ndp.Accelerator(ndp.ParallelismConfig(dp_shard_size=2), cpu=True)
-    model = acc.prepare(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 2)))
-    del model
-    try:
-        acc.load_state(folder)
-    except ConfigError as error:
-        return str(error)
-    return "loaded"

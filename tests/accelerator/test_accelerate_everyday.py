@@ -36,6 +36,7 @@ def _group(root: str) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     import ndparallel as ndp
+    from ndparallel.errors import ConfigError
     from ndparallel.local_sgd import LocalSGD
     from ndparallel.logging import get_logger
     from ndparallel.utils import ProfileKwargs, ProjectConfiguration, broadcast, broadcast_object_list, gather_object
@@ -146,6 +147,10 @@ def _group(root: str) -> dict[str, Any]:
     synced = ndp.Accelerator(fsdp_plugin=ndp.FullyShardedDataParallelPlugin(sync_module_states=True), cpu=True)
     sharded = synced.prepare(nn.Linear(3, 2))
     out["synced"] = (str(synced.distributed_type), sharded.weight.full_tensor().tolist())
+    try:  # the data-parallel run's Accelerate-layout folder, in a sharded job
+        synced.load_state(folders[-1])
+    except ConfigError as error:
+        out["sharded load"] = str(error)
     acc.end_training()
     return out
 
@@ -184,6 +189,8 @@ def test_everyday_names_have_accelerates_semantics_on_two_ranks(tmp_path):
     assert zero["local 1"] == one["local 1"] and zero["local 2"] != one["local 2"]  # averaged every 2 steps
     assert zero["logged"] == ["main only", "everyone"] and one["logged"] == ["everyone"]
     assert torch.load(tmp_path / "saved.pt") == {"rank": 0}
+    for result in results:
+        assert "is an Accelerate save_state folder of unsharded weights; this job shards them" in result["sharded load"]
     torch.manual_seed(0)
     assert zero["synced"] == one["synced"] == ("DistributedType.FSDP", torch.nn.Linear(3, 2).weight.tolist())
     assert json.loads((tmp_path / "traces" / "profile_1.json").read_text())
