@@ -61,6 +61,15 @@ def test_every_name_of_accelerate_utils_is_served_or_refused():
         ndparallel.utils.no_such_name  # noqa: B018 - a name Accelerate does not have is an ordinary AttributeError
     for name in ("MODEL_NAME", "SAFE_WEIGHTS_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SCHEDULER_NAME"):
         assert getattr(ndparallel.utils, name) == getattr(accelerate.utils, name)
+    # the submodules scripts import from, each with its everyday names
+    from ndparallel.utils.constants import SAFE_WEIGHTS_NAME  # noqa: F401
+    from ndparallel.utils.dataclasses import DataLoaderConfiguration, DeepSpeedPlugin  # noqa: F401
+    from ndparallel.utils.imports import is_cuda_available, is_torch_distributed_available  # noqa: F401
+    from ndparallel.utils.memory import find_executable_batch_size, should_reduce_batch_size  # noqa: F401
+    from ndparallel.utils.operations import gather, pad_across_processes  # noqa: F401
+    from ndparallel.utils.random import set_seed, synchronize_rng_states  # noqa: F401
+
+    assert issubclass(DeepSpeedPlugin, _Refused)
 
 
 @pytest.fixture
