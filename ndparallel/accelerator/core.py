@@ -39,11 +39,10 @@ from ndparallel.accelerator.options import (
     FullyShardedDataParallelPlugin,
     Handlers,
     accumulation_plugin,
-    apply_settings,
     check_accelerate_options,
     data_configuration,
-    default_config,
     project_configuration,
+    resolve_config,
 )
 from ndparallel.accelerator.pipeline import PipelineModel, loss_kind, prepare_pipeline
 from ndparallel.accelerator.processes import ProcessNames
@@ -132,19 +131,8 @@ class Accelerator(ProcessNames, MetricNames, CheckpointNames, trackers.TrackerNa
         launch = accelerate_launch_settings()
         self._fsdp_plugin = fsdp_plugin
         self._sync_from_rank0 = launch.sync_module_states or bool(getattr(fsdp_plugin, "sync_module_states", False))
-        cfg = parallelism_config or (
-            mesh.config if mesh is not None else default_config(launch, fsdp_plugin is not None)
-        )
-        cfg = apply_settings(
-            cfg, {k: v for k, v in launch.settings.items() if k != "mixed_precision"}, "accelerate launch"
-        )
-        if fsdp_plugin is not None:
-            cfg = apply_settings(cfg, fsdp_plugin.settings, "fsdp_plugin")
-        if self.ddp_handler is not None:
-            cfg = apply_settings(
-                cfg, {"dp_bucket_mb": float(self.ddp_handler.bucket_cap_mb)}, "DistributedDataParallelKwargs"
-            )
-        cfg = precision.merge_mixed_precision(cfg, mixed_precision or launch.settings.get("mixed_precision"))
+        base = parallelism_config or (mesh.config if mesh is not None else None)
+        cfg = resolve_config(base, launch, fsdp_plugin, self.ddp_handler, mixed_precision)
         _check_pp_accumulation(cfg.pp_size, plugin.num_steps)  # before any rank builds a mesh
         device_type = "cpu" if cpu or launch.cpu else (device_type or os.environ.get("NDP_DEVICE") or None)
         timeout = self.init_handler.timeout if self.init_handler is not None else None

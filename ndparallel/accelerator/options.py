@@ -20,6 +20,7 @@ from ndparallel.accelerator.kwargs import (
     ProjectConfiguration,
     check_fields,
 )
+from ndparallel.accelerator.precision import merge_mixed_precision
 from ndparallel.config.accelerate import fsdp_plugin_settings
 from ndparallel.config.accelerate_env import LaunchSettings
 from ndparallel.config.parallelism import ParallelismConfig
@@ -36,6 +37,7 @@ __all__ = [
     "data_configuration",
     "default_config",
     "project_configuration",
+    "resolve_config",
 ]
 
 
@@ -170,3 +172,22 @@ def apply_settings(cfg: ParallelismConfig, settings: Mapping[str, Any], source: 
                 f"{source} sets {name}={value!r} but parallelism_config has {name}={current!r}; set one of them"
             )
     return dataclasses.replace(cfg, **settings)
+
+
+def resolve_config(
+    cfg: ParallelismConfig | None,
+    launch: LaunchSettings,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+    ddp_handler: DistributedDataParallelKwargs | None,
+    mixed_precision: str | None,
+) -> ParallelismConfig:
+    """The Accelerator's config: ``cfg`` (else :func:`default_config`) with the launcher's settings, the FSDP
+    plugin's, the DDP handler's bucket size and ``mixed_precision`` (else the launcher's) applied; a conflict
+    between two of them raises."""
+    cfg = cfg or default_config(launch, fsdp_plugin is not None)
+    cfg = apply_settings(cfg, {k: v for k, v in launch.settings.items() if k != "mixed_precision"}, "accelerate launch")
+    if fsdp_plugin is not None:
+        cfg = apply_settings(cfg, fsdp_plugin.settings, "fsdp_plugin")
+    if ddp_handler is not None:
+        cfg = apply_settings(cfg, {"dp_bucket_mb": float(ddp_handler.bucket_cap_mb)}, "DistributedDataParallelKwargs")
+    return merge_mixed_precision(cfg, mixed_precision or launch.settings.get("mixed_precision"))
