@@ -22,7 +22,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-fast zoo stress bench lint format clean
+.PHONY: demo test test-fast zoo accelerate-examples stress bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,7 +38,7 @@ demo: $(STAMP)
 # Inductor gets its own cache there: torch 2.13 reuses C++ kernels cached under another capability
 # and fails to build them ("'at::vec' has not been declared").
 test: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo and not examples"
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
 
 # The inner loop, what a plain `pytest` runs (pyproject's addopts): everything but the jobs (torchrun launches,
@@ -59,6 +59,11 @@ STRESS_ROUNDS ?= 20
 STRESS_LAUNCHES ?= 4
 stress: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m tests.stress.run --rounds $(STRESS_ROUNDS) --launches $(STRESS_LAUNCHES)
+
+# Accelerate's own examples (imports renamed, a tiny model and data swapped in) and the tutorial loop on 1, 2 and 4
+# CPU ranks, each against Accelerate's run of the same script (marker `examples`; docs/accelerate-migration.md).
+accelerate-examples: $(STAMP)
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m examples
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml

@@ -31,11 +31,11 @@ FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("launch", ("launch",), "the ndparallel command, torchrun underneath, worker guard, notebook launcher"),
     (
         "api",
-        ("__init__", "__main__", "hf", "parallelism_config", "testing", "utils"),
+        ("__init__", "__main__", "hf", "local_sgd", "logging", "parallelism_config", "state", "testing", "utils"),
         "the public face: ndp.X, python -m, ndparallel.hf, ndparallel.testing; Accelerate's import paths",
     ),
 )
-ROOT_MODULES = ("__init__", "__main__", "errors", "parallelism_config", "testing", "utils")
+ROOT_MODULES = ("__init__", "__main__", "errors", "local_sgd", "logging", "parallelism_config", "state", "testing")
 
 
 def floor_of(unit: str) -> int:

@@ -10,7 +10,7 @@ FSDP plugin), ``precision`` (autocast where FSDP does not cast), ``data`` (loade
 """
 
 from ndparallel.accelerator.core import Accelerator
-from ndparallel.accelerator.data import skip_first_batches
+from ndparallel.accelerator.dealing import skip_first_batches
 from ndparallel.accelerator.options import FullyShardedDataParallelPlugin
 from ndparallel.accelerator.seed import set_seed
 

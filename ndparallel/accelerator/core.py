@@ -1,34 +1,53 @@
 """The Accelerator: 🤗 Accelerate's object for hand-written loops, built on the ndparallel mesh.
 
-The difference from Accelerate is where collectives run: data is split over the ``dp`` view (ranks of one
-tensor/context-parallel group get the same batch), metrics are gathered over ``dp`` and reduced over
-``dp_cp``, and gradient clipping is exact across meshes. docs/accelerate-migration.md lists every keyword
-and method with its Accelerate counterpart.
+Without a parallelism config it is Accelerate's ``Accelerator()``: data parallel over every rank (ndparallel's
+bucketed all-reduce), or FSDP over every rank when launched with FSDP, with Accelerate's data semantics
+(dealing.py). With one, data is split over the ``dp`` view (ranks of one tensor/context-parallel group get the
+same batch), metrics are gathered over ``dp`` and reduced over ``dp_cp``, and gradient clipping is exact across
+meshes. The names live in mixins, one concept each: processes, metrics, checkpointing, trackers, names.
+docs/accelerate-migration.md lists every keyword and method with its Accelerate counterpart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from ndparallel import checkpoint
-from ndparallel.accelerator import data, precision, saving, stepping, trackers
+from ndparallel.accelerator import data, dealing, precision, saving, stepping, trackers
+from ndparallel.accelerator.checkpointing import CheckpointNames
 from ndparallel.accelerator.hf_load import serve_tp_plan_loads
+from ndparallel.accelerator.kwargs import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    check_fields,
+)
+from ndparallel.accelerator.metrics import MetricNames
+from ndparallel.accelerator.names import ReportedNames
 from ndparallel.accelerator.options import (
+    DATA_SHORTHANDS,
     FullyShardedDataParallelPlugin,
-    apply_settings,
+    Handlers,
+    accumulation_plugin,
     check_accelerate_options,
+    data_configuration,
+    project_configuration,
+    resolve_config,
 )
 from ndparallel.accelerator.pipeline import PipelineModel, loss_kind, prepare_pipeline
-from ndparallel.accelerator.stage_optim import StageViews, merge_views, stage_views
+from ndparallel.accelerator.processes import ProcessNames
+from ndparallel.accelerator.state import AcceleratorState, GradientState, distributed_type_of
+from ndparallel.config.accelerate_env import accelerate_launch_settings
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.precision import forward_autocast_dtype, parallelize_config
 from ndparallel.distributed.mesh import Mesh
@@ -54,6 +73,7 @@ def _check_pp_accumulation(pp_size: int, steps: int) -> None:
 
 
 _PREPARED = "_ndp_prepared"  # set on a model prepare() took and on what it returned: a second prepare is refused
+_UNSET = object()
 
 
 def _check_not_prepared(obj: Any) -> None:
@@ -65,12 +85,12 @@ def _check_not_prepared(obj: Any) -> None:
         )
 
 
-class Accelerator:
-    """Mesh, device, mixed precision, gradient accumulation, trackers and checkpoints for a hand-written loop.
+class Accelerator(ProcessNames, MetricNames, CheckpointNames, trackers.TrackerNames, ReportedNames):
+    """Mesh, device, mixed precision, gradient accumulation, data, trackers and checkpoints for a hand-written loop.
 
-    ``Accelerator(parallelism_config, mixed_precision=, gradient_accumulation_steps=, log_with=, project_dir=,
-    fsdp_plugin=, cpu=)`` take Accelerate's meaning; ``device_type=`` and ``mesh=`` are ndparallel's. Other
-    Accelerate keywords are accepted at their default value and refused by name otherwise.
+    Accelerate's keywords take Accelerate's meaning (``Accelerator()`` is data parallel over every rank);
+    ``parallelism_config`` (also first positional), ``device_type=`` and ``mesh=`` are ndparallel's. Settings
+    ndparallel cannot honour are refused by name.
     """
 
     def __init__(
@@ -79,38 +99,60 @@ class Accelerator:
         *,
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        rng_types: list[str] | None = None,
         log_with: Any = None,
         project_dir: str | os.PathLike | None = None,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        cpu: bool = False,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list[Any] | None = None,
         device_type: str | None = None,
         mesh: Mesh | None = None,
         **accelerate_options: Any,
     ):
+        shorthands = {k: accelerate_options.pop(k) for k in DATA_SHORTHANDS if k in accelerate_options}
         check_accelerate_options(accelerate_options)
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-            raise ConfigError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be an integer >= 1")
-        self._tracker_entries = trackers.tracker_names(log_with, project_dir)
-        cfg = parallelism_config or (mesh.config if mesh is not None else ParallelismConfig())
-        if fsdp_plugin is not None:
-            cfg = apply_settings(cfg, fsdp_plugin.settings, "fsdp_plugin")
-        cfg = precision.merge_mixed_precision(cfg, mixed_precision)
-        _check_pp_accumulation(cfg.pp_size, gradient_accumulation_steps)  # before any rank builds a mesh
-        device_type = "cpu" if cpu else (device_type or os.environ.get("NDP_DEVICE") or None)  # launch --cpu-ranks
-        self.mesh = mesh or init_distributed(cfg, device_type=device_type)
-        trackers.check_logging_dir(self._tracker_entries, project_dir)
+        self._data_config = data_configuration(dataloader_config, shorthands)
+        self.project_configuration = project_configuration(project_config, project_dir)
+        plugin = accumulation_plugin(gradient_accumulation_plugin, gradient_accumulation_steps)
+        self.gradient_state = GradientState(plugin.num_steps, plugin.adjust_scheduler, plugin.sync_with_dataloader,
+                                            plugin.sync_each_batch)  # fmt: skip
+        handlers = Handlers(kwargs_handlers)
+        self.ddp_handler, self.init_handler = handlers.ddp_handler, handlers.init_handler
+        self.autocast_handler, self.scaler_handler = handlers.autocast_handler, handlers.scaler_handler
+        self.profile_handler = handlers.profile_handler
+        self.rng_types = dealing.check_rng_types(rng_types)
+        self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
+        self.log_with = log_with
+        self._tracker_entries = trackers.tracker_names(log_with, self.logging_dir)
+        launch = accelerate_launch_settings()
+        self._fsdp_plugin = fsdp_plugin
+        self._sync_from_rank0 = launch.sync_module_states or bool(getattr(fsdp_plugin, "sync_module_states", False))
+        base = parallelism_config or (mesh.config if mesh is not None else None)
+        cfg = resolve_config(base, launch, fsdp_plugin, self.ddp_handler, mixed_precision)
+        _check_pp_accumulation(cfg.pp_size, plugin.num_steps)  # before any rank builds a mesh
+        device_type = "cpu" if cpu or launch.cpu else (device_type or os.environ.get("NDP_DEVICE") or None)
+        timeout = self.init_handler.timeout if self.init_handler is not None else None
+        self.mesh = mesh or init_distributed(
+            cfg, device_type=device_type, timeout_s=timeout and timeout.total_seconds()
+        )
+        trackers.check_logging_dir(self._tracker_entries, self.logging_dir)
         self._config = cfg.resolve(self.mesh.size())
-        _check_pp_accumulation(self._config.pp_size, gradient_accumulation_steps)
+        _check_pp_accumulation(self._config.pp_size, plugin.num_steps)
         self._autocast = forward_autocast_dtype(self._config)
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.project_dir = None if project_dir is None else str(project_dir)
+        self.state = AcceleratorState(self)
         self.step = 0  # micro-batches seen inside accumulate() since the last sync at the end of a loader
-        self.sync_gradients = True
         self.trackers: list[Any] = []
-        self._end_of_loader = False
+        self.flag_tensor = None
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._schedulers: list[Any] = []
+        self._dataloaders: list[Any] = []
+        self._plain_params: dict[int, tuple[weakref.ref, int, str]] = {}  # id -> (param, model index, name)
+        self._init_checkpointing()
         serve_tp_plan_loads()  # from_pretrained(tp_plan="auto", device_mesh=self.torch_device_mesh) -> prepare()
 
     # ------------------------------------------------------------------ where am I
@@ -131,89 +173,117 @@ class Accelerator:
         return self.mesh
 
     @property
+    def distributed_type(self) -> Any:
+        return distributed_type_of(self.num_processes, self.is_fsdp2, self.device.type)
+
+    @property
     def mixed_precision(self) -> str:
         return self._config.mixed_precision
 
     @property
-    def process_index(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def local_process_index(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", self.process_index))
-
-    @property
-    def num_processes(self) -> int:
-        return dist.get_world_size()
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.local_process_index == 0
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
 
     @property
     def logging_dir(self) -> str | None:
-        return self.project_dir
+        return self.project_configuration.logging_dir
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
 
-    def wait_for_everyone(self) -> None:
-        dist.barrier()
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        _check_pp_accumulation(self._config.pp_size, steps)
+        self.gradient_state.num_steps = steps
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first; the others enter it once it has left."""
-        if not self.is_main_process:
-            dist.barrier()
-        yield
-        if self.is_main_process:
-            dist.barrier()
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
 
     # ------------------------------------------------------------------ prepare
-    def prepare(self, *objects: Any) -> Any:
-        """Parallelise models, re-point optimizers at the new parameters, shard data loaders over ``dp``.
-
-        Returns the objects in the same order (one object: that object). Models are parallelised in place
-        (FSDP2 and TP replace parameters by DTensors), so an optimizer built before ``prepare`` is re-pointed
-        at the new parameters by name. Optimizers and schedulers step only when gradients sync.
-        """
+    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+        """Parallelise models, re-point optimizers at the new parameters, shard data loaders over ``dp``, gate
+        schedulers. Returns the objects in the same order (one object: that object). Models are parallelised in
+        place (FSDP2 and TP replace parameters by DTensors), so an optimizer built before ``prepare`` is
+        re-pointed at the new parameters by name. Optimizers and schedulers step only when gradients sync."""
+        if device_placement is not None and not all(device_placement):
+            raise ConfigError("prepare(device_placement=False): ndparallel places every prepared object on its device")
         for obj in objects:
             _check_not_prepared(obj)
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         for optimizer in optimizers:  # before any model changes
-            stepping.check_parameters(optimizer, [*self._models, *models])
+            stepping.check_parameters(optimizer, [*self._models, *models], self._plain_param_ids())
         if optimizers:
             stepping.warn_unstepped([*self._models, *models], [*self._optimizers, *optimizers])
-        names_before = {id(p): (i, n) for i, m in enumerate(models) for n, p in m.named_parameters()}
-        prepared, prepared_models = [], []
-        for obj in objects:
-            if isinstance(obj, nn.Module):
-                plain, obj = obj, self._prepare_model(obj)
-                setattr(plain, _PREPARED, True)
-                setattr(obj, _PREPARED, True)
-                prepared_models.append(obj)
-            elif isinstance(obj, DataLoader):
-                obj = data.shard_loader(
-                    obj, self.mesh.size("dp"), self.mesh.local_rank("dp"), self.device, self._set_end_of_loader
-                )
-            elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-                stepping.step_only_when_syncing(obj, ("step",), lambda: self.sync_gradients)
-                self._schedulers.append(obj)
-            prepared.append(obj)
-        params_after = [_parameters_by_name(m) for m in prepared_models]
-        for obj in optimizers:
-            stepping.repoint(obj, names_before, params_after, drop_absent=self._pp)
-            stepping.step_only_when_syncing(obj, ("step", "zero_grad"), lambda: self.sync_gradients)
-            self._optimizers.append(obj)
-        self._models.extend(prepared_models)
+        prepared = [self.prepare_model(o) if isinstance(o, nn.Module) else o for o in objects]
+        for index, obj in enumerate(prepared):
+            if isinstance(obj, DataLoader):
+                prepared[index] = self.prepare_data_loader(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                prepared[index] = self.prepare_optimizer(obj)
+        for index, obj in enumerate(prepared):
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                prepared[index] = self.prepare_scheduler(obj)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        """Parallelise one model (see :meth:`prepare`)."""
+        _check_not_prepared(model)
+        index = len(self._models)
+        for name, param in model.named_parameters():
+            self._plain_params[id(param)] = (weakref.ref(param), index, name)
+        prepared = self._prepare_model(model)
+        setattr(model, _PREPARED, True)
+        setattr(prepared, _PREPARED, True)
+        self._models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        """Re-point ``optimizer`` at the prepared models' parameters and make it step only when gradients sync."""
+        if getattr(optimizer, stepping.GATE_ATTRIBUTE, False):
+            return optimizer
+        stepping.check_parameters(optimizer, self._models, self._plain_param_ids())
+        old = {key: (index, name) for key, (ref, index, name) in self._plain_params.items() if ref() is not None}
+        stepping.repoint(optimizer, old, [_parameters_by_name(m) for m in self._models], drop_absent=self._pp)
+        stepping.step_only_when_syncing(optimizer, ("step", "zero_grad"), lambda: self.sync_gradients)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """Step ``scheduler`` only when gradients sync, once per data rank (Accelerate's rule; once when
+        batches are split); every call when ``step_scheduler_with_optimizer=False``."""
+        if self.step_scheduler_with_optimizer:
+            steps = 1 if self.split_batches else self.mesh.size("dp")
+            adjust = self.gradient_state.adjust_scheduler
+            stepping.gate_scheduler(scheduler, lambda: self.sync_gradients, steps, adjust)
+        self._schedulers.append(scheduler)
+        return scheduler
+
+    def prepare_data_loader(
+        self, data_loader: DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch=None
+    ):
+        """Shard ``data_loader`` over the data ranks: Accelerate's semantics (dealing.py), or with
+        ``use_seedable_sampler`` ndparallel's seeded DistributedSampler (data.py)."""
+        if slice_fn_for_dispatch is not None:
+            raise ConfigError("prepare_data_loader(slice_fn_for_dispatch=...): ndparallel never dispatches batches")
+        config, ranks, rank = self._data_config, self.mesh.size("dp"), self.mesh.local_rank("dp")
+        if config.use_seedable_sampler:
+            loader = data.shard_loader(data_loader, ranks, rank, self.device, self.gradient_state,
+                                       config.data_seed or 0, config.split_batches)  # fmt: skip
+        else:
+            loader = dealing.deal_loader(data_loader, ranks, rank, self.gradient_state, self.device, config,
+                                         self.rng_types)  # fmt: skip
+        self._dataloaders.append(loader)
+        return loader
+
+    def _plain_param_ids(self) -> set[int]:
+        return {key for key, (ref, _, _) in self._plain_params.items() if ref() is not None}
 
     @property
     def _pp(self) -> bool:
@@ -227,6 +297,8 @@ class Accelerator:
             )
         if self._pp:  # this rank's stages behind one call that runs the pipeline step (pipeline.py)
             return prepare_pipeline(model, self._config, self.mesh)
+        if self._sync_from_rank0:
+            model = saving.take_rank0_weights(model, self.device)
         # Without FSDP the forward autocasts (below); FSDP casts through its policy.
         cfg = parallelize_config(self._config)
         model = parallelize(model.to(self.device), cfg, mesh=self.mesh, blocks=self._blocks(model))
@@ -247,23 +319,35 @@ class Accelerator:
             return []
         return None
 
-    # ------------------------------------------------------------------ gradients
-    def _set_end_of_loader(self, value: bool) -> None:
-        self._end_of_loader = value
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every prepared object (as Accelerate's): returns ``[None] * len(objects)`` to assign back."""
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._plain_params.clear()
+        self.step = 0
+        released: list[None] = [None] * len(objects)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return released
 
+    clear = free_memory
+
+    # ------------------------------------------------------------------ gradients
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
         """One micro-batch: gradients sync (and ``sync_gradients`` is True) on every
         ``gradient_accumulation_steps``-th call, and on the last batch of a prepared loader."""
-        if self._end_of_loader:
+        state = self.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
             self.step, self.sync_gradients = 0, True
         else:
             self.step += 1
-            self.sync_gradients = self.step % self.gradient_accumulation_steps == 0
+            self.sync_gradients = self.step % state.num_steps == 0
+        last = self.sync_gradients or state.sync_each_batch
         with contextlib.ExitStack() as stack:
             for model in models:  # the training step's rule: FSDP reduce-scatters each micro-batch
                 if not isinstance(model, PipelineModel):  # pp: one call is one whole step (accumulation 1)
-                    stack.enter_context(micro_batch_sync(model, last=self.sync_gradients))
+                    stack.enter_context(micro_batch_sync(model, last=last))
             yield
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
@@ -287,14 +371,23 @@ class Accelerator:
             )
         (loss / self.gradient_accumulation_steps).backward(**kwargs)
 
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Nothing to unscale: ndparallel runs no GradScaler (bf16, or fp16 under FSDP with fp32 gradients)."""
+
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Exact global gradient norm over every mesh the parameters live on (and every pipeline stage); clips
         in place."""
         pp_group = self.mesh["pp"].get_group() if self._pp else None
         return clip_grad_norm_(parameters, max_norm, norm_type, pp_group=pp_group)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient to ``[-clip_value, clip_value]`` (element-wise: the same on every shard)."""
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
         """``torch.autocast`` to the mixed-precision dtype where FSDP does not cast (else a no-op)."""
+        if autocast_handler is not None:
+            check_fields(autocast_handler, AutocastKwargs.REFUSED)
         return precision.autocast_context(self.device.type, self._autocast)
 
     def maybe_context_parallel(
@@ -309,52 +402,6 @@ class Accelerator:
         seq_dims = list(buffer_seq_dims) if buffer_seq_dims is not None else []
         return context_parallel(self.mesh, buffers, seq_dims, no_restore_buffers or ())
 
-    # ------------------------------------------------------------------ metrics
-    def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` (dim 0) over the data-parallel ranks, in dp order.
-
-        Ranks of one tensor/context-parallel group hold the same batch, so gathering over ``dp``
-        (not the world) returns each sample once.
-        """
-        group = self.mesh["dp"].get_group()
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts)
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
-        """Sum or mean of ``tensor * scale`` over ``dp_cp`` (every rank that saw different tokens)."""
-        if reduction not in ("mean", "sum"):
-            raise ConfigError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-        group = self.mesh["dp_cp"].get_group()
-        result = tensor.detach().clone() * scale
-        dist.all_reduce(result, group=group)
-        return result / dist.get_world_size(group) if reduction == "mean" else result
-
-    # ------------------------------------------------------------------ trackers
-    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        """Start the ``log_with`` trackers on the main process (files under ``project_dir/project_name``)."""
-        if self.is_main_process:
-            self.trackers = trackers.make_trackers(
-                self._tracker_entries, project_name, self.logging_dir, init_kwargs or {}
-            )
-            for tracker in self.trackers:
-                if config is not None:
-                    tracker.store_init_configuration(config)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker ``name``; on the other processes a tracker that does nothing (as Accelerate)."""
-        if not self.is_main_process:
-            return trackers.BlankTracker()
-        for tracker in self.trackers:
-            if getattr(tracker, "name", None) == name:
-                return tracker.tracker if unwrap else tracker
-        raise ConfigError(f"no tracker named {name!r}: log_with has {[getattr(t, 'name', t) for t in self.trackers]}")
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict | None = None) -> None:
-        """Log ``values`` to every tracker (main process only)."""
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **(log_kwargs or {}).get(getattr(tracker, "name", ""), {}))
-
     def end_training(self) -> None:
         """Finish the trackers and tear down the process group."""
         for tracker in self.trackers:
@@ -362,7 +409,7 @@ class Accelerator:
         self.trackers = []
         destroy_distributed()
 
-    # ------------------------------------------------------------------ weights and state
+    # ------------------------------------------------------------------ weights
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """The module prepare() returned, without the autocast forward (``keep_fp32_wrapper=False``, in place)
         or a ``torch.compile`` wrapper (``keep_torch_compile=False``). Parameters stay sharded."""
@@ -372,60 +419,9 @@ class Accelerator:
             precision.unwrap_autocast(model)
         return model
 
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """Full (gathered) CPU tensors on the main process, ``{}`` elsewhere; every rank must call it."""
-        return saving.full_state_dict(getattr(model, "_orig_mod", model))
-
-    def save_model(
-        self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size="10GB", safe_serialization=True
-    ) -> None:
-        """Full weights as ``model.safetensors`` (sharded above ``max_shard_size``); every rank calls it."""
-        saving.save_model(getattr(model, "_orig_mod", model), save_directory, max_shard_size, safe_serialization)
-
-    def save_state(self, path: str, **state: Any) -> str:
-        """Checkpoint the prepared model, optimizer and schedulers (DCP; loadable on any mesh). Under pp: this
-        rank's stage modules, with one view of the optimizer per stage (format 3, as ``ndparallel train``)."""
-        model, optimizer, views = self._checkpoint_parts()
-        if self._schedulers:
-            state["schedulers"] = [stepping.scheduler_state(s) for s in self._schedulers]
-        path = checkpoint.save(path, model, optimizer, accelerator_step=self.step, **state)
-        if views is not None:
-            merge_views(self._optimizers[0], views)  # a save before the first step initialises the state
-        return path
-
-    def load_state(self, path: str) -> dict[str, Any]:
-        """Restore what ``save_state`` wrote; returns the extra state."""
-        model, optimizer, views = self._checkpoint_parts()
-        state = checkpoint.load(path, model, optimizer)
-        if views is not None:
-            merge_views(self._optimizers[0], views)
-        for scheduler, saved in zip(self._schedulers, state.pop("schedulers", []), strict=False):
-            scheduler.load_state_dict(saved)
-        self.step = int(state.pop("accelerator_step", 0))
-        return state
-
-    def _checkpoint_parts(self) -> tuple[Any, Any, StageViews | None]:
-        """What ``checkpoint.save``/``load`` take: the model and optimizer, or (pp) the stage modules and one
-        optimizer view per stage (then also the views, to merge back)."""
-        model, optimizer = self._single_model_and_optimizer()
-        if not isinstance(model, PipelineModel):
-            return model, optimizer, None
-        if optimizer is None:
-            return model.stages, None, None
-        views = stage_views(optimizer, model.stages)
-        return model.stages, [view for view, _ in views], views
-
-    def _single_model_and_optimizer(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        if len(self._models) != 1 or len(self._optimizers) > 1:
-            raise ConfigError(
-                f"save_state/load_state handle one prepared model and at most one optimizer, got "
-                f"{len(self._models)} and {len(self._optimizers)}; call ndparallel.checkpoint.save per model"
-            )
-        return self._models[0], (self._optimizers[0] if self._optimizers else None)
-
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """``dataloader``'s next pass without its first ``num_batches`` batches (resuming inside an epoch)."""
-        return data.skip_first_batches(dataloader, num_batches)
+        return dealing.skip_first_batches(dataloader, num_batches)
 
 
 def _parameters_by_name(model: nn.Module | PipelineModel) -> dict[str, list[nn.Parameter]]:

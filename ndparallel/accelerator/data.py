@@ -4,7 +4,7 @@ device, flag the last batch (gradients sync there, as in Accelerate) and skip al
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,33 +15,40 @@ from ndparallel.errors import ConfigError
 __all__ = ["EpochLoader", "shard_loader", "skip_first_batches", "to_device"]
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor inside (dicts, lists, tuples, nested) moved to ``device``."""
+def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """``batch`` with every tensor inside (dicts, lists, tuples, nested, objects with ``.to``) moved to ``device``."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+        return type(batch)({k: to_device(v, device, non_blocking) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
+        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    if hasattr(batch, "to") and callable(batch.to):
+        return batch.to(device)
     return batch
 
 
 class EpochLoader(DataLoader):
-    """A DataLoader over a DistributedSampler: advances the sampler's epoch on every pass (shuffling differs
-    between epochs, the same on every rank), moves batches to ``device`` and reports the last batch of a pass
-    to ``on_last`` (``on_last(True)`` while it is being used, ``on_last(False)`` after)."""
+    """A DataLoader over a DistributedSampler (``use_seedable_sampler=True``): advances the sampler's epoch on
+    every pass (shuffling differs between epochs, the same on every rank), moves batches to ``device`` and tells
+    ``gradient_state`` where it is (the last batch of a pass is known while the loop body runs on it)."""
 
-    def __init__(self, *args: Any, device: torch.device | None, on_last: Callable[[bool], None], **kwargs: Any):
+    def __init__(self, *args: Any, device: torch.device | None, gradient_state: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._device = device
-        self._on_last = on_last
+        self.gradient_state = gradient_state
         self._epoch = 0
+        self.end_of_dataloader = False
+        self.remainder = -1
 
     def _next_epoch(self) -> None:
         self.sampler.set_epoch(self._epoch)
         self._epoch += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
         self._next_epoch()
@@ -49,21 +56,23 @@ class EpochLoader(DataLoader):
 
     def _flagged(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Yield ``batches`` one ahead, so the last one is known while the loop body runs on it."""
+        self.end_of_dataloader = False
+        self.gradient_state.add_loader(self)
         try:
-            current = next(batches)
-        except StopIteration:
-            return
-        for upcoming in batches:
-            yield self._placed(current)
-            current = upcoming
-        self._on_last(True)
-        try:
-            yield self._placed(current)
+            current = next(batches, _END)
+            while current is not _END:
+                upcoming = next(batches, _END)
+                self.end_of_dataloader = upcoming is _END
+                yield self._placed(current)
+                current = upcoming
         finally:
-            self._on_last(False)
+            self.gradient_state.remove_loader(self)
 
     def _placed(self, batch: Any) -> Any:
         return batch if self._device is None else to_device(batch, self._device)
+
+
+_END = object()
 
 
 def shard_loader(
@@ -71,20 +80,29 @@ def shard_loader(
     dp_size: int,
     dp_rank: int,
     device: torch.device | None,
-    on_last: Callable[[bool], None],
+    gradient_state: Any,
+    seed: int = 0,
+    split_batches: bool = False,
 ) -> EpochLoader:
     """``loader`` rebuilt over a DistributedSampler on the dp view: rank ``r`` gets samples ``r, r + dp, ...``
-    of each pass (``drop_last``: every rank the same number of batches), ``batch_size`` samples per batch."""
+    of each pass (``drop_last``: every rank the same number of batches), ``batch_size`` samples per batch
+    (``split_batches``: ``batch_size / dp``, so that one step's batches together are the loader's batch)."""
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_size is None:
         raise ConfigError(
             "prepare() shards a DataLoader built with batch_size= and no DistributedSampler; "
             "shard your own loader by accelerator.mesh.local_rank('dp') instead"
+        )
+    if split_batches and loader.batch_size % dp_size:
+        raise ConfigError(
+            f"split_batches=True splits each batch over the {dp_size} data ranks, but the batch size is "
+            f"{loader.batch_size}; use a batch size divisible by {dp_size}"
         )
     sampler = DistributedSampler(
         loader.dataset,
         num_replicas=dp_size,
         rank=dp_rank,
         shuffle=not isinstance(loader.sampler, SequentialSampler),
+        seed=seed,
         drop_last=True,
     )
     options = {}
@@ -92,7 +110,7 @@ def shard_loader(
         options = dict(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)
     return EpochLoader(
         loader.dataset,
-        batch_size=loader.batch_size,
+        batch_size=loader.batch_size // dp_size if split_batches else loader.batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
@@ -102,7 +120,7 @@ def shard_loader(
         worker_init_fn=loader.worker_init_fn,
         generator=loader.generator,
         device=device,
-        on_last=on_last,
+        gradient_state=gradient_state,
         **options,
     )
 
@@ -139,7 +157,8 @@ class _SkippedEpoch(EpochLoader):
         )
         self._original = original
         self._device = original._device
-        self._on_last = original._on_last
+        self.gradient_state = original.gradient_state
+        self.end_of_dataloader, self.remainder = False, -1
 
     def _next_epoch(self) -> None:
         self._original._next_epoch()

@@ -18,7 +18,7 @@ from ndparallel.accelerator.pipeline import PipelineModel
 from ndparallel.distributed.agree import agree
 from ndparallel.errors import ConfigError
 
-__all__ = ["full_state_dict", "install_save_pretrained", "parse_size", "save_model"]
+__all__ = ["full_state_dict", "install_save_pretrained", "parse_size", "save_model", "take_rank0_weights"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -134,3 +134,19 @@ def install_save_pretrained(model: nn.Module) -> None:
         return gather_and_save(model, save_directory)
 
     model.save_pretrained = save_pretrained
+
+
+def take_rank0_weights(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with every parameter and buffer overwritten by rank 0's (one broadcast each over the world), as
+    Accelerate's FSDP2 preparation does with ``sync_module_states`` / ``cpu_ram_efficient_loading``. A model whose
+    weights are on the meta device (transformers' ``from_pretrained`` leaves them there on the other ranks under
+    ``accelerate launch --use_fsdp``) is given storage first."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model = model.to_empty(device=device)
+    else:
+        model = model.to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+    return model

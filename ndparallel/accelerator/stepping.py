@@ -22,6 +22,7 @@ from ndparallel.errors import ConfigError
 __all__ = [
     "GATE_ATTRIBUTE",
     "check_parameters",
+    "gate_scheduler",
     "repoint",
     "scheduler_state",
     "step_only_when_syncing",
@@ -80,11 +81,12 @@ def scheduler_state(scheduler: Any) -> dict[str, Any]:
     return {k: v for k, v in scheduler.state_dict().items() if k not in patched}
 
 
-def check_parameters(optimizer: torch.optim.Optimizer, models: list[Any]) -> None:
+def check_parameters(optimizer: torch.optim.Optimizer, models: list[Any], plain: set[int] = frozenset()) -> None:
     """Refuse an optimizer holding a parameter that none of ``models`` (those being prepared, and those prepared
-    before) holds: such a parameter is not parallelised and gets no gradient from the prepared model (so it
-    never changes), or no gradient sync (so the ranks drift apart)."""
-    own = {id(p) for model in models for p in model.parameters()}
+    before) holds, nor the unprepared models had (``plain``: their parameters' ids): such a parameter is not
+    parallelised and gets no gradient from the prepared model (so it never changes), or no gradient sync (so
+    the ranks drift apart)."""
+    own = {id(p) for model in models for p in model.parameters()} | set(plain)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     foreign = [p for p in params if id(p) not in own]
     if not foreign:
@@ -118,3 +120,33 @@ def warn_unstepped(models: list[Any], optimizers: list[torch.optim.Optimizer]) -
                 "never change; add them to the optimizer, or freeze them with requires_grad_(False)",
                 stacklevel=3,
             )
+
+
+def _count_skipped_step(scheduler: Any) -> None:
+    # torch's LRScheduler counts step() calls in the private `_step_count` (OneCycleLR stops at total_steps, and
+    # the "scheduler before optimizer" warning reads it); Accelerate counts a skipped call there too.
+    scheduler._step_count += 1
+
+
+def gate_scheduler(scheduler: Any, syncing: Callable[[], bool], steps_per_call: int, adjust: bool) -> None:
+    """Accelerate's prepared scheduler: ``step()`` does nothing while gradients do not sync (with ``adjust``, the
+    call is still counted), and otherwise steps ``steps_per_call`` times: once per data rank, because each
+    optimizer step consumed that many batches of the loader the schedule was sized for (one when batches are
+    split over the ranks). A scheduler with ``total_steps`` (OneCycleLR) stops there."""
+    if getattr(scheduler, GATE_ATTRIBUTE, False):
+        return
+    original = scheduler.step
+
+    @functools.wraps(original)
+    def gated(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not syncing():
+            if adjust:
+                _count_skipped_step(self)
+            return
+        for _ in range(steps_per_call):
+            total = getattr(self, "total_steps", None)
+            if total is None or self._step_count <= total:
+                original(*args, **kwargs)
+
+    scheduler.step = types.MethodType(gated, scheduler)
+    setattr(scheduler, GATE_ATTRIBUTE, ("step",))

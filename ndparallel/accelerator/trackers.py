@@ -30,6 +30,7 @@ __all__ = [
     "BlankTracker",
     "JSONLTracker",
     "TensorBoardTracker",
+    "TrackerNames",
     "check_logging_dir",
     "make_trackers",
     "tracker_names",
@@ -201,3 +202,29 @@ def make_trackers(
         kind = JSONLTracker if entry == "jsonl" else TensorBoardTracker
         trackers.append(kind(project_name, logging_dir, **init_kwargs.get(entry, {})))
     return trackers
+
+
+class TrackerNames:
+    """The Accelerator's tracker methods. Needs ``self._tracker_entries``, ``self.logging_dir``."""
+
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Start the ``log_with`` trackers on the main process (files under ``project_dir/project_name``)."""
+        if self.is_main_process:
+            self.trackers = make_trackers(self._tracker_entries, project_name, self.logging_dir, init_kwargs or {})
+            for tracker in self.trackers:
+                if config is not None:
+                    tracker.store_init_configuration(config)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker ``name``; on the other processes a tracker that does nothing (as Accelerate)."""
+        if not self.is_main_process:
+            return BlankTracker()
+        for tracker in self.trackers:
+            if getattr(tracker, "name", None) == name:
+                return tracker.tracker if unwrap else tracker
+        raise ConfigError(f"no tracker named {name!r}: log_with has {[getattr(t, 'name', t) for t in self.trackers]}")
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Log ``values`` to every tracker (main process only)."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(getattr(tracker, "name", ""), {}))

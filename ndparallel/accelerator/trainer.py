@@ -304,6 +304,7 @@ class NDParallelTrainerMixin:
             mixed_precision=None if self.args.mixed_precision == "no" else self.args.mixed_precision,
             gradient_accumulation_steps=1,  # the Trainer accumulates (and scales the loss) itself
             cpu=bool(self.args.use_cpu),
+            use_seedable_sampler=True,  # the Trainer's default (AcceleratorConfig); dataset_order relies on it
         )
         _refuse_unsupported(self.args, accelerator.parallelism_config, accelerator.num_processes)
         self.accelerator = TrainerAccelerator(accelerator)

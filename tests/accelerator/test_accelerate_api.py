@@ -15,6 +15,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import ndparallel as ndp
 from ndparallel.accelerator import Accelerator, FullyShardedDataParallelPlugin
 from ndparallel.errors import ConfigError
+from ndparallel.utils import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+)
 
 
 @pytest.fixture
@@ -145,11 +151,23 @@ def test_accelerate_keywords(single_process, tmp_path):
         ({"log_with": "jsonl"}, ConfigError, "project_dir"),
         ({"mixed_precision": "fp8"}, ConfigError, "fp8"),
         ({"mixed_precision": "fp16"}, ConfigError, "loss scaler"),  # no FSDP on one process: autocast fp16
-        ({"split_batches": True}, ConfigError, "split_batches=True"),
         ({"dynamo_backend": "inductor"}, ConfigError, "compile="),
         ({"dispatch_batches": True}, ConfigError, "dispatch_batches=True\\) is not supported"),
-        ({"even_batches": True}, ConfigError, "even_batches=True\\) is not supported.*dropping"),
-        ({"even_batches": False}, ConfigError, "even_batches=False\\) .*hang a collective"),
+        ({"dataloader_config": DataLoaderConfiguration(use_stateful_dataloader=True)}, ConfigError, "skip_first"),
+        (
+            {"dataloader_config": DataLoaderConfiguration(even_batches=False), "even_batches": True},
+            ConfigError,
+            "disagree",
+        ),
+        ({"kwargs_handlers": [DistributedDataParallelKwargs(comm_hook="fp16")]}, ConfigError, "comm_hook='fp16'"),
+        ({"kwargs_handlers": [InitProcessGroupKwargs(init_method="tcp://x")]}, ConfigError, "init_method"),
+        ({"kwargs_handlers": [object()]}, ConfigError, "kwargs_handlers: object is not supported"),
+        ({"rng_types": ["xla"]}, ConfigError, "rng_types=\\['xla'\\]"),
+        (
+            {"gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=2), "gradient_accumulation_steps": 2},
+            ConfigError,
+            "not both",
+        ),
         ({"deepspeed_plugin": object()}, ConfigError, "DeepSpeed has no ndparallel equivalent"),
         ({"fsdp_plugin": "x", "no_such_keyword": 1}, TypeError, "no_such_keyword"),
         ({"gradient_accumulation_steps": 0}, ConfigError, "gradient_accumulation_steps"),
@@ -165,10 +183,16 @@ def test_accelerate_keywords_refused_by_name(single_process, kwargs, error, mess
         Accelerator(**kwargs)
 
 
-def test_use_seedable_sampler_is_what_prepare_does(single_process):
-    """Both values are accepted: prepared loaders shuffle reproducibly anyway (the same order on every run)."""
-    for value in (True, False):
-        assert Accelerator(use_seedable_sampler=value).gradient_accumulation_steps == 1
+def test_data_settings_are_read_from_the_configuration_or_the_keywords(single_process):
+    config = DataLoaderConfiguration(split_batches=True, even_batches=False, non_blocking=True)
+    acc = Accelerator(dataloader_config=config, use_seedable_sampler=False)
+    assert (acc.split_batches, acc.even_batches, acc.non_blocking, acc.use_seedable_sampler) == (
+        True,
+        False,
+        True,
+        False,
+    )
+    assert Accelerator(use_seedable_sampler=True).dataloader_config.use_seedable_sampler
 
 
 def test_fsdp_plugin_refusals():
@@ -255,8 +279,9 @@ def test_prepared_loader_syncs_at_its_end_and_skips_batches(single_process):
         with acc.accumulate():
             syncs.append(acc.sync_gradients)
     assert syncs == [False, False, True, False, False, True, False, True]
-    assert not acc._end_of_loader
+    assert not acc.gradient_state.end_of_dataloader and not acc.gradient_state.in_dataloader
 
+    acc = Accelerator(gradient_accumulation_steps=3, device_type="cpu", use_seedable_sampler=True)
     reference = acc.prepare(DataLoader(dataset, batch_size=2, shuffle=True))
     epochs = [[b.tolist() for (b,) in reference] for _ in range(2)]
     fresh = acc.prepare(DataLoader(dataset, batch_size=2, shuffle=True))

@@ -135,7 +135,7 @@ def _train(acc: Any, case: str, ckpt: str, resume: bool = False) -> dict[str, An
         model = _model(router, seed)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **{**OPTIM, "lr": 0.5 if resume else 1e-2})
     scheduler = _schedule(optimizer)
-    loader = DataLoader(TensorDataset(*_data(ignored)), batch_size=BATCH // acc.mesh.size("dp"), shuffle=False)
+    loader = DataLoader(TensorDataset(*_data(ignored)), batch_size=BATCH, shuffle=False)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     assert isinstance(model, PipelineModel) == pp
     fresh = all(not b.any() for n, m in _named_modules(model) for b in m.buffers(recurse=False) if "router" in n)
@@ -179,7 +179,9 @@ def _group(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for case, (parallel, _, _) in CASES.items():
         started = time.perf_counter()
-        acc = Accelerator(ParallelismConfig(**parallel))
+        acc = Accelerator(
+            ParallelismConfig(**parallel), split_batches=True, use_seedable_sampler=True
+        )  # rank r: rows r, r + dp ...
         out[case] = _train(acc, case, f"{root}/state")
         if case == "pp2 x ep2":
             out["pp2 x ep2, resumed"] = _train(acc, case, f"{root}/state", resume=True)

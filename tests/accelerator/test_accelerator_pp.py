@@ -118,7 +118,7 @@ def _train(acc, kind: str, ref: dict, ckpt: str, resume_from: int | None = None)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)  # built before prepare
     scheduler = _schedule(optimizer)
     tokens, labels = _data()
-    loader = DataLoader(TensorDataset(tokens, labels), batch_size=BATCH // acc.mesh.size("dp"), shuffle=False)
+    loader = DataLoader(TensorDataset(tokens, labels), batch_size=BATCH, shuffle=False)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     held = {id(p) for p in model.parameters()}
     # the stages' parameters exactly, a tied weight's copies included (others dropped)
@@ -203,7 +203,9 @@ def _cases(cases: list[dict], refs: dict, root: str) -> list[dict]:
         cfg = ParallelismConfig(**case["parallel"])
         key = tuple(cfg.sizes.values())
         meshes[key] = meshes.get(key) or init_distributed(cfg)
-        acc = Accelerator(cfg, mesh=meshes[key])
+        acc = Accelerator(
+            cfg, mesh=meshes[key], split_batches=True, use_seedable_sampler=True
+        )  # rank r: rows r, r + dp ...
         kind = case.get("ref", "transformer")
         ref, ckpt = refs[kind], f"{root}/ckpt{i}"
         run = _train(acc, kind, ref, ckpt)
