@@ -33,7 +33,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.config.sequence import check_sequence_length, cp_chunks
+from ndparallel.config.sequence import check_sequence_length
+from ndparallel.distributed.documents import shard_indices
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.ring import ROTATE_METHODS, ring_attention
 from ndparallel.errors import ConfigError
@@ -66,13 +67,7 @@ def validate_sequence_length(seq_len: int, cp_size: int, load_balance: bool, wha
 def sequence_indices(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool, device=None) -> torch.Tensor:
     """Global positions held by ``cp_rank``: chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` (head-tail), else block ``r``."""
     check_sequence_length(seq_len, cp_size, 1, load_balance)
-    if cp_chunks(cp_size, load_balance) == cp_size:  # one contiguous block per rank
-        n = seq_len // cp_size
-        return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
-    c = seq_len // (2 * cp_size)
-    head = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
-    tail_start = (2 * cp_size - 1 - cp_rank) * c
-    return torch.cat((head, torch.arange(tail_start, tail_start + c, device=device)))
+    return shard_indices(seq_len, cp_size, cp_rank, load_balance, device)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int, load_balance: bool) -> torch.Tensor:
