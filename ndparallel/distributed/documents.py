@@ -72,6 +72,7 @@ class DocumentMask:
 
     query_docs: torch.Tensor
     key_docs: torch.Tensor
+    delivered: int = field(default=0, compare=False)  # attention calls that received it (a model-level check)
     _blocks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
