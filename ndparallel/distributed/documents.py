@@ -123,9 +123,13 @@ class DocumentMask:
         return same & allowed
 
     def dense(self, window: int | None = None) -> torch.Tensor:
-        """``[batch, seq, seq]`` bool over the whole sequence in natural order (all-to-all and local attention)."""
-        index = torch.arange(self.seq_len, device=self.query_docs.device)
-        return self.visible(index, index, window)
+        """``[batch, seq, seq]`` bool over the whole sequence in natural order (all-to-all and local attention);
+        built once per window and kept (every layer of a forward, and their backward, share it)."""
+        key = ("dense", window)
+        if key not in self._blocks:
+            index = torch.arange(self.seq_len, device=self.query_docs.device)
+            self._blocks[key] = self.visible(index, index, window)
+        return self._blocks[key]
 
     def block(self, q_index: torch.Tensor, k_index: torch.Tensor, window: int | None, key: tuple) -> BlockMask | None:
         """The block of queries ``q_index`` and keys ``k_index``: :data:`SKIP`, or how to run it (cached by ``key``,

@@ -38,7 +38,8 @@ OVERRIDES = {
     "qwen2_moe": {"use_sliding_window": False, "output_router_logits": False},
 }
 EAGER = ("gemma2",)
-FP32_INSIDE = ("gemma2",)  # float32 softmax inside a float64 model: held to 10x its own floor (tolerance())
+# float32 norms or softmax inside a float64 model: held to 10x its own floor (tolerance()); the zoo's list beside
+FP32_INSIDE = ("gemma2",)
 CORE = ("llama", "gemma2", "qwen2_moe")
 LAYOUTS = {
     2: {"tp2": {"tp_size": 2}, "cp2": {"cp_size": 2}, "cp2_a2a": {"cp_size": 2, "cp_rotate_method": "alltoall"}},
@@ -56,13 +57,21 @@ NO_TP = ("qwen2_moe",)  # fused experts: tensor parallel refused by name (expert
 
 
 def build(model_type: str):
+    """The tiny float64 model: ``OVERRIDES``, else the zoo's overrides and attention (tests/models/test_hf_zoo.py)."""
     from ndparallel.hf import tiny_config
+    from tests.models.test_hf_zoo import ARCHS, attention_of
 
-    config = tiny_config(model_type, **OVERRIDES.get(model_type, {}))
+    config = tiny_config(model_type, **OVERRIDES.get(model_type, ARCHS.get(model_type, {})))
     config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
     torch.manual_seed(0)
-    attn = "eager" if model_type in EAGER else "sdpa"
+    attn = "eager" if model_type in EAGER else attention_of(model_type)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
+
+
+def _eager(model_type: str) -> bool:
+    from tests.models.test_hf_zoo import attention_of
+
+    return model_type in EAGER or attention_of(model_type) == "eager"
 
 
 def batch(kind: str, vocab: int, left: bool = True) -> dict[str, torch.Tensor]:
@@ -101,20 +110,25 @@ def _scaled(logits, labels, total: int, ranks: int) -> torch.Tensor:
     return cross_entropy_loss(logits, labels) * (int((labels != -100).sum()) * ranks / total)
 
 
-def train(model_type: str, kind: str, parallel: dict | None) -> dict:
-    """One AdamW-free step: the loss, grad norm and gradients; ``parallel=None``: one process."""
+def train(model_type: str, kind: str, parallel: dict | str | None) -> dict:
+    """One step's loss, grad norm and gradients; ``parallel=None``: one process, ``"halves"``: one process, the
+    batch as two accumulated halves (a model's own round-off floor)."""
     import ndparallel as ndp
     from ndparallel.distributed.reduce import average_over
     from ndparallel.parallel.clip import clip_grad_norm_
     from ndparallel.parallel.context_parallel import context_parallel
 
     model = build(model_type)
-    data = batch(kind, model.config.vocab_size, left=model_type not in EAGER)
+    data = batch(kind, model.config.vocab_size, left=not _eager(model_type))
     total = int((data["labels"] != -100).sum())
-    if parallel is None:
-        loss = _scaled(model(**_without_labels(data), use_cache=False).logits, data["labels"], total, 1)
-        loss.backward()
-        return {"loss": loss.item(), "grads": full_grads(model), "norm": clip_grad_norm_(model.parameters(), NO_CLIP)}
+    if parallel is None or parallel == "halves":  # one process; "halves": the batch as two accumulated halves
+        loss_sum = 0.0
+        for part in [slice(0, BATCH // 2), slice(BATCH // 2, BATCH)] if parallel else [slice(0, BATCH)]:
+            rows = {k: v[part] for k, v in data.items()}
+            loss = _scaled(model(**_without_labels(rows), use_cache=False).logits, rows["labels"], total, 1)
+            loss.backward()
+            loss_sum += loss.item()
+        return {"loss": loss_sum, "grads": full_grads(model), "norm": clip_grad_norm_(model.parameters(), NO_CLIP)}
     mesh = _mesh(parallel)
     if mesh.size("pp") > 1:
         return _train_pipeline(model, mesh, data, total)
@@ -199,11 +213,21 @@ def _difference(a: dict, b: dict) -> float:
 
 
 def tolerance(model_type: str, kind: str) -> float:
-    """1e-10; for a model with a float32 softmax inside, 10x the difference a float64 softmax makes in one process
-    (measured 3.5e-8 on Gemma 2's packed batch: the ring and tp's masked attention compute it in float64)."""
-    if model_type not in FP32_INSIDE:
+    """1e-10; for a model computing in float32 inside, 10x its own floor in one process: the larger of what a
+    float64 softmax changes (measured 3.5e-8 on Gemma 2's packed batch: the ring and tp's masked attention
+    compute in float64) and what the batch as two accumulated halves changes (float32 norms)."""
+    from tests.models.test_hf_zoo import FP32_INSIDE as ZOO_FP32_INSIDE
+
+    if model_type not in FP32_INSIDE + ZOO_FP32_INSIDE:
         return 1e-10
-    return max(1e-10, 10 * _difference(reference(model_type, kind, True), reference(model_type, kind)))
+    ref = reference(model_type, kind)
+    floor = max(_difference(reference(model_type, kind, True), ref), _difference(_halves(model_type, kind), ref))
+    return max(1e-10, 10 * floor)
+
+
+@functools.cache
+def _halves(model_type: str, kind: str) -> dict:
+    return train(model_type, kind, "halves")
 
 
 def check(results: list[dict], cases: list[tuple]) -> list[str]:
