@@ -46,6 +46,7 @@ class BlockMask:
 
     causal: bool = False
     mask: torch.Tensor | None = None
+    pieces: list[Piece] | None = None  # the mask as a few unmasked / causal rectangles (documents, no window)
     _additive: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -64,6 +65,18 @@ class BlockMask:
 
 
 SKIP = None  # a fully masked block: not computed at all
+MAX_PIECES = 32  # more rectangles than this in one block: one masked kernel call is cheaper than the calls
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rectangle of a block that one document fills: rows ``rows`` of batch rows ``batch`` see keys ``cols``
+    (block-local slices), all of them, or (``causal``) each row ``i`` the keys up to ``i`` (top-left aligned)."""
+
+    batch: slice
+    rows: slice
+    cols: slice
+    causal: bool
 
 
 @dataclass
@@ -136,8 +149,33 @@ class DocumentMask:
         which must name the block and window uniquely)."""
         cache_key = (*key, window)
         if cache_key not in self._blocks:
-            self._blocks[cache_key] = _classify(self.visible(q_index, k_index, window), q_index, k_index)
+            block = _classify(self.visible(q_index, k_index, window), q_index, k_index)
+            if block is not None and block.mask is not None and window is None:
+                block.pieces = self._pieces(q_index.cpu(), k_index.cpu())
+            self._blocks[cache_key] = block
         return self._blocks[cache_key]
+
+    def _pieces(self, q_index: torch.Tensor, k_index: torch.Tensor) -> list[Piece] | None:
+        """The visible part of a block as rectangles, each one document's run of queries against a run of its keys:
+        earlier keys fully visible, the keys from the first query on causal. None when more than ``MAX_PIECES``."""
+        pieces: list[Piece] = []
+        for b in range(self.batch):
+            q_runs = _runs(self.query_docs[b, q_index].cpu(), q_index)
+            k_runs = _runs(self.key_docs[b, k_index].cpu(), k_index)
+            rows = slice(b, b + 1) if self.batch > 1 else slice(None)
+            for doc, (qs, qe), (ga, gb) in q_runs:
+                for kdoc, (ks, _), (ka, kb) in k_runs:
+                    if kdoc != doc or doc < 0:
+                        continue
+                    if ka < ga:  # keys before every query of the run: all visible
+                        end = min(kb, ga)
+                        pieces.append(Piece(rows, slice(qs, qe), slice(ks, ks + end - ka), False))
+                    a, b_end = max(ka, ga), min(kb, gb)
+                    if a < b_end:  # keys from query index a on: causal, aligned at a
+                        pieces.append(Piece(rows, slice(qs + a - ga, qe), slice(ks + a - ka, ks + b_end - ka), True))
+            if len(pieces) > MAX_PIECES:
+                return None
+        return pieces
 
 
 def _classify(visible: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor) -> BlockMask | None:
@@ -149,3 +187,14 @@ def _classify(visible: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tenso
     if diagonal and bool((visible == torch.ones_like(visible[0]).tril()).all()):
         return BlockMask(causal=True)
     return BlockMask(mask=visible)
+
+
+def _runs(docs: torch.Tensor, index: torch.Tensor) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """Maximal runs of one document over consecutive global indices: ``(doc, (local start, end), (global start,
+    end))`` each."""
+    breaks = torch.ones(len(docs), dtype=torch.bool)
+    breaks[1:] = (docs[1:] != docs[:-1]) | (index[1:] != index[:-1] + 1)
+    starts = breaks.nonzero().flatten().tolist() + [len(docs)]
+    return [
+        (int(docs[s]), (s, e), (int(index[s]), int(index[s]) + e - s)) for s, e in zip(starts, starts[1:], strict=False)
+    ]
