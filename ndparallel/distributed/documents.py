@@ -71,7 +71,7 @@ MAX_PIECES = 32  # more rectangles than this in one block: one masked kernel cal
 @dataclass(frozen=True)
 class Piece:
     """A rectangle of a block that one document fills: rows ``rows`` of batch rows ``batch`` see keys ``cols``
-    (block-local slices), all of them, or (``causal``) each row ``i`` the keys up to ``i`` (top-left aligned)."""
+    (block-local slices), all of them, or (``causal``, always square) each row ``i`` the keys up to ``i``."""
 
     batch: slice
     rows: slice
@@ -171,8 +171,11 @@ class DocumentMask:
                         end = min(kb, ga)
                         pieces.append(Piece(rows, slice(qs, qe), slice(ks, ks + end - ka), False))
                     a, b_end = max(ka, ga), min(kb, gb)
-                    if a < b_end:  # keys from query index a on: causal, aligned at a
-                        pieces.append(Piece(rows, slice(qs + a - ga, qe), slice(ks + a - ka, ks + b_end - ka), True))
+                    if a < b_end:  # keys a..b_end: a square causal piece aligned at a, then the rows after b_end
+                        cols = slice(ks + a - ka, ks + b_end - ka)
+                        pieces.append(Piece(rows, slice(qs + a - ga, qs + b_end - ga), cols, True))
+                        if b_end < gb:  # see every one of those keys (square: no kernel's causal alignment matters)
+                            pieces.append(Piece(rows, slice(qs + b_end - ga, qe), cols, False))
             if len(pieces) > MAX_PIECES:
                 return None
         return pieces

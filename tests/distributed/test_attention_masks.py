@@ -77,12 +77,14 @@ def _error(rotate: str, balanced: bool, dtype: torch.dtype, documents, window) -
 
 
 def masked_parity() -> dict:
-    """Every (mask, rotate, balanced, dtype) on this group: the worst error."""
+    """Every (mask, rotate, balanced) in float64 on this group, and the ring's fp32 kernel: the worst error."""
     results = {}
-    for (name, (documents, window)), rotate, balanced, dtype in itertools.product(
-        masks().items(), ("ring", "allgather", "alltoall"), (True, False), (torch.float64, torch.float32)
+    for (name, (documents, window)), rotate, balanced in itertools.product(
+        masks().items(), ("ring", "allgather", "alltoall"), (True, False)
     ):
-        results[(name, rotate, balanced, str(dtype))] = _error(rotate, balanced, dtype, documents, window)
+        results[(name, rotate, balanced, "float64")] = _error(rotate, balanced, torch.float64, documents, window)
+        if rotate == "ring" and balanced:  # the CPU flash kernel (fp32): its additive mask and rectangles
+            results[(name, rotate, balanced, "float32")] = _error(rotate, balanced, torch.float32, documents, window)
     return results
 
 

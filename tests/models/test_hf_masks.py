@@ -8,10 +8,11 @@ training: with a KV cache transformers does not look for packed documents). The 
 global batch's real tokens (each rank scales its token sum by the global count). One step: loss, grad norm and
 every gradient within 1e-10 (or the model's own float32 floor).
 
-``make test``: Llama (SDPA), Gemma 2 (eager, soft-capping, sliding layers of window 6 beside full ones) and
-Qwen2-MoE (``use_sliding_window=False``: its ``sliding_window=0`` is no window, issue 45) on tp 2, cp 2 (ring and
-alltoall), pp 2, and dp_shard 2 x cp 2, tp 2 x cp 2, pp 2 x cp 2 on 4 ranks. ``make zoo``: every architecture of
-the zoo sweep on cp 2 and tp 2 with both batch kinds.
+``make test``: Llama (SDPA) on tp 2, cp 2 (ring and alltoall), pp 2, and dp_shard 2 x cp 2, tp 2 x cp 2,
+pp 2 x cp 2 on 4 ranks; Gemma 2 (eager, soft-capping, sliding layers of window 6 beside full ones) on tp 2, cp 2
+and pp 2; Qwen2-MoE (``use_sliding_window=False``: its ``sliding_window=0`` is no window, issue 45; its balancing
+loss skips padding) on cp 2 and dp_shard 2 x cp 2. ``make zoo``: those three on every layout, and every
+architecture of the zoo sweep on tp 2, cp 2 and pp 2, with both batch kinds.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ LAYOUTS = {
 PP2 = {"pp2": {"pp_size": 2}}
 NO_PIPELINE = ("qwen2_moe",)  # not a pipeline model type (models/hf/stage.py): refused by name there
 # (model_type, layout) -> words of the one-line ConfigError that refuses it (any other error fails the test)
-REFUSED = {("gemma2", "cp2_a2a"): "soft-capping is not implemented under cp_rotate_method='alltoall'"}
+REFUSED = {
+    ("gemma2", "cp2_a2a"): "soft-capping is not implemented under cp_rotate_method='alltoall'",
+    ("nanochat", "pp2"): "is not supported for model_type='nanochat'",  # as in tests/models/test_hf_zoo.py
+}
+WINDOW = "+window"  # a zoo model built with its windows shorter than the sequence (test_hf_zoo.py's PP_OVERRIDES)
 NO_TP = ("qwen2_moe",)
 # transformers sums the balancing loss's padding-masked token fractions in float32: rows gathered over dp x cp
 # sum in another order, one fp32 ulp of the loss (measured 3.0e-8 on Qwen2-MoE's padded batch; its gradients
@@ -62,11 +67,16 @@ LOSS_FLOOR = {"qwen2_moe": 1e-7}  # fused experts: tensor parallel refused by na
 
 
 def build(model_type: str):
-    """The tiny float64 model: ``OVERRIDES``, else the zoo's overrides and attention (tests/models/test_hf_zoo.py)."""
+    """The tiny float64 model: ``OVERRIDES``, else the zoo's overrides and attention (tests/models/test_hf_zoo.py);
+    ``name+window``: the zoo's config with windows of 6, shorter than the sequence."""
     from ndparallel.hf import tiny_config
     from tests.models.test_hf_zoo import ARCHS, attention_of
+    from tests.models.test_hf_zoo import _config as zoo_config
 
-    config = tiny_config(model_type, **OVERRIDES.get(model_type, ARCHS.get(model_type, {})))
+    if model_type.endswith(WINDOW):
+        config, model_type = zoo_config(model_type.removesuffix(WINDOW), pp=True), model_type.removesuffix(WINDOW)
+    else:
+        config = tiny_config(model_type, **OVERRIDES.get(model_type, ARCHS.get(model_type, {})))
     config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
     torch.manual_seed(0)
     attn = "eager" if model_type in EAGER else attention_of(model_type)
@@ -76,6 +86,7 @@ def build(model_type: str):
 def _eager(model_type: str) -> bool:
     from tests.models.test_hf_zoo import attention_of
 
+    model_type = model_type.removesuffix(WINDOW)
     return model_type in EAGER or attention_of(model_type) == "eager"
 
 
@@ -186,13 +197,20 @@ def _mesh(parallel: dict):
     return _MESHES[key]
 
 
-def run_group(layouts: dict, models: tuple) -> dict:
+# make test: Llama on every layout, Gemma 2 (eager, windows) and Qwen2-MoE (balancing loss) on a few;
+# make zoo: every pair
+CORE_LAYOUTS = {"gemma2": ("tp2", "cp2", "pp2"), "qwen2_moe": ("cp2", "dp2_cp2")}
+
+
+def run_group(layouts: dict, models: tuple, every_pair: bool = True) -> dict:
     out = {}
     for model_type in models:
         for name, layout in layouts.items():
             if (layout.get("pp_size", 1) > 1 and model_type in NO_PIPELINE) or (
                 layout.get("tp_size", 1) > 1 and model_type in NO_TP
             ):
+                continue
+            if not every_pair and name not in CORE_LAYOUTS.get(model_type, (name,)):
                 continue
             for kind in KINDS:
                 try:
@@ -226,7 +244,7 @@ def tolerance(model_type: str, kind: str) -> float:
     compute in float64) and what the batch as two accumulated halves changes (float32 norms)."""
     from tests.models.test_hf_zoo import FP32_INSIDE as ZOO_FP32_INSIDE
 
-    if model_type not in FP32_INSIDE + ZOO_FP32_INSIDE:
+    if model_type.removesuffix(WINDOW) not in FP32_INSIDE + ZOO_FP32_INSIDE:
         return 1e-10
     ref = reference(model_type, kind)
     floor = max(_difference(reference(model_type, kind, True), ref), _difference(_halves(model_type, kind), ref))
@@ -250,7 +268,7 @@ def check(results: list[dict], cases: list[tuple]) -> list[str]:
             if got is None:
                 continue
             if "error" in got:
-                if REFUSED.get((model_type, name), "\0") not in got["error"]:
+                if REFUSED.get((model_type.removesuffix(WINDOW), name), "\0") not in got["error"]:
                     failures.append(f"{model_type} {name} {kind}: {got['error']}")
                 break
             joined.update(got["grads"])
@@ -267,16 +285,26 @@ def check(results: list[dict], cases: list[tuple]) -> list[str]:
     return failures
 
 
-@pytest.mark.slow  # one 2-rank and one 4-rank group, 3 models x 2 batch kinds x 7 layouts
-def test_masked_batches_match_one_process_on_core_models():
-    failures = []
+def _core(every_pair: bool) -> None:
+    failures, cases = [], []
     for world, layouts in LAYOUTS.items():
         layouts = {**layouts, **(PP2 if world == 2 else {})}
-        results = run_distributed(run_group, world, layouts, CORE, timeout=900)
-        cases = sorted({case for result in results for case in result})
-        assert len(cases) >= len(CORE) * len(KINDS) * (len(layouts) - 1), cases
-        failures += check(results, cases)
+        results = run_distributed(run_group, world, layouts, CORE, every_pair, timeout=900)
+        cases += sorted({case for result in results for case in result})
+        failures += check(results, sorted({case for result in results for case in result}))
+    assert len(cases) == (34 if every_pair else 24), cases  # every case ran (or was refused by name)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow  # one 2-rank and one 4-rank group, 24 one-step runs
+def test_masked_batches_match_one_process_on_core_models():
+    _core(every_pair=False)
+
+
+@pytest.mark.zoo
+def test_masked_batches_on_every_core_pair():
+    """Llama, Gemma 2 and Qwen2-MoE on every layout each can take."""
+    _core(every_pair=True)
 
 
 def test_masks_matter_in_one_process():
@@ -298,10 +326,34 @@ def test_masks_matter_in_one_process():
 
 @pytest.mark.zoo
 def test_masked_batches_on_the_zoo():
-    """Every architecture of the zoo sweep on tp 2, cp 2 (ring) and pp 2 with padded and packed batches."""
-    from tests.models.test_hf_zoo import ARCHS, SWEEP
+    """Every architecture of the zoo sweep on tp 2, cp 2 (ring) and pp 2 with padded and packed batches; those with
+    sliding windows also with windows of 6 (shorter than the sequence)."""
+    from tests.models.test_hf_zoo import ARCHS, PP_OVERRIDES, SWEEP
 
-    models = tuple(dict.fromkeys((*ARCHS, *SWEEP)))
+    windowed = tuple(m + WINDOW for m, overrides in PP_OVERRIDES.items() if "sliding_window" in overrides)
+    models = tuple(dict.fromkeys((*ARCHS, *SWEEP, *windowed)))
     results = run_distributed(run_group, 2, {"tp2": {"tp_size": 2}, "cp2": {"cp_size": 2}, **PP2}, models, timeout=900)
     failures = check(results, sorted({case for result in results for case in result}))
     assert not failures, "\n".join(failures)
+
+
+def test_windows_are_read_as_transformers_reads_them():
+    """Issue 45: Qwen2-MoE's config turns ``sliding_window`` into 0 with ``use_sliding_window=False`` and every layer
+    ``full_attention``: no window (it was refused as "longer than the model's sliding_window=0"). With sliding
+    layers, those layers get ``config.sliding_window``; Mistral (no ``layer_types``) windows every layer."""
+    from ndparallel.hf import tiny_config
+    from ndparallel.models.hf.attention import layer_window
+
+    def windows(model_type: str, **overrides) -> list:
+        config = tiny_config(model_type, **overrides)
+        config._experts_implementation = "eager"
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        return [layer_window(m) for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+
+    full = windows("qwen2_moe", use_sliding_window=False)
+    assert full == [None] * len(full) and full, full
+    sliding = windows("qwen2_moe", use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    assert sliding[0] == 6 and None in sliding, sliding  # every other layer, as its layer_types say
+    assert set(windows("mistral", sliding_window=6)) == {6}
+    assert set(windows("llama")) == {None}
