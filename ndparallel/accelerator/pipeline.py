@@ -148,9 +148,12 @@ class PipelineModel:
         *,
         shift_labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         **extra: Any,
     ) -> PipelineOutput:
-        """One pipeline step over this rank's ``[batch, seq]`` batch (see the class doc)."""
+        """One pipeline step over this rank's ``[batch, seq]`` batch (see the class doc). ``num_items_in_batch``:
+        the valid tokens the loss is divided by (transformers' meaning: those of the global batch, over every
+        data rank and accumulation step), instead of this call's."""
         error, targets = None, None
         try:  # a refusal on one rank (its batch) is raised on every rank before the pipeline's collectives
             targets = _targets(input_ids, labels, shift_labels, attention_mask, extra)
@@ -159,7 +162,9 @@ class PipelineModel:
             error = err
         agree(error, "", error_type=ConfigError)
         count = (targets != IGNORE_INDEX).sum().reshape(1).to(self.pipeline.mesh.device, torch.int64)
-        if self._dp_group is not None:
+        if num_items_in_batch is not None:
+            count = torch.as_tensor(num_items_in_batch, dtype=torch.float64).reshape(1).round().to(count)
+        elif self._dp_group is not None:
             dist.all_reduce(count, group=self._dp_group)  # pp/tp/cp ranks of one dp index hold the same batch
         if int(count.item()) == 0:
             raise ConfigError("every label of this global batch is -100 (ignored): there is no loss to compute")

@@ -3,7 +3,8 @@
 in one process with ``--plain`` for transformers' own Trainer (the reference, Accelerate's engine).
 
 ``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume", "eval",
-"model"}`` (``model``: another model folder than MODEL_DIR, e.g. a tiny MoE)
+"model", "accumulation"}`` (``model``: another model folder than MODEL_DIR, e.g. a tiny MoE; ``accumulation``:
+gradient accumulation steps, the same global batch in as many micro-batches)
 trains the float64 tiny Llama in ``MODEL_DIR`` on the same 64 sequences (global batch 8, sequential order),
 then ``save_model(out/final)``; rank 0 prints ``RUN <out> <json log history>`` (loss, grad norm per step).
 ``eval``: 16 other sequences evaluated every 2 steps, a checkpoint every 2 steps, the *worst* one loaded at the
@@ -53,7 +54,9 @@ def eval_dataset() -> list[dict[str, torch.Tensor]]:
 EVAL_SAMPLES, EVAL_BATCH = 16, 2  # per device: 4 ranks x 2 = 8 a step, 2 steps; one process: 8 steps of 2
 
 
-def arguments(out: str, per_device: int, steps: int, save_steps: int | None, evaluate: bool = False):
+def arguments(
+    out: str, per_device: int, steps: int, save_steps: int | None, evaluate: bool = False, accumulation: int = 1
+):
     from transformers import TrainingArguments
 
     every = {}
@@ -67,7 +70,8 @@ def arguments(out: str, per_device: int, steps: int, save_steps: int | None, eva
         output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, learning_rate=1e-2,
         weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=0.5, logging_steps=1,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], use_cpu=True,
-        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0, **every,
+        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
+        gradient_accumulation_steps=accumulation, **every,
     )  # fmt: skip
 
 
@@ -88,9 +92,10 @@ def run(model_dir: str, spec: dict, plain: bool) -> tuple[list, dict | None]:
         import ndparallel as ndp
         from ndparallel.hf import Trainer
 
-        sizes = spec["sizes"]
-        dp = int(os.environ["WORLD_SIZE"]) // (sizes.get("tp_size", 1) * sizes.get("cp_size", 1))
-        args = arguments(spec["out"], GLOBAL_BATCH // dp, spec["steps"], spec.get("save_steps"), evaluate)
+        sizes, accumulation = spec["sizes"], spec.get("accumulation", 1)
+        inner = sizes.get("tp_size", 1) * sizes.get("cp_size", 1) * sizes.get("pp_size", 1)
+        per_device = GLOBAL_BATCH // (int(os.environ["WORLD_SIZE"]) // inner) // accumulation
+        args = arguments(spec["out"], per_device, spec["steps"], spec.get("save_steps"), evaluate, accumulation)
         trainer = Trainer(model=model, args=args, parallelism_config=ndp.ParallelismConfig(**sizes), **data)
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     trainer.save_model(os.path.join(spec["out"], "final"))
