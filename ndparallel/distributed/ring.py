@@ -31,18 +31,24 @@ one small function because their aten signatures differ across torch versions, p
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ndparallel.distributed.ulysses import check_local_sequence, check_sinks, ulysses_attention
+from ndparallel.distributed.attention_kernels import (
+    KERNELS,
+    MATH,
+    Kernel,
+    attention_kernel,
+    finite_lse,
+    softcapped_kernel,
+)
+from ndparallel.distributed.documents import SKIP, DocumentMask, shard_indices
+from ndparallel.distributed.ulysses import check_documents, check_local_sequence, check_sinks, ulysses_attention
 from ndparallel.errors import ConfigError
 
-__all__ = ["ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
+__all__ = ["KERNELS", "ROTATE_METHODS", "RingExchange", "attention_kernel", "merge_partial", "ring_attention"]
 
 ROTATE_METHODS = ("ring", "allgather", "alltoall")  # alltoall: distributed/ulysses.py
 _TAG_KV, _TAG_DKV = 11, 12  # distinct P2P tags: K/V and dK/dV transfers between one pair never mix up
@@ -104,149 +110,6 @@ class RingExchange:
         return out
 
 
-# ------------------------------------------------------------------------------------------ kernels
-# Every kernel works on [batch, heads, seq, head_dim] (heads already repeated for GQA) and returns
-# (out, lse[batch, heads, seq_q], aux); its backward takes the *global* out and lse of the query rows.
-
-
-@dataclass(frozen=True)
-class Kernel:
-    name: str
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def _softcapped(scores: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logit soft-capping (Gemma 2), ``tanh(s / cap) * cap``, and its derivative ``1 - tanh(s / cap)**2``."""
-    capped = torch.tanh(scores / softcap)
-    return capped * softcap, 1 - capped * capped
-
-
-def _math_forward(q, k, v, causal: bool, scale: float, softcap: float | None = None):
-    acc = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
-    if softcap is not None:
-        scores, _ = _softcapped(scores, softcap)
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc))
-    return out.to(q.dtype), lse, None
-
-
-def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux, softcap: float | None = None):
-    acc = torch.promote_types(q.dtype, torch.float32)
-    q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    slope = None
-    if softcap is not None:
-        scores, slope = _softcapped(scores, softcap)
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.exp(scores - lse.to(acc)[..., None])
-    dv = torch.matmul(probs.transpose(-2, -1), dout)
-    dprobs = torch.matmul(dout, v.transpose(-2, -1))
-    delta = (dout * out).sum(-1, keepdim=True)
-    dscores = probs * (dprobs - delta) * scale
-    if slope is not None:
-        dscores = dscores * slope
-    return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-2, -1), q), dv
-
-
-# aten op, torch 2.11-2.14: (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out, lse[B,H,S] fp32).
-def _cpu_flash_forward(q, k, v, causal: bool, scale: float):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, None
-
-
-# aten op: (grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv).
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale
-    )
-
-
-# aten op (CUDA): (q, k, v, dropout_p, is_causal, return_debug_mask, *, scale) ->
-# (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask). Untested here (no GPU).
-def _cuda_flash_forward(q, k, v, causal: bool, scale: float):
-    out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale
-    )
-    return out, lse, (cum_q, cum_k, rng_state, unused)
-
-
-# aten op (CUDA): (grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-# philox_seed, philox_offset, *, scale) -> (dq, dk, dv). The aux tensors are the forward's (unused at p=0).
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
-    cum_q, cum_k, rng_state, unused = aux
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k.contiguous(), v.contiguous(), out, lse.contiguous(), cum_q, cum_k,
-        q.shape[-2], k.shape[-2], 0.0, causal, rng_state, unused, scale=scale,
-    )  # fmt: skip
-
-
-# aten op (CUDA): (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale) ->
-# (out, lse, philox_seed, philox_offset); lse may be padded along seq to a multiple of 32. Untested here.
-def _cuda_efficient_forward(q, k, v, causal: bool, scale: float):
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k.contiguous(), v.contiguous(), None, True, 0.0, causal, scale=scale
-    )
-    no_padding = lse.shape[-1] == q.shape[-2] and q.shape[-2] % 32 != 0  # this torch does not pad
-    return out, lse[..., : q.shape[-2]], (seed, offset, no_padding)
-
-
-# aten op (CUDA): (grad_out, q, k, v, attn_bias, out, lse, philox_seed, philox_offset, dropout_p,
-# grad_input_mask[4], is_causal, *, scale) -> (dq, dk, dv, dbias). lse padded back as the forward pads it.
-def _cuda_efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
-    seed, offset, no_padding = aux
-    if not no_padding:
-        lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
-    lse = lse.contiguous()
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k.contiguous(), v.contiguous(), None, out, lse, seed, offset, 0.0, [True, True, True, False],
-        causal, scale=scale,
-    )  # fmt: skip
-    return dq, dk, dv
-
-
-MATH = Kernel("math", _math_forward, _math_backward)
-CPU_FLASH = Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
-CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
-CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
-KERNELS = {k.name: k for k in (MATH, CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT)}
-
-
-def _has_op(name: str) -> bool:
-    return hasattr(torch.ops.aten, name)
-
-
-def softcapped_kernel(softcap: float) -> Kernel:
-    """The math kernel with logit soft-capping: no SDPA op takes a cap, so capped attention always runs here."""
-    return Kernel(
-        "math", functools.partial(_math_forward, softcap=softcap), functools.partial(_math_backward, softcap=softcap)
-    )
-
-
-def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | None = None) -> Kernel:
-    """The kernel for this device/dtype (``name`` forces one: ``math``, ``cpu_flash``, ...)."""
-    if name is not None:
-        if name not in KERNELS:
-            raise ConfigError(f"attention kernel {name!r} is not one of {sorted(KERNELS)}")
-        return KERNELS[name]
-    low_or_single = dtype in (torch.float32, torch.float16, torch.bfloat16)
-    if device.type == "cpu" and low_or_single and _has_op("_scaled_dot_product_flash_attention_for_cpu"):
-        return CPU_FLASH
-    if device.type == "cuda" and low_or_single:
-        fits = head_dim % 8 == 0 and head_dim <= 256
-        if dtype != torch.float32 and fits and torch.backends.cuda.flash_sdp_enabled():
-            return CUDA_FLASH
-        if fits and torch.backends.cuda.mem_efficient_sdp_enabled():
-            return CUDA_EFFICIENT
-    return MATH  # float64 (gradcheck), other devices, unusual head sizes
-
-
 # ---------------------------------------------------------------------------------- visible blocks
 
 
@@ -274,10 +137,12 @@ block_plan = visible_blocks  # the earlier name ("plan" now means a TP table or 
 
 
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Merge one block's (out, lse) into running accumulators ``out``/``lse`` in place (exact softmax merge)."""
+    """Merge one block's (out, lse) into running accumulators ``out``/``lse`` in place (exact softmax merge).
+    A row that has seen no key yet on either side (``lse = -inf``) stays at out 0, lse -inf."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse)[..., None])
-    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
+    finite = finite_lse(new_lse)
+    out.mul_(torch.exp(lse - finite)[..., None])
+    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - finite)[..., None])
     lse.copy_(new_lse)
 
 
@@ -292,6 +157,26 @@ class _Setup:
     scale: float
     repeats: int  # query heads per kv head (GQA)
     acc: torch.dtype  # accumulation dtype: fp32, or fp64 for fp64 inputs
+    documents: DocumentMask | None = None  # the whole row's mask (documents, padding), or plain causal
+    window: int | None = None  # sliding window (with or without documents)
+    cp: int = 1
+
+    def blocks(self, rank: int, src: int, seq: int):
+        """``(rows, cols, kernel, causal, mask)`` of every block of ``rank``'s queries against ``src``'s keys that
+        has a visible pair: the causal layout's blocks, each narrowed by the document mask when there is one."""
+        for rows, cols, causal in visible_blocks(rank, src, self.causal, self.load_balanced, seq):
+            if self.documents is None:
+                yield rows, cols, self.kernel, causal, None
+                continue
+            total = seq * self.cp
+            q_index = shard_indices(total, self.cp, rank, self.load_balanced)[rows]
+            k_index = shard_indices(total, self.cp, src, self.load_balanced)[cols]
+            key = (self.cp, self.load_balanced, rank, src, rows.start, rows.stop, cols.start, cols.stop)
+            block = self.documents.block(q_index, k_index, self.window, key)
+            if block is SKIP:
+                continue  # fully masked: no compute, no gradient
+            kernel = self.kernel if block.mask is None or self.kernel.takes_masks else MATH
+            yield rows, cols, kernel, block.causal, block if block.mask is not None else None
 
 
 def _expand(kv_part: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -304,18 +189,21 @@ def _fold(grad: torch.Tensor, repeats: int) -> torch.Tensor:
 
 
 def _forward_block(s: _Setup, q, kv, rank, src, out, lse, aux: list) -> None:
-    for rows, cols, causal in visible_blocks(rank, src, s.causal, s.load_balanced, q.shape[2]):
+    for rows, cols, kernel, causal, mask in s.blocks(rank, src, q.shape[2]):
         k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
-        block_out, block_lse, block_aux = s.kernel.forward(q[:, :, rows], k, v, causal, s.scale)
+        masked = () if mask is None else (mask,)
+        block_out, block_lse, block_aux = kernel.forward(q[:, :, rows], k, v, causal, s.scale, *masked)
         merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse.to(s.acc))
-        aux.append(block_aux)
+        if kernel is s.kernel:
+            aux.append(block_aux)
 
 
 def _backward_block(s: _Setup, dout, q, kv, out, lse, rank, src, dq, dkv, aux) -> None:
-    for rows, cols, causal in visible_blocks(rank, src, s.causal, s.load_balanced, q.shape[2]):
+    for rows, cols, kernel, causal, mask in s.blocks(rank, src, q.shape[2]):
         k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
-        dq_b, dk_b, dv_b = s.kernel.backward(
-            dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], causal, s.scale, aux
+        masked = () if mask is None else (mask,)
+        dq_b, dk_b, dv_b = kernel.backward(
+            dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], causal, s.scale, aux, *masked
         )
         dq[:, :, rows] += dq_b
         dkv[0][:, :, cols] += _fold(dk_b.to(s.acc), s.repeats)
@@ -338,7 +226,7 @@ def _ring_forward(s: _Setup, q, kv, ring: RingExchange):
         _forward_block(s, q, kv, ring.rank, (ring.rank - step) % ring.size, out, lse, aux)
         if pending is not None:
             kv = pending.wait()
-    return out, lse, aux[0]
+    return out, lse, aux[0] if aux else None
 
 
 def _ring_backward(s: _Setup, dout, q, kv, out, lse, ring: RingExchange, aux):
@@ -364,7 +252,7 @@ def _allgather_forward(s: _Setup, q, kv, ring: RingExchange):
     gathered = ring.all_gather(kv)
     for src in range(ring.size):
         _forward_block(s, q, gathered[src], ring.rank, src, out, lse, aux)
-    return out, lse, aux[0]
+    return out, lse, aux[0] if aux else None
 
 
 def _allgather_backward(s: _Setup, dout, q, kv, out, lse, ring: RingExchange, aux):
@@ -390,10 +278,10 @@ def _sinks_grad(sinks: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, causal, rotate, load_balanced, scale, kernel):
+    def forward(ctx, q, k, v, sinks, group, causal, rotate, load_balanced, scale, kernel, documents, window):
         ring = RingExchange(group)
         setup = _Setup(kernel, causal, load_balanced, scale, q.shape[2] // k.shape[2],
-                       torch.promote_types(q.dtype, torch.float32))  # fmt: skip
+                       torch.promote_types(q.dtype, torch.float32), documents, window, ring.size)  # fmt: skip
         qh = q.transpose(1, 2)
         kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))  # [2, B, Hkv, S, D]: only kv heads travel
         run = _ring_forward if rotate == "ring" else _allgather_forward
@@ -415,7 +303,7 @@ class _RingAttention(torch.autograd.Function):
         dq = dq.transpose(1, 2).to(q.dtype)
         dk, dv = (g.transpose(1, 2).to(k.dtype) for g in dkv)
         dsinks = None if sinks is None else _sinks_grad(sinks, grad_out, out, lse)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -430,6 +318,8 @@ def ring_attention(
     kernel: str | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    documents: DocumentMask | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries against the whole sequence held across ``group``.
 
@@ -442,6 +332,9 @@ def ring_attention(
     ``sinks`` (``[heads]``, gpt-oss's ``s_aux``) adds one logit per head to every softmax denominator.
     ``softcap`` caps every score ``s * scale`` to ``tanh(s * scale / softcap) * softcap`` (Gemma 2) before
     the mask and softmax; it runs the math kernel, on ``ring`` and ``allgather`` (not with sinks).
+    ``documents`` (:class:`~ndparallel.distributed.documents.DocumentMask` of the whole ``[batch, seq]`` row, on
+    every rank alike) and ``window`` (a sliding window: query ``i`` sees keys ``i - window < j <= i``) narrow the
+    causal mask: fully masked blocks are skipped, the others run with their block of the mask (causal only).
     """
     if rotate not in ROTATE_METHODS:
         raise ConfigError(f"cp_rotate_method={rotate!r} is not one of {list(ROTATE_METHODS)}")
@@ -454,6 +347,7 @@ def ring_attention(
         raise ConfigError(f"kv heads={k.shape[2]} must divide query heads={q.shape[2]} (grouped-query attention)")
     check_sinks(sinks, q.shape[2])
     cp = dist.get_world_size(group if group is not None else dist.group.WORLD)
+    documents = check_documents(documents, window, causal, q.shape[0], q.shape[1] * cp, q.device)
     load_balanced = load_balanced and causal and cp > 1
     check_local_sequence(q.shape[1], cp, load_balanced)
     if softcap is not None and (rotate == "alltoall" or sinks is not None or kernel not in (None, "math")):
@@ -467,10 +361,10 @@ def ring_attention(
             raise ConfigError(
                 f"kernel={kernel!r} picks a ring block kernel; cp_rotate_method='alltoall' runs torch's SDPA"
             )
-        return ulysses_attention(q, k, v, group, causal, load_balanced, scale, sinks)
+        return ulysses_attention(q, k, v, group, causal, load_balanced, scale, sinks, documents, window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if softcap is not None:
         chosen = softcapped_kernel(softcap)
     else:
         chosen = attention_kernel(q.device, q.dtype, q.shape[-1], kernel)
-    return _RingAttention.apply(q, k, v, sinks, group, causal, rotate, load_balanced, scale, chosen)
+    return _RingAttention.apply(q, k, v, sinks, group, causal, rotate, load_balanced, scale, chosen, documents, window)

@@ -17,6 +17,10 @@ heads (grouped-query attention) that do not are repeated to ``lcm(kv_heads, cp)`
 query head keeps its own kv head (exact; the repeat's backward sums the gradient back), and each rank
 receives exactly the kv heads its query heads read.
 
+Masks (:class:`ndparallel.distributed.documents.DocumentMask`: documents, padding; a sliding window): every rank
+holds the whole sequence of its heads after the first all-to-all, in natural order, so the mask is the whole
+row's, dense, and SDPA takes it as is.
+
 Attention sinks (``sinks``, one logit per query head added to every softmax denominator: gpt-oss's ``s_aux``)
 follow their heads: each rank takes the sinks of its head group and attends in plain torch ops (SDPA has no
 sink), so autograd gives the sinks' gradient.
@@ -33,9 +37,11 @@ import torch.nn.functional as F
 
 from ndparallel.config.preflight import check_alltoall_heads
 from ndparallel.config.sequence import sequence_problem
+from ndparallel.distributed.documents import DocumentMask
 from ndparallel.errors import ConfigError
 
 __all__ = [
+    "check_documents",
     "check_local_sequence",
     "check_sinks",
     "chunk_positions",
@@ -62,16 +68,55 @@ def check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
         )
 
 
-def local_attention(q, k, v, causal: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def check_documents(
+    documents: DocumentMask | None, window: int | None, causal: bool, batch: int, seq: int, device: torch.device
+) -> DocumentMask | None:
+    """The mask to apply over the whole ``[batch, seq]`` row (None: plain causal). A window alone becomes one
+    document per row; a mask of another shape, or a mask on non-causal attention, is refused."""
+    if documents is None and window is None:
+        return None
+    if not causal:
+        raise ConfigError(
+            "document masks, padding masks and sliding windows narrow causal attention; this call is not causal "
+            "(mask='none'): drop the mask or use causal attention"
+        )
+    if documents is None:
+        return DocumentMask.from_document_ids(torch.zeros(batch, seq, dtype=torch.long, device=device))
+    if (documents.batch, documents.seq_len) != (batch, seq):
+        raise ConfigError(
+            f"the attention mask covers [batch, seq] = [{documents.batch}, {documents.seq_len}] but the attention "
+            f"runs over [{batch}, {seq}] (the whole sequence across cp): build the mask from this batch's rows"
+        )
+    return documents.to(device)
+
+
+def local_attention(
+    q,
+    k,
+    v,
+    causal: bool,
+    scale: float | None,
+    sinks: torch.Tensor | None,
+    documents: DocumentMask | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Attention on ``[batch, heads, seq, dim]`` (k, v may have fewer heads): SDPA, or with ``sinks`` the
-    softmax over the scores and one sink logit per head, the sink's column then dropped (its value is 0)."""
+    softmax over the scores and one sink logit per head, the sink's column then dropped (its value is 0).
+    ``documents`` / ``window``: the whole row's mask (``seq`` is the whole sequence, natural order); a row that
+    sees no key outputs zeros."""
     grouped = q.shape[1] != k.shape[1]
+    documents = check_documents(documents, window, causal, q.shape[0], q.shape[2], q.device)
+    visible = None if documents is None else documents.dense(window)[:, None]  # [batch, 1, seq, seq]
     if sinks is None:
+        if visible is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=grouped)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=grouped)
     if grouped:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    elif causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
@@ -182,13 +227,15 @@ def ulysses_attention(
     load_balanced: bool = True,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    documents: DocumentMask | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's tokens against the whole sequence held across ``group``.
 
     ``q`` is ``[batch, seq_local, heads, head_dim]``, ``k``/``v`` the same with ``heads`` or fewer
     (grouped-query) heads, rows in the layout of ``load_balanced`` (see the module docstring);
     ``heads`` must divide by the group size. ``sinks``: ``[heads]`` sink logits, or None. Returns the local
-    output rows, ``q``'s shape.
+    output rows, ``q``'s shape. ``documents`` / ``window``: the whole row's mask (module doc).
     """
     group = group if group is not None else dist.group.WORLD
     cp = dist.get_world_size(group)
@@ -196,7 +243,8 @@ def ulysses_attention(
     check_alltoall_heads(heads, 1, cp, what="query heads on this rank")
     check_sinks(sinks, heads)
     if cp == 1:
-        return local_attention(*(t.transpose(1, 2) for t in (q, k, v)), causal, scale, sinks).transpose(1, 2)
+        qkv = (t.transpose(1, 2) for t in (q, k, v))
+        return local_attention(*qkv, causal, scale, sinks, documents, window).transpose(1, 2)
     load_balanced = load_balanced and causal
     check_local_sequence(q.shape[1], cp, load_balanced)
     sent = kv_heads_sent(kv_heads, cp)
@@ -207,5 +255,5 @@ def ulysses_attention(
     qh, kh, vh = (t.transpose(1, 2) for t in full.split([heads // cp, sent // cp, sent // cp], dim=2))
     if sinks is not None:  # this rank attends for head group ``rank`` (the all-to-all's slice order)
         sinks = sinks.unflatten(0, (cp, -1))[dist.get_rank(group)]
-    out = local_attention(qh, kh, vh, causal, scale, sinks)
+    out = local_attention(qh, kh, vh, causal, scale, sinks, documents, window)
     return _HeadsToSeq.apply(layout, out.transpose(1, 2))

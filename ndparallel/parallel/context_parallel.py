@@ -33,7 +33,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.config.sequence import check_sequence_length, cp_chunks
+from ndparallel.config.sequence import check_sequence_length
+from ndparallel.distributed.documents import DocumentMask, shard_indices
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.ring import ROTATE_METHODS, ring_attention
 from ndparallel.errors import ConfigError
@@ -66,13 +67,7 @@ def validate_sequence_length(seq_len: int, cp_size: int, load_balance: bool, wha
 def sequence_indices(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool, device=None) -> torch.Tensor:
     """Global positions held by ``cp_rank``: chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` (head-tail), else block ``r``."""
     check_sequence_length(seq_len, cp_size, 1, load_balance)
-    if cp_chunks(cp_size, load_balance) == cp_size:  # one contiguous block per rank
-        n = seq_len // cp_size
-        return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
-    c = seq_len // (2 * cp_size)
-    head = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
-    tail_start = (2 * cp_size - 1 - cp_rank) * c
-    return torch.cat((head, torch.arange(tail_start, tail_start + c, device=device)))
+    return shard_indices(seq_len, cp_size, cp_rank, load_balance, device)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int, load_balance: bool) -> torch.Tensor:
@@ -272,10 +267,23 @@ class RingAttention(nn.Module):
         self.load_balance = load_balance
         self.causal = mask == "causal"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        documents: DocumentMask | None = None,
+    ):
+        """``documents``: the whole rows' mask (documents, padding), as the model's ``document_ids`` become it."""
         if attn_mask is not None:
-            raise ConfigError("RingAttention got an attn_mask tensor: context parallel supports causal or no mask only")
-        return ring_attention(q, k, v, self.cp_mesh.get_group(), self.causal, self.rotate, self.load_balance)
+            raise ConfigError(
+                "RingAttention got an attn_mask tensor: an arbitrary mask is neither padding nor documents; "
+                "pass document_ids to the model (docs/context-parallel.md#masks)"
+            )
+        return ring_attention(
+            q, k, v, self.cp_mesh.get_group(), self.causal, self.rotate, self.load_balance, documents=documents
+        )
 
     def extra_repr(self) -> str:
         mask = "causal" if self.causal else "none"
@@ -341,22 +349,29 @@ def apply_context_parallel(
         parent = model.get_submodule(parent_name)
         setattr(parent, child, RingAttention(cp_mesh, cfg.cp_rotate_method, cfg.cp_load_balance, mask))
     _hook_positions(model, cp_mesh, positions_arg)
+    _hook_positions(model, cp_mesh, DOCUMENT_IDS_ARG)
     return model
 
 
 # ------------------------------------------------------------------------------------- positions
 
 
+DOCUMENT_IDS_ARG = "document_ids"
+
+
 def _hook_positions(model: nn.Module, cp_mesh: DeviceMesh, arg: str) -> None:
     """A forward pre-hook on each outermost module whose ``forward`` takes ``arg`` (``positions``) and holds ring
-    attention (the reference Transformer itself): a call without positions gets this rank's global ones."""
+    attention (the reference Transformer itself): a call without positions gets this rank's global ones.
+    ``arg="document_ids"``: the rank's shard of document ids becomes the whole rows' mask (:func:`_documents_hook`).
+    """
     hooked: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(f"{outer}.") or outer == "" for outer in hooked):
             continue
         index = _positions_index(module, arg)
         if index is not None and any(isinstance(m, RingAttention) for m in module.modules()):
-            module.register_forward_pre_hook(_positions_hook(cp_mesh, index, arg), with_kwargs=True)
+            make = _documents_hook if arg == DOCUMENT_IDS_ARG else _positions_hook
+            module.register_forward_pre_hook(make(cp_mesh, index, arg), with_kwargs=True)
             hooked.append(name)
 
 
@@ -396,5 +411,32 @@ def _positions_hook(cp_mesh: DeviceMesh, index: int, arg: str):
         if positional:
             return (*args[:index], positions, *args[index + 1 :]), kwargs
         return args, {**kwargs, arg: positions}
+
+    return hook
+
+
+def _documents_hook(cp_mesh: DeviceMesh, index: int, arg: str):
+    """``document_ids`` given to the model inside ``context_parallel`` (the rank's shard, or the whole rows)
+    become one :class:`DocumentMask` of the whole rows, gathered over cp once per forward (not per layer)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        positional = len(args) > index
+        ids = args[index] if positional else kwargs.get(arg)
+        if ids is None or isinstance(ids, DocumentMask):
+            return None
+        sharding = next((s for s in reversed(_ACTIVE) if s.cp_mesh == cp_mesh), None)
+        cp, length = cp_mesh.size(), ids.shape[-1]
+        if sharding is None or length not in (sharding.seq_len, sharding.seq_len // cp) or ids.dim() != 2:
+            where = f"inside context_parallel each rank holds {sharding.seq_len // cp}" if sharding else "outside"
+            raise ConfigError(
+                f"{arg} of shape {list(ids.shape)} under cp_size={cp} ({where} of the tokens): pass [batch, seq] "
+                f"{arg} as a context_parallel buffer (seq dim 1), sharded with the tokens, and call the model inside it"
+            )
+        if length != sharding.seq_len:
+            ids = gather_sequence(ids.contiguous(), 1, cp_mesh.get_group(), sharding.load_balance)
+        mask = DocumentMask.from_document_ids(ids)
+        if positional:
+            return (*args[:index], mask, *args[index + 1 :]), kwargs
+        return args, {**kwargs, arg: mask}
 
     return hook

@@ -192,7 +192,7 @@ def mesh_errors(path: str) -> dict[str, str]:
     tokens = torch.randint(0, 256, (1, 8))
     errors = {}
     calls = {
-        "padding": lambda: model(input_ids=tokens, attention_mask=torch.tensor([[1] * 6 + [0] * 2])),
+        "arbitrary": lambda: model(input_ids=tokens, attention_mask=torch.ones(1, 1, 8, 8)),  # a 4-D mask
         "use_cache": lambda: model(input_ids=tokens, use_cache=True),
         "embeds": lambda: model(inputs_embeds=torch.zeros(1, 8, 64)),
         "labels": lambda: model(input_ids=tokens, labels=tokens[:, :3]),  # neither this rank's shard nor whole
@@ -217,13 +217,9 @@ def mesh_errors(path: str) -> dict[str, str]:
     except ConfigError as err:
         errors["gpt2"] = str(err)
     errors["gpt2_untouched"] = str(type(gpt2.lm_head.weight).__name__)
-    short = ndp.parallelize(build("mistral"), mesh.config, mesh)
-    short.config.sliding_window = 4
-    try:
-        short(input_ids=tokens)
-        errors["window"] = "no error"
-    except ConfigError as err:
-        errors["window"] = str(err)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)  # ends at 7 of the row's 16 tokens (8 per cp rank)
+    positions = torch.arange(8)[None]
+    errors["cu_seq_lens"] = raised(lambda: model(input_ids=tokens, position_ids=positions, cu_seq_lens_q=cu))
     errors["odd_seq"] = raised(lambda: model(input_ids=tokens[:, :5]))  # 5 tokens per cp rank, tp=2
     errors["positions"] = raised(lambda: model(input_ids=tokens, position_ids=torch.arange(16)[None]))
     for rope in ({"rope_type": "dynamic", "factor": 2.0}, LONGROPE):
@@ -243,8 +239,8 @@ def dp_errors() -> dict[str, str]:
     model = ndp.parallelize(build("llama"), mesh.config, mesh)
     tokens, mask = torch.randint(0, 256, (1, 16)), torch.ones(1, 16, dtype=torch.long)
     if mesh.local_rank("dp") == 1:
-        mask[0, -2:] = 0  # padding on this dp rank's rows only
-    errors = {"padding_one_rank": raised(lambda: model(input_ids=tokens, attention_mask=mask))}
+        mask[0, -2:] = 2  # document ids in the mask, on this dp rank's rows only
+    errors = {"mask_one_rank": raised(lambda: model(input_ids=tokens, attention_mask=mask))}
     errors["odd_seq"] = raised(lambda: model(input_ids=tokens[:, :15]))
     with torch.no_grad():
         errors["after"] = raised(lambda: model(input_ids=tokens))  # still usable after the refusals
@@ -380,8 +376,8 @@ def test_save_pretrained_failure_raises_on_every_rank(group):
 def test_refusals_are_collective_and_name_the_fix(group):
     for rank, result in enumerate(group["ranks"]):
         errors, dp = result["errors"], result["dp_errors"]
-        padding = dp["padding_one_rank"]
-        assert "padding" in padding and "input refused: rank 2 of 4" in padding, (rank, dp)
+        mask = dp["mask_one_rank"]
+        assert "values other than 0 and 1" in mask and "input refused: rank 2 of 4" in mask, (rank, dp)
         assert "tp_size=2" in dp["odd_seq"] and "sequence length 15" in dp["odd_seq"], (rank, dp)
         assert dp["after"] == "no error", (rank, dp)
         assert "sequence length 10" in errors["odd_seq"] and "cp_size=2" in errors["odd_seq"], (rank, errors)
@@ -414,11 +410,12 @@ def test_wrapped_lm_head_is_refused_by_name_and_the_documented_plan_is_exact(gro
 
 def test_forward_errors_under_tp_and_cp(group):
     errors = group["ranks"][0]["errors"]
-    assert "padding" in errors["padding"], errors
+    assert "attention_mask of shape [1, 1, 8, 8]" in errors["arbitrary"], errors
+    assert "arbitrary attention mask" in errors["arbitrary"], errors
     assert "use_cache" in errors["use_cache"], errors
     assert "input_ids" in errors["embeds"], errors
     assert "labels has 3 positions" in errors["labels"] and "context_parallel" in errors["labels"], errors
-    assert "sliding_window=4" in errors["window"], errors
+    assert "cu_seq_lens_q ends at 7" in errors["cu_seq_lens"] and "16 tokens" in errors["cu_seq_lens"], errors
     assert "dp_replicate_size=2 without FSDP" in errors["replicate"], errors
     assert "model_type='gpt2'" in errors["gpt2"] and "tp_plan=" in errors["gpt2"], errors
     assert errors["gpt2_untouched"] == "Parameter", "the refusal must come before the model is sharded"

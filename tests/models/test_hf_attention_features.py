@@ -1,7 +1,8 @@
 """Attention features a Hugging Face model hands the attention seam, under context parallel: exact or refused.
 
 transformers passes each attention call its model's features as keywords (``scaling``, ``s_aux`` sinks,
-``softcap``, ``sliding_window``, ``dropout``) and encodes packed sequences in ``position_ids``. Under cp 2 each
+``softcap``, ``dropout``) and encodes packed sequences in ``position_ids`` (those, padding and sliding windows:
+tests/models/test_hf_masks.py). Under cp 2 each
 feature either matches one process in float64 (loss, grad norms and step-1 gradients within 1e-10, for
 cp_rotate_method ring, allgather and alltoall) or is refused by name before any step. Every refused feature
 is shown to change the one-process output (so its refusal is not vacuous), every implemented one likewise.
@@ -141,11 +142,9 @@ def refusals() -> dict[str, str]:
     dropout = build("mistral", attention_dropout=0.1)
     out["dropout"] = raised(lambda: ndp.parallelize(dropout, mesh.config, mesh))
     tokens = make_batches(1, BATCH, SEQ, 64)[0][0]
-    short = ndp.parallelize(build("mistral", sliding_window=4), mesh.config, mesh)
-    out["window"] = raised(lambda: hf_loss(short, tokens, tokens, mesh))
     mistral = ndp.parallelize(build("mistral"), mesh.config, mesh)
-    out["packed"] = raised(lambda: cp_forward(mistral, mesh, tokens, PACKED))
-    out["unknown_kwarg"] = raised(lambda: cp_forward(mistral, mesh, tokens, cu_seq_lens_q=torch.tensor([0, 8])))
+    out["unknown_kwarg"] = raised(lambda: cp_forward(mistral, mesh, tokens, block_size=torch.tensor([0, 8])))
+    out["cu_without_positions"] = raised(lambda: cp_forward(mistral, mesh, tokens, cu_seq_lens_q=torch.tensor([0, 8])))
     tp = ndp.init_distributed(ndp.ParallelismConfig(tp_size=2))
     from ndparallel.models.hf.attention import check_attention
 
@@ -267,9 +266,9 @@ def test_implemented_features_change_the_output():
     assert {p.dtype for p in mla.parameters()} == {torch.float64, torch.float32}, "the router must stay fp32"
 
 
-def test_refused_features_change_the_output():
+def test_masks_and_refused_features_change_the_output():
     """Soft-capping, a window shorter than the sequence, dropout and packed position_ids each change the
-    one-process output: refusing them is not vacuous."""
+    one-process output: refusing them is not vacuous, nor is their parity (tests/models/test_hf_masks.py)."""
     assert (one_process_logits("gemma2") - one_process_logits("gemma2", attn_logit_softcapping=None)).abs().max() > 1e-3
     window = one_process_logits("mistral", sliding_window=4) - one_process_logits("mistral")
     assert window.abs().max() > 1e-3
@@ -294,9 +293,10 @@ def test_refusals_name_the_feature_and_the_way_out(group):
         assert "'alltoall'" in errors["softcap"] and "'ring'" in errors["softcap"], (rank, errors)
         assert errors["softcap_untouched"] == "Parameter", "the refusal must come before the model is sharded"
         assert "attention_dropout=0.1" in errors["dropout"] and "model_type='mistral'" in errors["dropout"]
-        assert "sliding_window=4" in errors["window"] and "input refused" in errors["window"], (rank, errors)
-        assert "position_ids" in errors["packed"] and "packed" in errors["packed"], (rank, errors)
-        assert "cu_seq_lens_q" in errors["unknown_kwarg"], (rank, errors)
+        assert "block_size=<tensor (2,)>" in errors["unknown_kwarg"], (rank, errors)
+        assert "does not know it" in errors["unknown_kwarg"], (rank, errors)
+        cu = errors["cu_without_positions"]
+        assert "cu_seq_lens_q without position_ids" in cu and "input refused" in cu, (rank, errors)
         assert "sinks" in errors["sinks_tp"] and "tp_size=1" in errors["sinks_tp"], (rank, errors)
 
 

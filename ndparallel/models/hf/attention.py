@@ -9,9 +9,14 @@ collective refusals) and the sharding-aware ``outputs.loss`` (:mod:`ndparallel.m
 :func:`check_attention` holds the refusals that must come before the model is touched: an attention the
 seam cannot route, ``cp_backend="torch"``, rotary tables recomputed per rank (dynamic rope under cp), and
 attention features in the config the seam does not implement (logit soft-capping under Ulysses, attention
-dropout, sinks under tp). At call time :func:`_check_call` refuses by name every attention keyword the functions would
-not honour; ``scaling``, sinks (``s_aux``) and MLA's differing v head dim are implemented exactly, and a
-sliding window is exact (refused by the input hook otherwise) while the sequence fits in it.
+dropout, sinks under tp, a layer kind other than full or sliding-window attention). At call time :func:`_check_call`
+refuses by name every attention keyword the functions would not honour; ``scaling``, sinks (``s_aux``) and MLA's
+differing v head dim are implemented exactly.
+
+Masks: the input hook reduces padding and packed documents to one ``DocumentMask`` and passes it down as the
+``ndparallel_documents`` keyword; each layer adds its own sliding window, read as transformers reads it
+(:func:`layer_window`: the layer's ``config.layer_types`` entry, else ``config.sliding_window``). A model that does
+not hand its keywords down to its attention is refused after its first masked forward (the mask never arrived).
 ``transformers`` is imported only when an HF model is parallelised.
 """
 
@@ -26,21 +31,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndparallel.config.parallelism import ParallelismConfig
+from ndparallel.distributed.documents import DocumentMask
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.ring import ring_attention
 from ndparallel.distributed.ulysses import check_sinks, local_attention
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.inputs import InputLayout, input_hook
 from ndparallel.models.hf.loss import install_causal_lm_loss
+from ndparallel.parallel.masks import DOCUMENTS_KWARG, FLASH_VARLEN_KWARGS
 
 __all__ = [
     "ATTENTION_RING",
     "ATTENTION_SDPA",
     "apply_hf_attention",
-    "attention_window",
     "check_attention",
+    "layer_kind",
+    "layer_window",
     "route_hf_attention",
 ]
+
+# config.layer_types entries whose masks ndparallel's attention builds (transformers' create_causal_mask and
+# create_sliding_window_causal_mask)
+MASK_KINDS = ("full_attention", "sliding_attention")
 
 ATTENTION_SDPA, ATTENTION_RING = "ndparallel_local", "ndparallel_ring"
 
@@ -75,9 +87,11 @@ def _spec(module: nn.Module) -> _AttentionSpec:
 # ``num_items_in_batch`` are the loss's, passed down the layers with the other keywords of the model call).
 # Every other keyword is a feature: implemented (``scaling``, ``s_aux``), or refused unless it has its neutral
 # value (_check_call).
+# flash-attention's varlen keywords (``cu_seq_lens_*``, ...) are checked against ``position_ids`` by the input hook
+# and reach the attention as the mask (``ndparallel_documents``); SDPA and eager attention ignore them in one process.
 _NEUTRAL_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "past_key_values", "output_attentions", "output_router_logits"}
-    | {"shift_labels", "num_items_in_batch"}
+    | {"shift_labels", "num_items_in_batch", "sliding_window", DOCUMENTS_KWARG, *FLASH_VARLEN_KWARGS}
 )
 
 
@@ -95,16 +109,10 @@ def _check_call(module: nn.Module, seq: int, dropout: float, kwargs: dict, softc
         raise _refuse(module, "is_causal=False", "ndparallel's tp/cp attention is causal only")
     if dropout:
         raise _refuse(module, f"dropout={dropout}", "attention dropout is not implemented (set attention_dropout=0)")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < seq:
-        raise ConfigError(
-            f"sliding_window={window} is shorter than the sequence ({seq}): ndparallel's "
-            "attention is full causal; use sequences <= sliding_window or config.sliding_window=None"
-        )
     if kwargs.get("softcap") is not None and not softcap_ok:
         raise _refuse(module, f"softcap={kwargs['softcap']}", "attention logit soft-capping is not implemented")
     for name, value in kwargs.items():
-        if name not in _NEUTRAL_KWARGS | {"is_causal", "sliding_window", "softcap", "s_aux"}:
+        if name not in _NEUTRAL_KWARGS | {"is_causal", "softcap", "s_aux"}:
             if value is not None and value is not False:
                 raise _refuse(module, f"{name}={_short(value)}", "ndparallel's tp/cp attention does not know it")
 
@@ -122,32 +130,50 @@ def _same_head_dim(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch
     return query, key, F.pad(value, (0, -pad)) if pad else value
 
 
+def _documents(module: nn.Module, kwargs: dict) -> DocumentMask | None:
+    """The mask the input hook (or a pipeline stage) passed down for this forward; counted as delivered."""
+    documents = kwargs.get(DOCUMENTS_KWARG)
+    if documents is not None:
+        documents.delivered += 1
+    return documents
+
+
 def _sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Causal SDPA on ``[batch, heads, seq, head_dim]`` (the rank's heads); returns ``[batch, seq, heads, dim]``."""
     _check_call(module, query.shape[2] * _spec(module).cp_size, dropout, kwargs, softcap_ok=True)
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    documents, window = _documents(module, kwargs), layer_window(module)
     check_sinks(sinks, query.shape[1])
     if softcap is not None:
         if sinks is not None:
             raise _refuse(module, "softcap with sinks", "their combination is not implemented")
-        return _softcapped_attention(query, key, value, scaling, softcap), None
-    out = local_attention(query, key, value, True, scaling, sinks)
+        return _softcapped_attention(query, key, value, scaling, softcap, documents, window), None
+    out = local_attention(query, key, value, True, scaling, sinks, documents, window)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _softcapped_attention(query, key, value, scaling: float | None, softcap: float) -> torch.Tensor:
+def _softcapped_attention(
+    query, key, value, scaling: float | None, softcap: float, documents: DocumentMask | None, window: int | None
+) -> torch.Tensor:
     """Causal attention with logit soft-capping (Gemma 2) on the rank's heads, the arithmetic of transformers'
     eager attention (the only one such models have): scores capped by ``tanh(s / cap) * cap``, softmax in
-    float32. ``[batch, heads, seq, dim]`` in, ``[batch, seq, heads, dim]`` out. Under cp the ring caps alike."""
+    float32. ``[batch, heads, seq, dim]`` in, ``[batch, seq, heads, dim]`` out. Under cp the ring caps alike.
+    With a mask, a row that sees no key outputs zeros (the ring's answer; eager attention would average)."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
     seq = query.shape[2]
-    future = torch.ones(seq, seq, dtype=torch.bool, device=query.device).triu(1)
-    scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    if documents is None and window is None:
+        visible = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
+    else:
+        batch = query.shape[0]
+        whole = documents or DocumentMask.from_document_ids(torch.zeros(batch, seq, dtype=torch.long))
+        visible = whole.to(query.device).dense(window)[:, None]
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = probs * visible.any(-1, keepdim=True)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
@@ -162,8 +188,9 @@ def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     if softcap is not None and sinks is not None:
         raise _refuse(module, "softcap with sinks", "their combination is not implemented")
     out = ring_attention(
-        q, k, v, spec.cp_group, True, spec.rotate, spec.load_balance, scaling, sinks=sinks, softcap=softcap
-    )
+        q, k, v, spec.cp_group, True, spec.rotate, spec.load_balance, scaling, sinks=sinks, softcap=softcap,
+        documents=_documents(module, kwargs), window=layer_window(module),
+    )  # fmt: skip
     return out[..., :v_dim], None
 
 
@@ -193,8 +220,9 @@ def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | No
     cp, cp_mesh = mesh.size("cp"), mesh["cp"]
     cp_group = cp_mesh.get_group() if cp > 1 else None
     cp_rank = cp_mesh.get_local_rank() if cp > 1 else 0
-    layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance, attention_window(model))
+    layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance, cp_group)
     model.register_forward_pre_hook(input_hook(layout), with_kwargs=True)
+    model.register_forward_hook(_check_delivered, with_kwargs=True)
     install_causal_lm_loss(model, cp_group, cp, cp_rank, cfg.cp_load_balance)
     return model
 
@@ -251,18 +279,40 @@ def _check_features(model: nn.Module, tp: int, cp: int, rotate: str) -> None:
                 f"model_type={config.model_type!r} ({type(module).__name__}) has attention sinks (s_aux), one per "
                 f"head, which tensor parallel does not shard with the heads; use tp_size=1 (cp_size > 1 is exact)"
             )
+        if layer_kind(module) not in MASK_KINDS:
+            raise _refuse(
+                module,
+                f"layer_types[{module.layer_idx}]={layer_kind(module)!r}",
+                f"ndparallel's tp/cp attention builds {' and '.join(MASK_KINDS)} masks only",
+            )
 
 
-def attention_window(model: nn.Module) -> int | None:
-    """The shortest sliding window of the model's attention layers (None: all full causal). A layer's own
-    ``sliding_window`` attribute wins (None on the full layers of Gemma 2/3, Cohere 2, gpt-oss, Qwen2), else
-    its config's (Mistral). Sequences up to it attend exactly as full causal attention."""
-    windows = []
-    for module in filter(_is_hf_attention, model.modules()):
-        window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
-        if isinstance(window, int):
-            windows.append(window)
-    return min(windows, default=None)
+def layer_kind(module: nn.Module) -> str:
+    """The mask kind transformers builds for this attention layer: its ``config.layer_types`` entry, else (Mistral,
+    Phi-3, StarCoder 2: no layer types) ``sliding_attention`` wherever ``config.sliding_window`` is set."""
+    config, index = module.config, module.layer_idx
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and index < len(kinds):
+        return kinds[index]
+    return "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+
+
+def layer_window(module: nn.Module) -> int | None:
+    """This layer's sliding window as transformers' mask applies it (query ``i`` sees keys ``i - w < j <= i``), or
+    None for full causal attention. Qwen2-MoE's ``sliding_window=0`` with every layer ``full_attention`` is None."""
+    return module.config.sliding_window if layer_kind(module) == "sliding_attention" else None
+
+
+def _check_delivered(model: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    """After a forward that carried a mask: every attention layer must have received it (a model whose layers do
+    not hand their keywords to the attention would have attended across documents and padding)."""
+    documents = kwargs.get(DOCUMENTS_KWARG)
+    if documents is not None and documents.delivered == 0:
+        raise ConfigError(
+            f"{type(model).__name__} does not pass its forward keywords down to its attention layers, so the "
+            "padding / document mask of this batch never reached them under tp/cp: use batches without padding "
+            "or packing (one document per row), or tp_size=1 and cp_size=1"
+        )
 
 
 def _is_dynamic_rope(kind: object) -> bool:

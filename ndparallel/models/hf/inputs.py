@@ -1,14 +1,20 @@
-"""Forward inputs of a Hugging Face model under tp/cp: refused alike on every rank, positions filled in.
+"""Forward inputs of a Hugging Face model under tp/cp: refused alike on every rank, masks reduced, positions filled in.
 
 :func:`apply_hf_attention <ndparallel.models.hf.attention.apply_hf_attention>` installs :func:`input_hook` as a
-forward pre-hook on the model. It refuses what the sharded attention cannot honour (padding masks, a KV
-cache, ``inputs_embeds``, a sequence the mesh cannot split, labels or positions not sharded like the
-tokens), turns the KV cache off, and fills ``position_ids`` with this rank's global positions (the rank's
-shard under cp; under sequence parallel the local sequence would otherwise number tokens ``0..seq/tp``).
+forward pre-hook on the model. It refuses what the sharded attention cannot honour (a KV cache, ``inputs_embeds``,
+a sequence the mesh cannot split, labels or positions not sharded like the tokens, an arbitrary mask), turns the
+KV cache off, and fills ``position_ids`` with this rank's global positions (the rank's shard under cp; under
+sequence parallel the local sequence would otherwise number tokens ``0..seq/tp``).
+
+Masks: a padding ``attention_mask``, ``position_ids`` restarting per document and flash-attention's
+``cu_seq_lens`` reduce to one :class:`~ndparallel.distributed.documents.DocumentMask` over the whole rows
+(:func:`ndparallel.parallel.masks.hf_document_mask`, transformers' one-process semantics). Under cp the rank's
+shards are all-gathered over the cp group first (a few int64 per token). The mask travels down the model to
+ndparallel's attention functions as the ``ndparallel_documents`` keyword, and ``attention_mask`` becomes None.
+
 Refusals are collective (:func:`ndparallel.distributed.agree.agree`: one all-reduce of a flag vector per
-forward): a rank that sees padding and one that does not raise the same ConfigError, instead of one rank
-raising while the others block in FSDP's next collective. Two refusals keep the full causal attention exact:
-a sequence longer than the model's sliding window, and ``position_ids`` that restart (packed documents).
+forward, two when the batch carries a mask): a rank that sees bad input and one that does not raise the same
+ConfigError, instead of one rank raising while the others block in FSDP's next collective.
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from ndparallel.config.sequence import sequence_problem
 from ndparallel.distributed.agree import agree
+from ndparallel.distributed.documents import DocumentMask
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.loss import labels_problem
-from ndparallel.parallel.context_parallel import sequence_indices
+from ndparallel.parallel.context_parallel import gather_sequence, sequence_indices
+from ndparallel.parallel.masks import DOCUMENTS_KWARG, hf_document_mask, mask_shape_problem
 
 __all__ = ["InputLayout", "input_hook", "input_problem"]
 
@@ -33,7 +44,7 @@ class InputLayout:
     cp_size: int
     cp_rank: int
     load_balance: bool
-    window: int | None = None  # the model's shortest sliding window: longer sequences are refused
+    cp_group: dist.ProcessGroup | None = None  # gathers the rank's mask inputs into whole rows (cp > 1)
 
 
 def input_problem(layout: InputLayout, args: tuple, kwargs: dict[str, Any]) -> str | None:
@@ -43,51 +54,71 @@ def input_problem(layout: InputLayout, args: tuple, kwargs: dict[str, Any]) -> s
     tokens = args[0] if args else kwargs.get("input_ids")
     if tokens is None:
         return "tp/cp need input_ids (inputs_embeds bypass the sharded embedding); pass input_ids"
-    mask = kwargs.get("attention_mask")
-    if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
-        return (
-            "attention_mask with padding is not supported under tp/cp (the attention is full causal): "
-            "pack sequences without padding and pass attention_mask=None"
-        )
     if kwargs.get("use_cache"):
         return "use_cache=True (KV cache, generation) is not supported on a model with tp/cp > 1"
     local, cp = tokens.shape[1], layout.cp_size
     sequence = sequence_problem(local * cp, cp, layout.tp_size, layout.load_balance)  # the one rule
     if sequence:
         return f"{sequence} (cp_size={cp}: this rank holds {local} tokens)" if cp > 1 else sequence
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        problem = mask_shape_problem("attention_mask", mask, tokens.shape[0], tuple(dict.fromkeys((local, local * cp))))
+        if problem:
+            return problem
     labels = labels_problem(kwargs, local, cp)  # outputs.loss: ndparallel/models/hf/loss.py
     if labels:
         return labels
-    if layout.window is not None and local * cp > layout.window:
-        return (
-            f"sequence length {local * cp} is longer than the model's sliding_window={layout.window}: "
-            "ndparallel's tp/cp attention is full causal, exact only up to the window; use sequences <= "
-            f"{layout.window}, or tp_size=1 and cp_size=1"
-        )
     return _positions_problem(layout, kwargs.get("position_ids"), local)
 
 
 def _positions_problem(layout: InputLayout, positions: Any, local: int) -> str | None:
-    """``position_ids`` must be this rank's shard of one ``arange`` per row (any offset): positions that restart
-    or skip make transformers mask packed documents apart, which the full causal attention would ignore."""
-    if positions is None:
+    """``position_ids`` must hold one position per token of this rank (its shard under cp)."""
+    if positions is None or positions.shape[-1] == local:
         return None
-    cp = layout.cp_size
-    if positions.shape[-1] != local:
+    return (
+        f"position_ids has {positions.shape[-1]} positions but this rank holds {local} tokens "
+        f"(cp_size={layout.cp_size}): pass position_ids as a context_parallel buffer with the tokens "
+        "(seq dim 1) so they are sharded alike, or omit them (ndparallel fills the rank's global positions)"
+    )
+
+
+def _whole_rows(layout: InputLayout, tensor: torch.Tensor | None, local: int) -> torch.Tensor | None:
+    """``tensor`` ``[batch, seq]`` over the whole sequence: a rank's shard (``local`` long) gathered over cp."""
+    if tensor is None or layout.cp_size == 1 or tensor.shape[-1] != local:
+        return tensor
+    return gather_sequence(tensor.contiguous(), -1, layout.cp_group, layout.load_balance)
+
+
+def _same_in_group(layout: InputLayout, flags: list[bool]) -> bool:
+    """Whether every rank of the cp group has the same optional inputs, so that all gather alike (an all-reduce)."""
+    if layout.cp_size == 1:
+        return True
+    mine = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    everyone = mine.clone()
+    dist.all_reduce(everyone, group=layout.cp_group)
+    return torch.equal(everyone, mine * layout.cp_size)
+
+
+def document_mask(layout: InputLayout, tokens: torch.Tensor, kwargs: dict[str, Any]) -> DocumentMask | str | None:
+    """The whole rows' mask of this batch (None: plain causal), or why it is refused. Collective over cp."""
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    cu = {name: kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(name) is not None}
+    has_mask, has_positions = mask is not None, positions is not None
+    if not _same_in_group(layout, [has_mask, has_positions]):
         return (
-            f"position_ids has {positions.shape[-1]} positions but this rank holds {local} tokens "
-            f"(cp_size={cp}): pass position_ids as a context_parallel buffer with the tokens "
-            "(seq dim 1) so they are sharded alike, or omit them (ndparallel fills the rank's global positions)"
+            "the ranks of one cp group got different mask inputs (attention_mask / position_ids on some ranks "
+            "only): shard every input of the batch with ndparallel.context_parallel on every rank"
         )
-    expected = sequence_indices(local * cp, cp, layout.cp_rank, layout.load_balance, positions.device)
-    offsets = positions.reshape(-1, local) - expected
-    if bool((offsets != offsets[:, :1]).any()):
-        return (
-            "position_ids restart or skip inside a row (packed sequences: transformers would mask the documents "
-            "apart), but ndparallel's tp/cp attention is full causal over the row: pass one arange per row "
-            "(or omit position_ids), one document per row, or use tp_size=1 and cp_size=1"
-        )
-    return None
+    if not (has_mask or has_positions or cu):
+        return None
+    batch, local = tokens.shape[0], tokens.shape[1]
+    if has_positions:
+        positions = _whole_rows(layout, positions.expand(batch, local), local)
+    mask = _whole_rows(layout, mask, local) if has_mask else None
+    try:
+        return hf_document_mask(batch, local * layout.cp_size, mask, positions, cu)
+    except ConfigError as err:
+        return str(err)
 
 
 def input_hook(layout: InputLayout):
@@ -96,7 +127,11 @@ def input_hook(layout: InputLayout):
     def hook(_module, args, kwargs):
         agree(input_problem(layout, args, kwargs), "forward input refused", error_type=ConfigError)
         tokens = args[0] if args else kwargs["input_ids"]
+        documents = document_mask(layout, tokens, kwargs)  # whole rows: gathered over cp, then reduced
+        agree(documents if isinstance(documents, str) else None, "forward input refused", error_type=ConfigError)
         kwargs = {**kwargs, "attention_mask": None, "use_cache": False}
+        if documents is not None:
+            kwargs[DOCUMENTS_KWARG] = documents
         if kwargs.get("position_ids") is None:
             seq = tokens.shape[1] * layout.cp_size
             positions = sequence_indices(seq, layout.cp_size, layout.cp_rank, layout.load_balance, tokens.device)

@@ -22,8 +22,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from ndparallel.distributed.documents import DocumentMask
 from ndparallel.errors import ConfigError
+from ndparallel.models.hf.attention import ATTENTION_RING, ATTENTION_SDPA
 from ndparallel.models.hf.init import init_buffers, seeded_init, seeded_init_module
+from ndparallel.parallel.masks import DOCUMENTS_KWARG
 
 __all__ = ["LOAD_MARKER", "HFCausalLMStage"]
 
@@ -171,25 +174,54 @@ class HFCausalLMStage(nn.Module):
                 with _holding(module, name, copy_):
                     seeded_init_module(module, seed, writer_fqn, self._init_module)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The ``*ForCausalLM`` forward for this stage's part: tokens (first stage) or hidden states in; hidden
-        states or logits (last stage) out."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
+        states or logits (last stage) out. ``documents``: the micro-batch's mask over the whole rows, ``[batch, 2,
+        seq]`` query and key document ids (padding, packed documents: the pipeline builds it)."""
         config = self.config
         h = self._embed(x) if self.first else x
         kinds = sorted(set(self._kinds.values()))
-        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        args = {"config": config, "inputs_embeds": h, "attention_mask": None, "cache": None}
-        masks = {kind: make[kind](**args, position_ids=position_ids) for kind in kinds}
+        extra = {}
+        if documents is None:
+            masks = self._causal_masks(h, position_ids, kinds)
+        elif config._attn_implementation in (ATTENTION_RING, ATTENTION_SDPA):  # tp/cp: ndparallel's attention
+            masks, extra = dict.fromkeys(kinds), {DOCUMENTS_KWARG: DocumentMask(documents[:, 0], documents[:, 1])}
+        else:  # transformers' own attention: the mask as a 4-D tensor it takes as is
+            masks = self._document_masks(DocumentMask(documents[:, 0], documents[:, 1]), kinds, h.dtype)
         if self._rope_per_kind:
             rotary = {kind: self._body.rotary_emb(h, position_ids, kind) for kind in kinds}
         else:
             rotary = dict.fromkeys(kinds, self._body.rotary_emb(h, position_ids=position_ids))
         for i, layer in self._body.layers.items():
             kind = self._kinds[int(i)]
-            h = layer(h, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=position_ids)
+            h = layer(
+                h, attention_mask=masks[kind], position_embeddings=rotary[kind], position_ids=position_ids, **extra
+            )
         return self._head(h) if self.last else h
+
+    def _causal_masks(self, h: torch.Tensor, position_ids: torch.Tensor, kinds: list[str]) -> dict:
+        """Each layer kind's mask as its ``*Model.forward`` builds it (packed ``position_ids`` included)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        args = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "cache": None}
+        return {kind: make[kind](**args, position_ids=position_ids) for kind in kinds}
+
+    def _document_masks(self, documents: DocumentMask, kinds: list[str], dtype: torch.dtype) -> dict:
+        """Each layer kind's ``[batch, 1, seq, seq]`` mask from the rows' documents: boolean for SDPA, additive
+        (0 / dtype min, as transformers' eager mask) for eager attention."""
+        window = getattr(self.config, "sliding_window", None)
+        masks = {}
+        for kind in kinds:
+            visible = documents.dense(window if kind == "sliding_attention" else None)[:, None]
+            if self.config._attn_implementation == "eager":
+                visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+                    ~visible, torch.finfo(dtype).min
+                )
+            masks[kind] = visible
+        return masks
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``*Model.forward`` up to the first layer: Gemma's scale is inside its embedding module; Granite's

@@ -30,13 +30,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ndparallel.distributed.documents import DocumentMask
 from ndparallel.distributed.regions import local_region
+from ndparallel.distributed.ulysses import local_attention
 from ndparallel.models.seed import name_seed
 from ndparallel.models.transformer.moe import MoE, Router
 from ndparallel.models.transformer.presets import TransformerConfig
 from ndparallel.parallel.loss import cross_entropy_loss
 
-__all__ = ["CoreAttention", "OutputProjection", "Transformer", "apply_rotary", "init_parameters", "rotary_tables"]
+__all__ = [
+    "CoreAttention",
+    "OutputProjection",
+    "Transformer",
+    "apply_rotary",
+    "as_document_mask",
+    "init_parameters",
+    "rotary_tables",
+]
 
 
 def rotary_tables(
@@ -89,13 +99,33 @@ def init_parameters(module: nn.Module, cfg: TransformerConfig, seed: int | None 
             router.reset_buffers()
 
 
+def as_document_mask(document_ids: torch.Tensor | DocumentMask | None, tokens: torch.Tensor) -> DocumentMask | None:
+    """``document_ids`` ``[batch, seq]`` (one id per token of ``tokens``) as the attention's mask; a DocumentMask
+    (prepared by context parallel's hook over the whole rows) as is. ValueError for ids of another shape."""
+    if document_ids is None or isinstance(document_ids, DocumentMask):
+        return document_ids
+    if document_ids.shape != tokens.shape or document_ids.is_floating_point():
+        raise ValueError(
+            f"document_ids must be integers shaped like the tokens {list(tokens.shape)}, got "
+            f"{document_ids.dtype} {list(document_ids.shape)}: one document id per token"
+        )
+    return DocumentMask.from_document_ids(document_ids)
+
+
 class CoreAttention(nn.Module):
     """Causal scaled-dot-product attention on ``[batch, seq, heads, head_dim]`` tensors.
 
-    k and v may carry fewer heads than q (grouped-query attention); they are repeated here.
+    k and v may carry fewer heads than q (grouped-query attention); they are repeated here. ``documents``
+    (a :class:`~ndparallel.distributed.documents.DocumentMask`, from ``Transformer(document_ids=...)``) keeps
+    each token's attention inside its own document; a row that sees no key (padding) outputs zeros.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None = None
+    ) -> torch.Tensor:
+        if documents is not None:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return local_attention(q, k, v, True, None, None, documents).transpose(1, 2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         repeats = q.shape[1] // k.shape[1]
         if repeats > 1:
@@ -116,14 +146,17 @@ class Attention(nn.Module):
         self.core_attention = CoreAttention()
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: DocumentMask | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds heads / tp of them.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v)
+        # by keyword only when set: a user's attention module of the plain (q, k, v) contract keeps working
+        out = self.core_attention(q, k, v) if documents is None else self.core_attention(q, k, v, documents=documents)
         return self.wo(out.reshape(batch, seq, -1))
 
 
@@ -146,8 +179,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.torch_dtype)
         self.feed_forward = MoE(cfg) if cfg.is_moe else FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: DocumentMask | None = None
+    ) -> torch.Tensor:
+        # documents by keyword: the TP plan's PrepareModuleInput lays out the positional (x, cos, sin) only
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -193,6 +229,11 @@ class Transformer(nn.Module):
     """Decoder-only language model: ``forward(tokens[, positions]) -> logits`` (``labels=``: the loss).
 
     ``positions`` (``[seq]`` or ``[batch, seq]``, default ``0..seq-1``) index the rotary tables.
+    ``document_ids`` (``[batch, seq]`` integers, optional): packed documents; a token attends only the earlier
+    tokens of its own document, and a negative id marks padding (attends nothing, attended by nothing). Pass
+    positions restarting per document with them if each document should rotate from 0. Under context parallel
+    shard them like the tokens (a ``context_parallel`` buffer, seq dim 1): the planner's hook gathers them
+    into the whole rows' mask (docs/context-parallel.md#masks).
     Under context parallel each rank holds a shard of the sequence and needs its tokens' global
     positions: pass them sharded like the tokens, or omit them inside ``ndparallel.context_parallel``
     (ndparallel's planner hooks this forward from outside and fills them; outside the block the call
@@ -234,10 +275,15 @@ class Transformer(nn.Module):
         init_parameters(self, cfg, seed)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        document_ids: torch.Tensor | DocumentMask | None = None,
     ) -> torch.Tensor:
         """The logits ``[batch, seq, vocab]``; with ``labels`` ``[batch, seq]``, the mean token cross entropy
         computed by the output projection (:class:`OutputProjection`: one compiled graph under ``compile: blocks``).
+        ``document_ids``: see the class doc (a prepared ``DocumentMask`` of the whole rows is taken as is).
         """
         if positions is None:
             seq = tokens.shape[1]
@@ -246,9 +292,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        documents = as_document_mask(document_ids, tokens)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
         h = self.norm(h)
         # labels by keyword: TP styles' input hooks see positional inputs only, and would drop them
         return self.output(h) if labels is None else self.output(h, labels=labels)

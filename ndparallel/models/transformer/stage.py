@@ -3,8 +3,10 @@
 ``layers`` is an ``nn.ModuleDict`` keyed by the original block index, so ``layers.5.attention.wq.weight``
 has the same name on any pp size and in one process (TP tables, FSDP units and checkpoint keys keep
 working). The first stage also holds ``tok_embeddings``, the last ``norm`` and ``output``; every stage
-has the rotary tables. ``forward(x, positions)``: ``x`` is tokens on the first stage, hidden states
-elsewhere; ``positions`` is ``[batch, seq]`` (micro-batched with the tokens).
+has the rotary tables. ``forward(x, positions, documents=None)``: ``x`` is tokens on the first stage, hidden
+states elsewhere; ``positions`` is ``[batch, seq]`` (micro-batched with the tokens); ``documents`` is the
+micro-batch's mask over the whole rows, ``[batch, 2, seq]`` query and key document ids
+(:meth:`ndparallel.parallel.pipeline.Pipeline.step` builds it; docs/pipeline-parallel.md#masks).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ndparallel.distributed.documents import DocumentMask
 from ndparallel.models.transformer.model import Transformer, init_parameters, rotary_tables
 
 __all__ = ["TransformerStage"]
@@ -45,9 +48,10 @@ class TransformerStage(nn.Module):
         self.rope_sin.copy_(sin)
         init_parameters(self, cfg, seed)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(x) if self.first else x
+        mask = None if documents is None else DocumentMask(documents[:, 0], documents[:, 1])
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, documents=mask)
         return self.output(self.norm(h)) if self.last else h

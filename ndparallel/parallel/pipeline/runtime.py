@@ -6,6 +6,9 @@ What the step makes right across stages (docs/pipeline-parallel.md):
   batch), averaged over ``dp_cp``, broadcast over pp from the rank holding the last stage; plus, for a model with
   auxiliary losses (MoE routers), every stage's, summed over pp (:mod:`ndparallel.parallel.pipeline.aux_loss`);
 * context parallel: tokens, labels and ``[batch, seq]`` positions are sharded alike on every stage;
+* masks (padding, packed documents): the rows' :class:`~ndparallel.distributed.documents.DocumentMask` travels
+  with the micro-batches to every stage as one ``[batch, 2, seq]`` tensor of query and key document ids over the
+  whole (unsharded) rows (docs/pipeline-parallel.md#masks);
 * pure replicate: the schedule runs under ``no_sync`` and gradients are averaged over ``dp_replicate`` once
   after it (FSDP needs nothing: torch's stage drives FSDP's gradient sync itself);
 * weights tied across stages (an embedding and its head): every copy gets the summed gradient, and the
@@ -29,6 +32,7 @@ from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
+from ndparallel.parallel.masks import document_ids_mask, hf_document_mask, mask_shape_problem
 from ndparallel.parallel.pipeline.aux_loss import AuxLossRecord
 from ndparallel.parallel.pipeline.tied import TiedCopies, sum_tied_grads
 from ndparallel.parallel.replicate import no_sync
@@ -75,6 +79,7 @@ class Pipeline:
         self._replicate = inner.size("dp_replicate") > 1 and inner.fsdp is None
         self._holds_last = mesh.local_rank("pp") == last_stage_rank
         self._shape: tuple | None = None
+        self._masked: bool | None = None  # whether the batches carry a mask (fixed at the first step, as shapes)
         self._last_mode: bool | None = None  # training (step) or not (eval) on the last run; None before any
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -156,11 +161,17 @@ class Pipeline:
             aux /= self._inner.size("dp_cp")
         return aux
 
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the global mean loss (float64, every rank)."""
-        return self._run(tokens, labels, self.schedule.step, training=True)
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor, **masks: torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the global mean loss (float64, every rank).
 
-    def eval(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ``masks`` (each ``[batch, seq]`` like the tokens, optional): ``positions`` (rotary positions; for a Hugging
+        Face model also its packed documents, as transformers reads restarting ``position_ids``),
+        ``attention_mask`` (0/1 padding, a key mask) and ``document_ids`` (the reference model's documents;
+        negative ids pad). They reduce to one mask (:mod:`ndparallel.parallel.masks`) split with the micro-batches.
+        """
+        return self._run(tokens, labels, self.schedule.step, training=True, masks=masks)
+
+    def eval(self, tokens: torch.Tensor, labels: torch.Tensor, **masks: torch.Tensor | None) -> torch.Tensor:
         """Forward only (torch's ``schedule.eval``, no gradients): the global mean loss, as :meth:`step`'s."""
         if not hasattr(self.schedule, "eval"):
             raise ConfigError(f"pipeline eval needs torch's schedule.eval, which torch {torch.__version__} lacks")
@@ -176,36 +187,73 @@ class Pipeline:
         params, grads = self._gradients()
         try:
             with torch.no_grad():
-                return self._run(tokens, labels, self.schedule.eval, training=False)
+                return self._run(tokens, labels, self.schedule.eval, training=False, masks=masks)
         finally:
             self._restore_gradients(params, grads)
 
-    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run, training: bool) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, run, training: bool, masks: dict) -> torch.Tensor:
         self.check_batch(tokens, labels)
+        positions, documents = self._masks(tokens, masks)
+        if self._masked is not None and self._masked != (documents is not None):
+            raise ConfigError(
+                "pipeline batches switched between masked (padding / documents) and unmasked: torch's schedule fixes "
+                "its inputs at the first step and would hang on others; pass a mask with every batch, or with none"
+            )
+        self._masked = documents is not None
         if self.aux_losses is not None and training != self._last_mode:  # torch infers shapes again: absorb it
-            self._dry_run(tokens, labels, run)
+            self._dry_run(tokens, labels, run, positions, documents)
         self._last_mode = training
-        losses = self._schedule(tokens, labels, run)
+        losses = self._schedule(tokens, labels, run, positions, documents)
         if self._replicate and torch.is_grad_enabled():
             self._average_replicas()
         if torch.is_grad_enabled():
             sum_tied_grads(self.tied, self.pp_group)
         return self._global_loss(losses)
 
-    def _schedule(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> list[torch.Tensor]:
+    def _masks(self, tokens: torch.Tensor, masks: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(positions, the ``[batch, 2, seq]`` document ids) of this batch, from :meth:`step`'s ``masks``."""
+        unknown = sorted(set(masks) - {"positions", "attention_mask", "document_ids"})
+        if unknown:
+            raise ConfigError(f"pipeline step got {unknown}: it takes positions, attention_mask and document_ids")
+        batch, seq = tokens.shape
+        masks = {name: value for name, value in masks.items() if value is not None}
+        for name, value in masks.items():
+            problem = mask_shape_problem(name, value, batch, (seq,))
+            if problem:
+                raise ConfigError(problem)
+        positions, ids, padding = masks.get("positions"), masks.get("document_ids"), masks.get("attention_mask")
+        if ids is not None:
+            if padding is not None:
+                raise ConfigError("pipeline step got document_ids and attention_mask: give negative ids to padding")
+            documents = document_ids_mask(ids, batch, seq)
+        elif self.positions_arg == "position_ids":  # a Hugging Face model: transformers' own reading
+            documents = hf_document_mask(batch, seq, padding, positions)
+        else:
+            documents = None if padding is None or bool(padding.all()) else hf_document_mask(batch, seq, padding)
+        if documents is None:
+            return positions, None
+        return positions, torch.stack((documents.query_docs, documents.key_docs), dim=1)
+
+    def _schedule(
+        self, tokens: torch.Tensor, labels: torch.Tensor, run, positions=None, documents=None
+    ) -> list[torch.Tensor]:
         """torch's schedule over this batch (``run``: its step or eval); the last stage's micro-batch losses."""
         device = self.mesh.device
         x, y = tokens.to(device).clone(), labels.to(device).clone()
         batch, seq = x.shape
-        positions = torch.arange(seq, device=device).expand(batch, seq).contiguous()  # micro-batched like x
+        if positions is None:
+            positions = torch.arange(seq, device=device)
+        positions = positions.to(device).expand(batch, seq).contiguous()  # micro-batched like x
         losses: list[torch.Tensor] = []
         with context_parallel(self._inner, [x, y, positions], seq_dims=[1, 1, 1]), self._sync_context():
             args = (x,) if 0 in self.stage_ids else ()
             kwargs = {self.positions_arg: positions}
+            if documents is not None:  # the whole rows (not sharded): every cp rank's attention needs them all
+                kwargs["documents"] = documents.to(device)
             run(*args, target=y, losses=losses, return_outputs=False, **kwargs)
         return losses
 
-    def _dry_run(self, tokens: torch.Tensor, labels: torch.Tensor, run) -> None:
+    def _dry_run(self, tokens: torch.Tensor, labels: torch.Tensor, run, positions=None, documents=None) -> None:
         """Before a model with auxiliary losses runs its first batch, and whenever it switches between step and
         eval: torch then infers the stages' shapes with stage forwards of its own (on tensors it makes up), which
         would add to the routers' counts and the aux losses. Run the schedule once, then put every buffer and
@@ -214,7 +262,7 @@ class Pipeline:
         params, grads = self._gradients()
         cuda = [self.mesh.device.index or 0] if self.mesh.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # as torch's own inference: the real run draws what it would
-            self._schedule(tokens, labels, run)
+            self._schedule(tokens, labels, run, positions, documents)
         with torch.no_grad():
             for stage, buffers in zip(self.stages, saved, strict=True):
                 for name, buffer in stage.named_buffers():
