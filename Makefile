@@ -2,12 +2,14 @@
 # CPU build 2.13.0; e.g. `make test TORCH=torch==2.11.0` or a CUDA build); a torch already
 # importable in .venv is kept. TRANSFORMERS pins the hf extra to the release the tests were measured on
 # (its catalogue of plans changes between releases: docs/models.md); the package itself asks only >=5.24.
-# ACCELERATE likewise for the trainer extra (ndparallel.hf.Trainer; the Trainer imports accelerate).
+# ACCELERATE likewise for the trainer extra (ndparallel.hf.Trainer; the Trainer imports accelerate), TRL for the
+# trl extra (TRL's SFTTrainer on ndparallel, docs/fine-tuning.md).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.25.0
 ACCELERATE ?= accelerate==1.16.0
+TRL ?= trl==1.16.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
@@ -25,7 +27,7 @@ unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH)"
-	$(PIP_INSTALL) -e ".[dev,hf,trainer,plot,notebook,tensorboard]" "$(TRANSFORMERS)" "$(ACCELERATE)"
+	$(PIP_INSTALL) -e ".[dev,hf,trainer,trl,plot,notebook,tensorboard]" "$(TRANSFORMERS)" "$(ACCELERATE)" "$(TRL)"
 	@touch $@
 
 demo: $(STAMP)

@@ -81,14 +81,19 @@ class NDParallelTrainerMixin:
 
     # ---------------------------------------------------------------- the engine
     def create_accelerator_and_postprocess(self) -> None:
+        """ndparallel's Accelerator from ``parallelism_config``. ``bf16=True`` in the arguments is one process's
+        bf16: the forward under ``torch.autocast`` with fp32 parameters; ``ParallelismConfig(mixed_precision=
+        "bf16")`` is FSDP2's bf16 compute instead (docs/fine-tuning.md#bf16)."""
+        asked = self.args.mixed_precision
+        autocast = asked == "bf16" and self._ndp_config.mixed_precision == "no"
         accelerator = Accelerator(
             self._ndp_config,
-            mixed_precision=None if self.args.mixed_precision == "no" else self.args.mixed_precision,
+            mixed_precision=None if asked == "no" or autocast else asked,
             gradient_accumulation_steps=1,  # the Trainer accumulates (and scales the loss) itself
             cpu=bool(self.args.use_cpu),
         )
         refuse_unsupported_arguments(self.args, accelerator.parallelism_config, accelerator.num_processes)
-        self.accelerator = TrainerAccelerator(accelerator)
+        self.accelerator = TrainerAccelerator(accelerator, autocast=torch.bfloat16 if autocast else None)
         self.gather_function = self.accelerator.gather_for_metrics
         self.is_deepspeed_enabled = self.is_fsdp_enabled = False
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.accelerator.core import Accelerator
+from ndparallel.accelerator.precision import wrap_autocast
 from ndparallel.config.parallelism import ParallelismConfig
 
 __all__ = ["TrainerAccelerator", "rebuilt"]
@@ -60,10 +61,11 @@ class _GradientState:
 class TrainerAccelerator:
     """ndparallel's :class:`Accelerator` with the Accelerate attributes the Trainer reads; the rest delegates."""
 
-    def __init__(self, accelerator: Accelerator):
+    def __init__(self, accelerator: Accelerator, autocast: torch.dtype | None = None):
         from accelerate.utils import DistributedType  # the Trainer compares with Accelerate's enum
 
         self._accelerator = accelerator
+        self._autocast = autocast  # the forward's autocast dtype (the Trainer's bf16=True), or None
         self.gradient_state = _GradientState(accelerator)
         self.state = types.SimpleNamespace(fsdp_plugin=None, deepspeed_plugin=None)  # neither: ndparallel shards
         self.scaler = None  # bf16 needs none; fp16 is refused without FSDP, unscaled with it (docs/mixed-precision)
@@ -99,8 +101,20 @@ class TrainerAccelerator:
         done = [obj if _is_prepared(obj) else None for obj in objects]
         todo = [obj for obj, kept in zip(objects, done, strict=True) if kept is None]
         fresh = iter(_as_tuple(self._accelerator.prepare(*todo)) if todo else ())
-        out = [kept if kept is not None else next(fresh) for kept in done]
+        out = [kept if kept is not None else self._autocast_forward(next(fresh)) for kept in done]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _autocast_forward(self, obj: Any) -> Any:
+        """A prepared model (each pipeline stage under pp) running its forward under ``torch.autocast``, as
+        Accelerate runs one process's ``bf16=True``: parameters, gradients and their reduction stay fp32."""
+        if self._autocast is None:
+            return obj
+        from ndparallel.accelerator.pipeline import PipelineModel
+
+        modules = obj.stages if isinstance(obj, PipelineModel) else [obj] if isinstance(obj, torch.nn.Module) else []
+        for module in modules:
+            wrap_autocast(module, self._accelerator.device.type, self._autocast)
+        return obj
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False):
         return self.prepare(model)

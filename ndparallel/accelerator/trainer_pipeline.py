@@ -28,6 +28,7 @@ from torch import nn
 
 from ndparallel.accelerator.pipeline import PipelineModel
 from ndparallel.errors import ConfigError
+from ndparallel.parallel.masks import FLASH_VARLEN_KWARGS, hf_document_mask
 
 __all__ = ["is_pipeline", "pipeline_loss", "refuse_pipeline_features"]
 
@@ -52,13 +53,24 @@ def _add_gradients(taken: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
             param.grad = grad if param.grad is None else param.grad + grad
 
 
+def _without_varlen_keywords(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Flash-attention's varlen keywords (TRL's padding-free batches) checked against ``position_ids``, which
+    define the documents in one process's SDPA / eager attention, then left out: the pipeline takes those."""
+    varlen = {name: inputs.pop(name) for name in FLASH_VARLEN_KWARGS if name in inputs}
+    cu_seq_lens = {name: value for name, value in varlen.items() if name.startswith("cu_seq_lens")}
+    if cu_seq_lens and isinstance(inputs.get("input_ids"), torch.Tensor):
+        batch, seq = inputs["input_ids"].shape
+        hf_document_mask(batch, seq, inputs.get("attention_mask"), inputs.get("position_ids"), cu_seq_lens)
+    return inputs
+
+
 def pipeline_loss(model: PipelineModel, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
     """One Trainer micro-batch through the pipeline: training runs forward and backward (gradients added to
     what earlier micro-batches of the step left), evaluation the forward only. Returns the loss (module doc).
 
     transformers counts ``num_items_in_batch`` over the world and divides by tp x cp; the pp ranks of a data
     rank hold its batch too, so the global batch's count is that divided by pp as well."""
-    inputs = dict(inputs)
+    inputs = _without_varlen_keywords(dict(inputs))
     if not (model.training and torch.is_grad_enabled()):
         return model(**inputs).loss
     if num_items_in_batch is None:

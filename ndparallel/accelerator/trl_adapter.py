@@ -15,9 +15,12 @@ log-probabilities, entropy and top-1 hits). On ndparallel:
   counts are per-rank sums, gathered over ``dp_cp`` (``TrainerAccelerator.shares_of_the_batch``).
 * TRL divides its gathered token count by tp (Accelerate gathers over the world); ndparallel's gather counts
   each sample once, so the divisor is set to 1.
-* Refused: an MoE's router aux loss on several data ranks (TRL adds the rank's own batch's aux loss, not the
-  global batch's), and ``DPOTrainer`` / other TRL trainers under tp or cp (their ``compute_loss`` is theirs:
-  :func:`ndparallel.accelerator.trainer_checks.refuse_shard_blind_losses`).
+* under pp TRL's ``compute_loss`` does not run: the pipeline's last stage computes the labels' cross entropy
+  (TRL's ``loss_type="nll"``; another loss type is refused), and TRL's metrics are not logged; TRL's packing and
+  padding-free batches (one flattened row, which the pipeline cannot split into micro-batches) are refused;
+* refused: an MoE's router aux loss on several data ranks or under pp (TRL adds the rank's own batch's aux
+  loss, not the global batch's), and ``DPOTrainer`` / other TRL trainers under tp, cp or pp (their
+  ``compute_loss`` is theirs: :func:`ndparallel.accelerator.trainer_checks.refuse_shard_blind_losses`).
 
 docs/fine-tuning.md.
 """
@@ -76,11 +79,25 @@ def adapt_trl_trainer(trainer: Any, mesh: Any) -> None:
     """After a TRL trainer's ``__init__``: the fused head under tp, TRL's token-count divisor, the refusals."""
     if not _is_trl(trainer):
         return
-    if getattr(trainer, "aux_loss_enabled", False) and mesh.size("dp_cp") > 1:
+    pp = trainer.accelerator.parallelism_config.pp_size
+    loss_type = getattr(trainer.args, "loss_type", "nll")
+    if pp > 1 and loss_type != "nll":
+        raise ConfigError(
+            f"{type(trainer).__name__}(loss_type={loss_type!r}) under pp_size={pp}: the pipeline's last stage computes "
+            "the cross entropy of the labels (TRL's 'nll') inside torch's schedule; use loss_type='nll', or pp_size=1"
+        )
+    flattened = [name for name in ("packing", "padding_free") if getattr(trainer.args, name, False)]
+    if pp > 1 and flattened:
+        raise ConfigError(
+            f"{type(trainer).__name__}({flattened[0]}=True) under pp_size={pp}: TRL flattens each batch into one row, "
+            "which the pipeline cannot split into micro-batches; pad rows to one length (pad_to_multiple_of="
+            "max_length; padding is masked exactly), or train packed data with pp_size=1"
+        )
+    if getattr(trainer, "aux_loss_enabled", False) and (mesh.size("dp_cp") > 1 or pp > 1):
         raise ConfigError(
             f"{type(trainer).__name__} adds each rank's own router aux loss (its local batch's), which on "
-            f"{mesh.size('dp_cp')} data/context ranks is not one process's: set router_aux_loss_coef=0.0 in its "
-            "config, or train the MoE with ndparallel.hf.Trainer (the model's aux loss is the global batch's)"
+            f"dp x cp = {mesh.size('dp_cp')} ranks, pp_size={pp}, is not one process's: set router_aux_loss_coef=0.0, "
+            "or train the MoE with ndparallel.hf.Trainer (the model's aux loss is the global batch's)"
         )
     if hasattr(trainer, "_tp_size"):
         trainer._tp_size = 1  # TRL's token-count divisor: ndparallel's gather_for_metrics counts each sample once

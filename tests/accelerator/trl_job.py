@@ -3,14 +3,16 @@
 tests/accelerator/test_trl.py.
 
 ``python trl_job.py RUNS_JSON [--plain]``: each run ``{"out", "sizes", "data", "steps", "accumulation",
-"sft": {SFTConfig fields}, "subclass", "bf16"}`` trains a tiny float64 Llama (built from seed 0 in every process)
-for ``steps`` steps on pre-tokenized samples of varied lengths (global batch 8, sequential order), then
-``save_model(out/final)``; rank 0 prints ``RUN <out> <json>``: per logged step the loss, grad norm, TRL's mean
-token accuracy, entropy and token count (``{"error": ...}`` instead for a run with ``"expect_error"``).
+"sft": {config fields}, "subclass", "bf16", "dtype", "ndp_mixed_precision", "trainer"}`` trains a tiny Llama (float64
+unless ``dtype`` says otherwise, built from seed 0 in every process) for ``steps`` steps on pre-tokenized
+samples of varied lengths (global batch 8, sequential order), then ``save_model(out/final)``; rank 0 prints
+``RUN <out> <json>``: per logged step the loss, grad norm, TRL's mean token accuracy, entropy and token count
+(``{"error": ...}`` instead for a run with ``"expect_error"``).
 
 ``data``: ``"text"`` (every token a label, padded rows), ``"full"`` (rows of 32 tokens: no padding),
 ``"completion"`` (``completion_mask``: prompt tokens ignored, ``completion_only_loss``),
-``"assistant"`` (``assistant_masks``: only assistant turns are labels).
+``"assistant"`` (``assistant_masks``: only assistant turns are labels). ``"trainer": "dpo"``: TRL's
+``DPOTrainer`` instead, on prompt / chosen / rejected text (its reference model: a copy of the initial one).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def samples(kind: str) -> list[dict]:
     return rows
 
 
-def model():
+def model(dtype: str = "float64"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -64,30 +66,45 @@ def model():
         eos_token_id=EOS, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).double()
+    return LlamaForCausalLM(config).to(getattr(torch, dtype))
+
+
+def preferences() -> list[dict]:
+    """DPO's data: a prompt and a chosen and a rejected completion, as text of the in-memory vocabulary."""
+    generator = torch.Generator().manual_seed(12)
+
+    def words(low: int, high: int) -> str:
+        count = int(torch.randint(low, high, (1,), generator=generator))
+        return " ".join(f"w{int(i)}" for i in torch.randint(3, VOCAB, (count,), generator=generator))
+
+    return [{"prompt": words(3, 9), "chosen": words(2, 8), "rejected": words(2, 8)} for _ in range(SAMPLES)]
 
 
 def config(spec: dict, per_device: int):
-    from trl import SFTConfig
+    from trl import DPOConfig, SFTConfig
 
     fields = dict(
         output_dir=spec["out"], per_device_train_batch_size=per_device, max_steps=spec.get("steps", 3),
-        gradient_accumulation_steps=spec.get("accumulation", 1), learning_rate=1e-2, lr_scheduler_type="linear",
-        warmup_steps=0, max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0, max_length=32,
-        shuffle_dataset=False, bf16=bool(spec.get("bf16")),
+        gradient_accumulation_steps=spec.get("accumulation", 1), optim="sgd", learning_rate=0.5,
+        lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
+        max_length=32, shuffle_dataset=False, bf16=bool(spec.get("bf16")),
     )  # fmt: skip
     fields.update(spec.get("sft", {}))
+    if spec.get("trainer") == "dpo":
+        fields.pop("shuffle_dataset")
+        return DPOConfig(**fields, beta=0.1)
     return SFTConfig(**fields)
 
 
 def run(spec: dict, plain: bool) -> dict:
     from datasets import Dataset
-    from trl import SFTTrainer
+    from trl import DPOTrainer, SFTTrainer
 
-    data = Dataset.from_list(samples(spec.get("data", "text")))
+    dpo = spec.get("trainer") == "dpo"
+    data = Dataset.from_list(preferences() if dpo else samples(spec.get("data", "text")))
     per_device_steps = spec.get("accumulation", 1)
-    base = SFTTrainer
+    base = DPOTrainer if dpo else SFTTrainer
     if spec.get("subclass"):  # a user's compute_loss override (refused under tp/cp)
 
         class Custom(SFTTrainer):
@@ -95,7 +112,9 @@ def run(spec: dict, plain: bool) -> dict:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
         base = Custom
-    kwargs = dict(model=model(), train_dataset=data, processing_class=tokenizer())
+    kwargs = dict(model=model(spec.get("dtype", "float64")), train_dataset=data, processing_class=tokenizer())
+    if dpo:  # the reference model: the initial weights again (TRL would load it from the model's hub path)
+        kwargs["ref_model"] = model(spec.get("dtype", "float64"))
     if plain:
         args = config(spec, GLOBAL_BATCH // per_device_steps)
         trainer = base(args=args, **kwargs)
@@ -107,7 +126,8 @@ def run(spec: dict, plain: bool) -> dict:
         world = int(os.environ["WORLD_SIZE"])
         dp = world // (sizes.get("tp_size", 1) * sizes.get("cp_size", 1) * sizes.get("pp_size", 1))
         args = config(spec, GLOBAL_BATCH // per_device_steps // dp)
-        trainer = trainer_class(base)(args=args, parallelism_config=ndp.ParallelismConfig(**sizes), **kwargs)
+        parallel = ndp.ParallelismConfig(**sizes, mixed_precision=spec.get("ndp_mixed_precision", "no"))
+        trainer = trainer_class(base)(args=args, parallelism_config=parallel, **kwargs)
     trainer.train()
     trainer.save_model(os.path.join(spec["out"], "final"))
     logs = [
