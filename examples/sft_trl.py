@@ -84,7 +84,8 @@ def main() -> None:
         save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), bf16=args.bf16, seed=0,
         completion_only_loss=True, padding_free=args.padding_free,
         max_length=None if args.padding_free else 64,
-        pad_to_multiple_of=None if args.pp > 1 else 2 * args.cp * args.tp,  # rows a multiple of 2 x cp and of tp
+        # rows a multiple of 2 x cp and of tp; under pp of one length (torch's schedule fixes shapes)
+        pad_to_multiple_of=64 if args.pp > 1 else 2 * args.cp * args.tp,
         dataloader_drop_last=True,
     )  # fmt: skip
     trainer = trainer_class(SFTTrainer)(

@@ -145,7 +145,7 @@ class NDParallelTrainerMixin:
         """The router aux loss coefficient of an HF MoE that adds its aux loss to ``outputs.loss``, or None."""
         unwrapped = self.accelerator.unwrap_model(model)
         coef = getattr(unwrapped, "router_aux_loss_coef", None)
-        return coef if coef and getattr(unwrapped.config, "output_router_logits", False) else None
+        return coef if coef and getattr(getattr(unwrapped, "config", None), "output_router_logits", False) else None
 
     @staticmethod
     def _unscale_router_loss(loss, outputs, scale: float, coef: float):
@@ -203,9 +203,11 @@ class NDParallelTrainerMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         cp = self.accelerator.parallelism_config.cp_size
-        if is_pipeline(model):  # forward only through the schedule: the loss, no logits (trainer_pipeline.py)
+        if is_pipeline(self.model_wrapped):  # forward only through the schedule: the loss (trainer_pipeline.py)
+            pipeline = self.model_wrapped  # the evaluation loop hands over self.model: the unsplit model
+            pipeline.eval()
             with torch.no_grad():
-                return pipeline_loss(model, self._prepare_inputs(inputs), None).detach(), None, None
+                return pipeline_loss(pipeline, self._prepare_inputs(inputs), None).detach(), None, None
         if cp == 1:
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
             return loss, full_tensors(logits), labels

@@ -10,13 +10,16 @@ every pipeline micro-batch (``pp_microbatches`` of them per Trainer micro-batch)
   is, and ``backward`` is a no-op (``TrainerAccelerator.backward``);
 * gradients accumulate over the Trainer's micro-batches: torch's schedule divides the stages' gradients by its
   micro-batch count at the end of each step, so each step starts from none and adds what the previous ones left;
+* padded rows (``attention_mask``) and packed documents (``position_ids`` restarting; flash-attention's
+  ``cu_seq_lens`` are checked against them) travel with the pipeline's micro-batches as one mask; torch's
+  schedule fixes shapes at its first step, so rows need one length (``pad_to_multiple_of=max_length``);
 * evaluation runs the schedule forward only: ``eval_loss`` is the token mean of each eval step's global batch
   (dp x ``per_device_eval_batch_size`` rows), one process's with that eval batch;
 * refused by name (no logits leave the last stage): ``compute_metrics``, ``predict()``,
-  ``load_best_model_at_end``; a loss the Trainer or a subclass computes from the logits
-  (:mod:`ndparallel.accelerator.trainer_checks`).
+  ``load_best_model_at_end``; an eval batch of another size than the train micro-batch (torch fixes shapes);
+  a loss the Trainer or a subclass computes from the logits (:mod:`ndparallel.accelerator.trainer_checks`).
 
-docs/fine-tuning.md#pipeline-parallel.
+docs/fine-tuning.md#the-trainer-under-pp.
 """
 
 from __future__ import annotations
@@ -94,6 +97,14 @@ def refuse_pipeline_features(trainer: Any) -> None:
         raise ConfigError(
             f"compute_metrics under pp_size={pp}: the logits stay on the last stage inside torch's schedule; "
             "evaluate the loss only (compute_metrics=None), or compute metrics with pp_size=1"
+        )
+    strategy = getattr(args, "eval_strategy", "no")
+    evaluates = getattr(strategy, "value", strategy) != "no"  # transformers' IntervalStrategy, or its string
+    train, test = args.per_device_train_batch_size, args.per_device_eval_batch_size
+    if evaluates and train != test:
+        raise ConfigError(
+            f"per_device_eval_batch_size={test} under pp_size={pp} differs from per_device_train_batch_size={train}: "
+            "torch's schedule fixes the batch shape at its first step and would hang on another; make them equal"
         )
     if getattr(args, "load_best_model_at_end", False):
         raise ConfigError(

@@ -135,6 +135,9 @@ def launched(model_dir, moe_dir, tmp_path_factory) -> tuple[Path, dict]:
     for name in EVAL_MESHES:  # evaluation, predict() and load_best_model_at_end (trainer_job.py: "eval")
         spec = {"out": str(root / f"eval_{name}"), "sizes": MESHES[name], "steps": STEPS, "eval": True}
         runs.append({**spec, "predict": MESHES[name].get("cp_size", 1) == 1})
+    pp = {"out": str(root / "eval_pp2_dp2"), "sizes": MESHES["pp2_dp2_acc2"], "steps": STEPS, "eval": "loss"}
+    pp["accumulation"] = 2  # micro-batches of 2 rows, as the eval batches: torch's schedule fixes the shape
+    runs.append({**pp, "predict": False})  # under pp: the eval loss through the schedule, forward only
     done = run_ndparallel("launch", "--cpu-ranks", "4", "--", JOB, str(model_dir), json.dumps(runs), timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return root, {**_runs(done.stdout), **{f"EVAL {k}": v for k, v in _runs(done.stdout, "EVAL").items()}}
@@ -203,6 +206,9 @@ def test_evaluation_predict_and_load_best_model_equal_transformers_trainer(plain
         if "argmax" in got:
             assert got["label_ids"] == ref["label_ids"] and got["argmax"] == ref["argmax"], name
             assert max(abs(a - b) for a, b in zip(got["logits_sum"], ref["logits_sum"], strict=True)) < 1e-9, name
+    # pp 2 x dp_shard 2: the eval losses (each eval step's 4 rows of 16 valid tokens: the mean of the batches')
+    got = runs[f"EVAL {root / 'eval_pp2_dp2'}"]["losses"]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref["losses"], strict=True)) < TOL, got
 
 
 @pytest.mark.slow

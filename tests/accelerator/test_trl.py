@@ -70,8 +70,15 @@ MATRIX = {
     "tp2_cp2_completion": ("completion", {"tp_size": 2, "cp_size": 2}, {}),
     "pp2_tp2": ("full", {**PP2_DP2, "tp_size": 2}, {}),
     "dpo_hsdp": ("dpo", {"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
+    "bf16_dp2_tp2": ("bf16", DP2_TP2, {}),
+    "bf16_dp2_cp2": ("bf16", DP2_CP2, {}),
+    "bf16_pp2_dp2": ("bf16", {**PP2_DP2, "dp_shard_size": 2}, {}),
 }
-MATRIX_8 = {"dp2_tp2_cp2_padding_free": ("padding_free", {"dp_shard_size": 2, "tp_size": 2, "cp_size": 2}, {})}
+DP2_TP2_CP2 = {"dp_shard_size": 2, "tp_size": 2, "cp_size": 2}
+MATRIX_8 = {
+    "dp2_tp2_cp2_padding_free": ("padding_free", DP2_TP2_CP2, {}),
+    "dp2_tp2_cp2_completion": ("completion", DP2_TP2_CP2, {}),
+}
 
 
 def _runs(printed: str) -> dict[str, dict]:
@@ -182,3 +189,22 @@ def test_what_would_differ_is_refused_by_name_at_trainer_init(launched):
     for name, message in expected.items():
         error = runs[str(root / name)]["error"]
         assert error.startswith("ConfigError: ") and message in error, (name, error)
+
+
+@pytest.mark.zoo
+@pytest.mark.jobs
+def test_the_sft_example_prints_its_one_process_losses_on_cp_with_padding_free(tmp_path):
+    """examples/sft_trl.py on dp_shard 2 x cp 2 with padding-free batches, against the same script in one
+    process: the losses it prints (4 decimals) are the same."""
+    example = str(REPO / "examples" / "sft_trl.py")
+    args = ["--steps", "10", "--padding-free", "--output-dir"]
+    plain = subprocess.run(
+        [sys.executable, example, *args, str(tmp_path / "plain")], capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=clean_env(),
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    cp_args = ["--cp", "2", *args, str(tmp_path / "cp")]
+    done = run_ndparallel("launch", "--cpu-ranks", "4", "--", example, *cp_args, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [line for line in plain.stdout.splitlines() if line.startswith("losses")]
+    assert losses and losses[0].split(";")[0] in done.stdout, (plain.stdout[-500:], done.stdout[-500:])

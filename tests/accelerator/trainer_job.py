@@ -7,10 +7,10 @@ in one process with ``--plain`` for transformers' own Trainer (the reference, Ac
 gradient accumulation steps, the same global batch in as many micro-batches)
 trains the float64 tiny Llama in ``MODEL_DIR`` on the same 64 sequences (global batch 8, sequential order),
 then ``save_model(out/final)``; rank 0 prints ``RUN <out> <json log history>`` (loss, grad norm per step).
-``eval``: 16 other sequences evaluated every 2 steps, a checkpoint every 2 steps, the *worst* one loaded at the
-end (``load_best_model_at_end`` with ``greater_is_better``: the last weights are not the best, so loading
-shows); then ``EVAL <out> <json>``: every eval loss, and unless ``"predict": false`` the predictions' argmax and
-label ids of ``predict()`` on the eval sequences.
+``eval``: 16 other sequences evaluated every 2 steps (``"eval": "loss"``: only that), a checkpoint every 2
+steps, the *worst* one loaded at the end (``load_best_model_at_end`` with ``greater_is_better``: the last
+weights are not the best, so loading shows); then ``EVAL <out> <json>``: every eval loss, and unless
+``"predict": false`` the predictions' argmax and label ids of ``predict()`` on the eval sequences.
 """
 
 from __future__ import annotations
@@ -55,12 +55,14 @@ EVAL_SAMPLES, EVAL_BATCH = 16, 2  # per device: 4 ranks x 2 = 8 a step, 2 steps;
 
 
 def arguments(
-    out: str, per_device: int, steps: int, save_steps: int | None, evaluate: bool = False, accumulation: int = 1
+    out: str, per_device: int, steps: int, save_steps: int | None, evaluate: bool | str = False, accumulation: int = 1
 ):
     from transformers import TrainingArguments
 
     every = {}
-    if evaluate:
+    if evaluate == "loss":  # the eval loss every 2 steps, nothing else (pp: no best-checkpoint loading)
+        every = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=EVAL_BATCH)
+    elif evaluate:
         save_steps = 2
         every = dict(
             eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=EVAL_BATCH, load_best_model_at_end=True,
@@ -81,7 +83,7 @@ def run(model_dir: str, spec: dict, plain: bool) -> tuple[list, dict | None]:
     model = AutoModelForCausalLM.from_pretrained(spec.get("model", model_dir), dtype=torch.float64)
     model.loss_function = float64_loss
     model.config._experts_implementation = "eager"  # an MoE's: grouped_mm has no float64 kernel
-    evaluate = bool(spec.get("eval"))
+    evaluate = spec.get("eval") if spec.get("eval") == "loss" else bool(spec.get("eval"))
     data = {"train_dataset": dataset(), "eval_dataset": eval_dataset() if evaluate else None}
     if plain:
         from transformers import Trainer

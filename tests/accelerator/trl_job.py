@@ -120,14 +120,16 @@ def run(spec: dict, plain: bool) -> dict:
         trainer = base(args=args, **kwargs)
     else:
         import ndparallel as ndp
-        from ndparallel.hf import trainer_class
+        import ndparallel.hf
 
         sizes = spec["sizes"]
         world = int(os.environ["WORLD_SIZE"])
         dp = world // (sizes.get("tp_size", 1) * sizes.get("cp_size", 1) * sizes.get("pp_size", 1))
         args = config(spec, GLOBAL_BATCH // per_device_steps // dp)
         parallel = ndp.ParallelismConfig(**sizes, mixed_precision=spec.get("ndp_mixed_precision", "no"))
-        trainer = trainer_class(base)(args=args, parallelism_config=parallel, **kwargs)
+        # TRL's SFTTrainer as the docs write it; a subclass or DPOTrainer through trainer_class
+        cls = ndparallel.hf.SFTTrainer if base is SFTTrainer else ndparallel.hf.trainer_class(base)
+        trainer = cls(args=args, parallelism_config=parallel, **kwargs)
     trainer.train()
     trainer.save_model(os.path.join(spec["out"], "final"))
     logs = [
