@@ -53,7 +53,6 @@ LAYOUTS = {
     "dp2_cp2_acc2": ("full", DP2_CP2, {"accumulation": 2}),  # TRL's loss was 1/cp
     "dp2_tp2_padded": ("text", DP2_TP2, {}),  # TRL's fused head crashed on the shards; padding masks (tp)
     "pp2_dp2_padded": ("text32", {**PP2_DP2, "dp_shard_size": 2}, {}),  # the pipeline's loss and masks
-    "dpo_dp4": ("dpo", {"dp_shard_size": 4}, {}),
     "bf16_dp4": ("bf16", {"dp_shard_size": 4}, {}),  # bf16=True: autocast as one process, not FSDP's bf16
 }
 MATRIX = {
@@ -69,6 +68,7 @@ MATRIX = {
     "dp2_tp2_padding_free": ("padding_free", DP2_TP2, {}),
     "tp2_cp2_completion": ("completion", {"tp_size": 2, "cp_size": 2}, {}),
     "pp2_tp2": ("full", {**PP2_DP2, "tp_size": 2}, {}),
+    "dpo_dp4": ("dpo", {"dp_shard_size": 4}, {}),
     "dpo_hsdp": ("dpo", {"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
     "bf16_dp2_tp2": ("bf16", DP2_TP2, {}),
     "bf16_dp2_cp2": ("bf16", DP2_CP2, {}),
