@@ -46,6 +46,7 @@ class BlockMask:
 
     causal: bool = False
     mask: torch.Tensor | None = None
+    pieces: list[Piece] | None = None  # the mask as a few unmasked / causal rectangles (documents, no window)
     _additive: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -64,6 +65,18 @@ class BlockMask:
 
 
 SKIP = None  # a fully masked block: not computed at all
+MAX_PIECES = 32  # more rectangles than this in one block: one masked kernel call is cheaper than the calls
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rectangle of a block that one document fills: rows ``rows`` of batch rows ``batch`` see keys ``cols``
+    (block-local slices), all of them, or (``causal``, always square) each row ``i`` the keys up to ``i``."""
+
+    batch: slice
+    rows: slice
+    cols: slice
+    causal: bool
 
 
 @dataclass
@@ -123,17 +136,49 @@ class DocumentMask:
         return same & allowed
 
     def dense(self, window: int | None = None) -> torch.Tensor:
-        """``[batch, seq, seq]`` bool over the whole sequence in natural order (all-to-all and local attention)."""
-        index = torch.arange(self.seq_len, device=self.query_docs.device)
-        return self.visible(index, index, window)
+        """``[batch, seq, seq]`` bool over the whole sequence in natural order (all-to-all and local attention);
+        built once per window and kept (every layer of a forward, and their backward, share it)."""
+        key = ("dense", window)
+        if key not in self._blocks:
+            index = torch.arange(self.seq_len, device=self.query_docs.device)
+            self._blocks[key] = self.visible(index, index, window)
+        return self._blocks[key]
 
     def block(self, q_index: torch.Tensor, k_index: torch.Tensor, window: int | None, key: tuple) -> BlockMask | None:
         """The block of queries ``q_index`` and keys ``k_index``: :data:`SKIP`, or how to run it (cached by ``key``,
         which must name the block and window uniquely)."""
         cache_key = (*key, window)
         if cache_key not in self._blocks:
-            self._blocks[cache_key] = _classify(self.visible(q_index, k_index, window), q_index, k_index)
+            block = _classify(self.visible(q_index, k_index, window), q_index, k_index)
+            if block is not None and block.mask is not None and window is None:
+                block.pieces = self._pieces(q_index.cpu(), k_index.cpu())
+            self._blocks[cache_key] = block
         return self._blocks[cache_key]
+
+    def _pieces(self, q_index: torch.Tensor, k_index: torch.Tensor) -> list[Piece] | None:
+        """The visible part of a block as rectangles, each one document's run of queries against a run of its keys:
+        earlier keys fully visible, the keys from the first query on causal. None when more than ``MAX_PIECES``."""
+        pieces: list[Piece] = []
+        for b in range(self.batch):
+            q_runs = _runs(self.query_docs[b, q_index].cpu(), q_index)
+            k_runs = _runs(self.key_docs[b, k_index].cpu(), k_index)
+            rows = slice(b, b + 1) if self.batch > 1 else slice(None)
+            for doc, (qs, qe), (ga, gb) in q_runs:
+                for kdoc, (ks, _), (ka, kb) in k_runs:
+                    if kdoc != doc or doc < 0:
+                        continue
+                    if ka < ga:  # keys before every query of the run: all visible
+                        end = min(kb, ga)
+                        pieces.append(Piece(rows, slice(qs, qe), slice(ks, ks + end - ka), False))
+                    a, b_end = max(ka, ga), min(kb, gb)
+                    if a < b_end:  # keys a..b_end: a square causal piece aligned at a, then the rows after b_end
+                        cols = slice(ks + a - ka, ks + b_end - ka)
+                        pieces.append(Piece(rows, slice(qs + a - ga, qs + b_end - ga), cols, True))
+                        if b_end < gb:  # see every one of those keys (square: no kernel's causal alignment matters)
+                            pieces.append(Piece(rows, slice(qs + b_end - ga, qe), cols, False))
+            if len(pieces) > MAX_PIECES:
+                return None
+        return pieces
 
 
 def _classify(visible: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor) -> BlockMask | None:
@@ -145,3 +190,14 @@ def _classify(visible: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tenso
     if diagonal and bool((visible == torch.ones_like(visible[0]).tril()).all()):
         return BlockMask(causal=True)
     return BlockMask(mask=visible)
+
+
+def _runs(docs: torch.Tensor, index: torch.Tensor) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """Maximal runs of one document over consecutive global indices: ``(doc, (local start, end), (global start,
+    end))`` each."""
+    breaks = torch.ones(len(docs), dtype=torch.bool)
+    breaks[1:] = (docs[1:] != docs[:-1]) | (index[1:] != index[:-1] + 1)
+    starts = breaks.nonzero().flatten().tolist() + [len(docs)]
+    return [
+        (int(docs[s]), (s, e), (int(index[s]), int(index[s]) + e - s)) for s, e in zip(starts, starts[1:], strict=False)
+    ]

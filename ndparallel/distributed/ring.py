@@ -162,11 +162,13 @@ class _Setup:
     cp: int = 1
 
     def blocks(self, rank: int, src: int, seq: int):
-        """``(rows, cols, kernel, causal, mask)`` of every block of ``rank``'s queries against ``src``'s keys that
-        has a visible pair: the causal layout's blocks, each narrowed by the document mask when there is one."""
+        """``(batch, rows, cols, kernel, causal, mask)`` of every block of ``rank``'s queries against ``src``'s keys
+        with a visible pair: the causal layout's blocks, each narrowed by the document mask when there is one (into
+        a few unmasked / causal rectangles where documents allow, else one boolean block)."""
+        every = slice(None)
         for rows, cols, causal in visible_blocks(rank, src, self.causal, self.load_balanced, seq):
             if self.documents is None:
-                yield rows, cols, self.kernel, causal, None
+                yield every, rows, cols, self.kernel, causal, None
                 continue
             total = seq * self.cp
             q_index = shard_indices(total, self.cp, rank, self.load_balanced)[rows]
@@ -175,8 +177,14 @@ class _Setup:
             block = self.documents.block(q_index, k_index, self.window, key)
             if block is SKIP:
                 continue  # fully masked: no compute, no gradient
+            if block.pieces is not None:
+                for piece in block.pieces:
+                    piece_rows = slice(rows.start + piece.rows.start, rows.start + piece.rows.stop)
+                    piece_cols = slice(cols.start + piece.cols.start, cols.start + piece.cols.stop)
+                    yield piece.batch, piece_rows, piece_cols, self.kernel, piece.causal, None
+                continue
             kernel = self.kernel if block.mask is None or self.kernel.takes_masks else MATH
-            yield rows, cols, kernel, block.causal, block if block.mask is not None else None
+            yield every, rows, cols, kernel, block.causal, block if block.mask is not None else None
 
 
 def _expand(kv_part: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -189,25 +197,25 @@ def _fold(grad: torch.Tensor, repeats: int) -> torch.Tensor:
 
 
 def _forward_block(s: _Setup, q, kv, rank, src, out, lse, aux: list) -> None:
-    for rows, cols, kernel, causal, mask in s.blocks(rank, src, q.shape[2]):
-        k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
+    for b, rows, cols, kernel, causal, mask in s.blocks(rank, src, q.shape[2]):
+        k, v = _expand(kv[0][b, :, cols], s.repeats), _expand(kv[1][b, :, cols], s.repeats)
         masked = () if mask is None else (mask,)
-        block_out, block_lse, block_aux = kernel.forward(q[:, :, rows], k, v, causal, s.scale, *masked)
-        merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse.to(s.acc))
+        block_out, block_lse, block_aux = kernel.forward(q[b, :, rows], k, v, causal, s.scale, *masked)
+        merge_partial(out[b, :, rows], lse[b, :, rows], block_out, block_lse.to(s.acc))
         if kernel is s.kernel:
             aux.append(block_aux)
 
 
 def _backward_block(s: _Setup, dout, q, kv, out, lse, rank, src, dq, dkv, aux) -> None:
-    for rows, cols, kernel, causal, mask in s.blocks(rank, src, q.shape[2]):
-        k, v = _expand(kv[0][:, :, cols], s.repeats), _expand(kv[1][:, :, cols], s.repeats)
+    for b, rows, cols, kernel, causal, mask in s.blocks(rank, src, q.shape[2]):
+        k, v = _expand(kv[0][b, :, cols], s.repeats), _expand(kv[1][b, :, cols], s.repeats)
         masked = () if mask is None else (mask,)
         dq_b, dk_b, dv_b = kernel.backward(
-            dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], causal, s.scale, aux, *masked
+            dout[b, :, rows], q[b, :, rows], k, v, out[b, :, rows], lse[b, :, rows], causal, s.scale, aux, *masked
         )
-        dq[:, :, rows] += dq_b
-        dkv[0][:, :, cols] += _fold(dk_b.to(s.acc), s.repeats)
-        dkv[1][:, :, cols] += _fold(dv_b.to(s.acc), s.repeats)
+        dq[b, :, rows] += dq_b
+        dkv[0][b, :, cols] += _fold(dk_b.to(s.acc), s.repeats)
+        dkv[1][b, :, cols] += _fold(dv_b.to(s.acc), s.repeats)
 
 
 def _new_accumulators(q: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ndparallel.config.preflight import check_alltoall_heads
 from ndparallel.config.sequence import sequence_problem
-from ndparallel.distributed.documents import DocumentMask
+from ndparallel.distributed.documents import DocumentMask, Piece
 from ndparallel.errors import ConfigError
 
 __all__ = [
@@ -106,6 +106,10 @@ def local_attention(
     sees no key outputs zeros."""
     grouped = q.shape[1] != k.shape[1]
     documents = check_documents(documents, window, causal, q.shape[0], q.shape[2], q.device)
+    if sinks is None and documents is not None and window is None:
+        pieces = _document_pieces(documents)
+        if pieces is not None:  # each document's rows on their own: the work of its causal attention only
+            return _attention_by_pieces(q, k, v, pieces, scale, grouped)
     visible = None if documents is None else documents.dense(window)[:, None]  # [batch, 1, seq, seq]
     if sinks is None:
         if visible is not None:
@@ -122,6 +126,34 @@ def local_attention(
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
+
+
+def _document_pieces(documents: DocumentMask) -> list[Piece] | None:
+    """The whole rows' mask as rectangles whose query rows do not overlap (one per document run: each row then
+    needs one SDPA call, no merge), or None (a window, too many pieces, rows in two pieces: the dense mask)."""
+    index = torch.arange(documents.seq_len)
+    block = documents.block(index, index, None, ("whole rows",))
+    if block is None:
+        return []
+    if block.mask is None:
+        return [Piece(slice(None), slice(None), slice(None), block.causal)]
+    if block.pieces is None:
+        return None
+    spans = sorted((b, p.rows.start, p.rows.stop) for p in block.pieces for b in range(documents.batch)[p.batch])
+    overlap = any(b == b0 and start < stop0 for (b0, _, stop0), (b, start, _) in zip(spans, spans[1:], strict=False))
+    return None if overlap else block.pieces
+
+
+def _attention_by_pieces(q, k, v, pieces: list[Piece], scale: float | None, grouped: bool) -> torch.Tensor:
+    """SDPA per rectangle (unmasked or causal, top-left aligned), each into its rows; rows in none stay zero."""
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    for piece in pieces:
+        part = F.scaled_dot_product_attention(
+            q[piece.batch, :, piece.rows], k[piece.batch, :, piece.cols], v[piece.batch, :, piece.cols],
+            is_causal=piece.causal, scale=scale, enable_gqa=grouped,
+        )  # fmt: skip
+        out[piece.batch, :, piece.rows] = part
+    return out
 
 
 def kv_heads_sent(kv_heads: int, cp: int) -> int:

@@ -2,8 +2,15 @@
 
 By default the corpus is the Python standard library's own source text (``*.py`` under
 ``sysconfig``'s stdlib path, files sorted, so it is the same on every rank); ``path`` points at a
-user's file or folder instead. Bytes are tokens (vocabulary 256). The byte stream is packed into
-fixed-length windows of ``seq_len + 1`` bytes (inputs and next-byte labels).
+user's file or folder instead; a ``.jsonl`` file contributes the ``text`` field of each line. Bytes are
+tokens (vocabulary 256). The byte stream is packed into fixed-length windows of ``seq_len + 1`` bytes
+(inputs and next-byte labels).
+
+With ``documents=True`` each file (each JSONL line) is one document: it starts with the byte ``DOCUMENT_START``
+(0), and every window carries each token's document id and its position inside the document's part in the
+window, so attention stays inside documents (the reference model's ``document_ids``; a document cut by a window
+edge continues in another window as a new document from position 0). The last token of a document predicts the
+next one's start byte: every label is real, so the loss stays a plain mean on any mesh (docs/training.md#data).
 
 Each step draws ``global_batch`` windows from a seeded per-epoch permutation; the rank with
 data-parallel index ``dp_rank`` takes the ``dp_rank``-th slice of ``global_batch / dp_size``
@@ -14,6 +21,7 @@ and ``load_state_dict()`` resume exactly.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sysconfig
@@ -25,9 +33,10 @@ import torch
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["BatchLoader", "ByteCorpus", "corpus_files"]
+__all__ = ["DOCUMENT_START", "BatchLoader", "ByteCorpus", "corpus_files", "jsonl_texts"]
 
 VOCAB_SIZE = 256
+DOCUMENT_START = 0  # the byte each document starts with in documents mode (NUL: absent from text)
 
 
 def corpus_files(path: str | Path | None = None) -> list[Path]:
@@ -95,19 +104,82 @@ def _read_head(file: Path, limit: int) -> bytes:
         ) from None
 
 
-class ByteCorpus:
-    """Up to ``max_bytes`` bytes of the corpus, as windows of ``seq_len + 1`` tokens."""
+def _lines(file: Path) -> Iterator[bytes]:
+    """The lines of a regular file (checked as :func:`_read_head` checks it); an unreadable file names itself."""
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            _check_regular(file, os.fstat(fd).st_mode)
+            yield from f
+    except OSError as err:
+        raise ConfigError(
+            f"data.path: cannot read {str(file)!r}: {err.strerror or err}; fix its permissions or remove it"
+        ) from None
 
-    def __init__(self, seq_len: int, path: str | Path | None = None, max_bytes: int = 8_000_000):
+
+def jsonl_texts(file: Path, field: str, max_bytes: int) -> list[bytes]:
+    """The ``field`` of the JSONL file's lines (UTF-8), until they hold ``max_bytes``; a line that is not a JSON
+    object with that string field is an error naming the file, the line and the fix."""
+    texts, total = [], 0
+    for number, line in enumerate(_lines(file), 1):
+        if total >= max_bytes:
+            break
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise ConfigError(
+                f"data.path: {str(file)!r} line {number} is not JSON ({err}); one object a line"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise ConfigError(
+                f"data.path: {str(file)!r} line {number} has no string field {field!r}; set data.text_field to the "
+                "field that holds each document's text"
+            )
+        texts.append(record[field].encode())
+        total += len(texts[-1])
+    return texts
+
+
+def _documents(path: str | Path | None, max_bytes: int, field: str) -> list[bytes]:
+    """The corpus as documents: each file's bytes, or each line's text of a ``.jsonl`` file; at most ``max_bytes``
+    (the last one cut there)."""
+    docs, total = [], 0
+    for file in corpus_files(path):
+        if file.suffix == ".jsonl":
+            found = jsonl_texts(file, field, max_bytes - total)
+        else:
+            found = [_read_head(file, max_bytes - total)]
+        for doc in found:
+            docs.append(doc[: max_bytes - total])
+            total += len(docs[-1])
+            if total >= max_bytes:
+                return docs
+    return docs
+
+
+class ByteCorpus:
+    """Up to ``max_bytes`` bytes of the corpus, as windows of ``seq_len + 1`` tokens; ``documents``: each file (JSONL
+    line) is one document, starting with ``DOCUMENT_START``, and :meth:`window_documents` gives the windows' masks.
+    ``text_field``: the JSONL field holding the text."""
+
+    def __init__(
+        self,
+        seq_len: int,
+        path: str | Path | None = None,
+        max_bytes: int = 8_000_000,
+        documents: bool = False,
+        text_field: str = "text",
+    ):
         if seq_len < 1:
             raise ConfigError(f"data.seq_len={seq_len} must be >= 1")
-        chunks, total = [], 0
-        for file in corpus_files(path):
-            chunks.append(_read_head(file, max_bytes - total))
-            total += len(chunks[-1])
-            if total >= max_bytes:
-                break
-        self.tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        docs = _documents(path, max_bytes, text_field)
+        if documents:
+            docs = [bytes([DOCUMENT_START]) + doc for doc in docs if doc]
+        self.tokens = np.frombuffer(b"".join(docs), dtype=np.uint8)
+        self.documents = documents
+        self.starts = np.cumsum([0] + [len(doc) for doc in docs[:-1]]).astype(np.int64)  # each document's offset
         self.seq_len = seq_len
         self.num_windows = (len(self.tokens) - 1) // seq_len
         if self.num_windows < 1:
@@ -119,6 +191,15 @@ class ByteCorpus:
     def window(self, index: int) -> np.ndarray:
         start = index * self.seq_len
         return self.tokens[start : start + self.seq_len + 1]
+
+    def window_documents(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, document ids) of window ``index``'s ``seq_len`` input tokens: each token's document, and its
+        offset from where that document starts in this window."""
+        start = index * self.seq_len
+        offsets = np.arange(start, start + self.seq_len)
+        ids = np.searchsorted(self.starts, offsets, side="right") - 1
+        first = np.maximum(self.starts[ids], start)
+        return offsets - first, ids
 
 
 class BatchLoader:
@@ -157,11 +238,24 @@ class BatchLoader:
         start = offset * self.global_batch
         return self._permutation(epoch)[start : start + self.global_batch]
 
+    def _local_indices(self, step: int) -> np.ndarray:
+        return self.global_indices(step)[self.dp_rank * self.local_batch : (self.dp_rank + 1) * self.local_batch]
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of the global batch at ``step``."""
-        indices = self.global_indices(step)[self.dp_rank * self.local_batch : (self.dp_rank + 1) * self.local_batch]
-        windows = torch.from_numpy(np.stack([self.corpus.window(i) for i in indices]).astype(np.int64))
+        windows = torch.from_numpy(
+            np.stack([self.corpus.window(i) for i in self._local_indices(step)]).astype(np.int64)
+        )
         return windows[:, :-1], windows[:, 1:]
+
+    def masks(self, step: int) -> dict[str, torch.Tensor]:
+        """The document masks of :meth:`batch`'s rows, ``positions`` and ``document_ids`` (``[batch, seq_len]``
+        int64), as ``TrainStep`` takes them; empty unless the corpus packs documents."""
+        if not self.corpus.documents:
+            return {}
+        parts = [self.corpus.window_documents(i) for i in self._local_indices(step)]
+        positions, ids = (torch.from_numpy(np.stack(p).astype(np.int64)) for p in zip(*parts, strict=True))
+        return {"positions": positions, "document_ids": ids}
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:

@@ -40,10 +40,16 @@ __all__ = [
 @dataclass
 class DataConfig:
     path: str | None = None
-    """A text file or folder; default: the Python standard library's source (exists everywhere)."""
+    """A text file, a JSONL file (each line's ``text_field``) or a folder of them; default: the Python standard
+    library's source (exists everywhere)."""
     seq_len: int = 128
     max_bytes: int = 4_000_000
     """Read at most this much of the corpus."""
+    documents: bool = False
+    """Pack documents with document masks: each file (each JSONL line) is one document, and attention stays inside
+    it (docs/training.md#data). False: one byte stream, windows cut anywhere, attention across files."""
+    text_field: str = "text"
+    """The field of a JSONL line that holds its text."""
 
 
 @dataclass

@@ -246,7 +246,8 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
     saved_model = model.stages if isinstance(model, Pipeline) else model
     optimizer = optimizers if isinstance(model, Pipeline) else optimizers[0]
     watchdog.phase(f"reading data.path={cfg.data.path!r}" if cfg.data.path else "building the embedded corpus")
-    corpus = ByteCorpus(cfg.data.seq_len, cfg.data.path, cfg.data.max_bytes)
+    d = cfg.data
+    corpus = ByteCorpus(d.seq_len, d.path, d.max_bytes, documents=d.documents, text_field=d.text_field)
     loader = BatchLoader(corpus, t.global_batch, dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"), seed=t.seed)
     train_step = TrainStep(
         model, optimizer, mesh, max_grad_norm=t.max_grad_norm, defer_grad_sync=bool(t.defer_grad_sync),
@@ -266,6 +267,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
             f"ndparallel train: {cfg.model.num_params() / 1e6:.2f}M params | mesh {mesh.config.describe()} "
             f"({mesh.size()} ranks, {mesh.device_type}) | global batch {t.global_batch} x {cfg.data.seq_len} tokens"
             f" | {accumulation} micro-batch(es) per rank per step | {corpus.num_windows} windows of data"
+            + (f" ({len(corpus.starts)} documents, masked apart)" if corpus.documents else "")
             + (f" | resumed from {resume} at step {result.start_step}" if resume else ""),
             flush=True,
         )
@@ -278,7 +280,7 @@ def _train(cfg: TrainConfig, mesh: Mesh, watchdog: Watchdog) -> TrainResult:
             lr = lr_at(step, cfg)
             for group in (g for o in optimizers for g in o.param_groups):
                 group["lr"] = lr
-            done = train_step(*loader.batch(step), accumulation, step + 1)
+            done = train_step(*loader.batch(step), accumulation, step + 1, **loader.masks(step))
             step += 1
             loader.step = step
             watchdog.phase(f"step {step}: loss average and stop agreement")

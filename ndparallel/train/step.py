@@ -101,10 +101,20 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, accumulation: int, step: int) -> StepResult:
+    def __call__(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        accumulation: int,
+        step: int,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> StepResult:
         """One optimizer step on this rank's ``[batch, seq]`` tokens and labels in ``accumulation`` micro-batches.
 
-        ``step``: the 1-based number of this step (named when the loss is not finite).
+        ``step``: the 1-based number of this step (named when the loss is not finite). ``positions`` and
+        ``document_ids`` (``[batch, seq]``, packed documents: :meth:`ndparallel.train.data.BatchLoader.masks`) are
+        split and sharded with the tokens and passed to the model.
         """
         self._phase(f"step {step}: forward/backward")
         if isinstance(self.model, Pipeline):
@@ -114,22 +124,34 @@ class TrainStep:
                     "micro-batches (pp_microbatches): under pp they are one number; build it with microbatches="
                     f"{accumulation}"
                 )
-            return self._pipeline_step(inputs, labels, step)
+            masks = {"positions": positions, "document_ids": document_ids}
+            return self._pipeline_step(inputs, labels, step, {k: v for k, v in masks.items() if v is not None})
         loss_sum = torch.zeros((), device=self.device)
         fused_head = getattr(self.model, "loss_in_forward", False)  # ndparallel.models.Transformer's
         micro_batches = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True))
-        for index, (x, y) in enumerate(micro_batches):
+        rows = [(None, None)] * accumulation
+        if document_ids is not None:
+            rows = list(zip(positions.chunk(accumulation), document_ids.chunk(accumulation), strict=True))
+        for index, ((x, y), (p, ids)) in enumerate(zip(micro_batches, rows, strict=True)):
             x, y = x.to(self.device), y.to(self.device)
-            positions = torch.arange(x.shape[1], device=self.device)
+            if ids is None:
+                positions_, buffers, dims, extra = torch.arange(x.shape[1], device=self.device), [x, y], [1, 1, 0], {}
+            else:  # packed documents: [batch, seq] positions restarting per document, and the document ids
+                positions_, ids = p.to(self.device), ids.to(self.device)
+                buffers, dims, extra = [x, y, ids], [1, 1, 1, 1], {"document_ids": ids}
             last = index == len(micro_batches) - 1
             with (
                 self.around(),
                 micro_batch_sync(self.model, last, self.defer_grad_sync),
-                context_parallel(self.mesh, buffers=[x, y, positions], seq_dims=[1, 1, 0]),
+                context_parallel(self.mesh, buffers=[*buffers, positions_], seq_dims=dims),
             ):
                 with self._autocast():
                     # compile: blocks compiled the model's projection + cross entropy as one graph: it takes labels
-                    out = self.model(x, positions, labels=y) if fused_head else self.model(x, positions)
+                    out = (
+                        self.model(x, positions_, labels=y, **extra)
+                        if fused_head
+                        else self.model(x, positions_, **extra)
+                    )
                 loss = out if fused_head else cross_entropy_loss(out, y)  # fp32 or wider (float64 stays)
                 aux = auxiliary_loss(self.model)  # an MoE router's balancing and z-loss, on the global micro-batch
                 loss = (loss if aux is None else loss + aux) / len(micro_batches)
@@ -140,9 +162,9 @@ class TrainStep:
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
             return self._apply(step, loss_sum, grad_norm)
 
-    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, step: int) -> StepResult:
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, step: int, masks: dict) -> StepResult:
         with self.around():
-            loss = self.model.step(inputs, labels)  # the global mean loss, every rank
+            loss = self.model.step(inputs, labels, **masks)  # the global mean loss, every rank
         self._phase(f"step {step}: gradient clipping over the pipeline and optimizer step")
         with self.around():
             grad_norm = float(self.model.clip_grad_norm_(self.max_grad_norm or math.inf))

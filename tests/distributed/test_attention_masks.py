@@ -77,12 +77,14 @@ def _error(rotate: str, balanced: bool, dtype: torch.dtype, documents, window) -
 
 
 def masked_parity() -> dict:
-    """Every (mask, rotate, balanced, dtype) on this group: the worst error."""
+    """Every (mask, rotate, balanced) in float64 on this group, and the ring's fp32 kernel: the worst error."""
     results = {}
-    for (name, (documents, window)), rotate, balanced, dtype in itertools.product(
-        masks().items(), ("ring", "allgather", "alltoall"), (True, False), (torch.float64, torch.float32)
+    for (name, (documents, window)), rotate, balanced in itertools.product(
+        masks().items(), ("ring", "allgather", "alltoall"), (True, False)
     ):
-        results[(name, rotate, balanced, str(dtype))] = _error(rotate, balanced, dtype, documents, window)
+        results[(name, rotate, balanced, "float64")] = _error(rotate, balanced, torch.float64, documents, window)
+        if rotate == "ring" and balanced:  # the CPU flash kernel (fp32): its additive mask and rectangles
+            results[(name, rotate, balanced, "float32")] = _error(rotate, balanced, torch.float32, documents, window)
     return results
 
 
@@ -121,3 +123,24 @@ def test_block_classification():
     assert whole is not SKIP and whole.mask is None and not whole.causal  # every key earlier: unmasked
     windowed = plain.block(second, first, 3, ("d",))
     assert windowed.mask is not None and windowed.mask.sum() == 3  # a window of 3 reaches 3 pairs back
+
+
+def test_document_pieces_cover_exactly_the_visible_pairs():
+    """The rectangles a document block is cut into (unmasked, or causal aligned at their first key) mark exactly
+    the visible (query, key) pairs, for the blocks of a head-tail shard against every source."""
+    for name, (documents, window) in masks().items():
+        if window is not None:
+            continue
+        for rank, src in itertools.product(range(2), range(2)):
+            q_index, k_index = shard_indices(SEQ, 2, rank, True), shard_indices(SEQ, 2, src, True)
+            block = DocumentMask(documents.query_docs, documents.key_docs).block(q_index, k_index, None, ("t",))
+            visible = documents.visible(q_index, k_index, None)
+            if block is SKIP or block.mask is None:
+                continue
+            assert block.pieces is not None, name
+            covered = torch.zeros_like(visible, dtype=torch.int)
+            for piece in block.pieces:
+                rows, cols = piece.rows.stop - piece.rows.start, piece.cols.stop - piece.cols.start
+                part = torch.ones(rows, cols, dtype=torch.int)
+                covered[piece.batch, piece.rows, piece.cols] += part.tril() if piece.causal else part
+            assert torch.equal(covered, visible.int()), (name, rank, src)

@@ -157,6 +157,7 @@ def groups() -> dict:
     return {n: run_distributed(run_group, n, layouts, timeout=600) for n, layouts in LAYOUTS.items()}
 
 
+@pytest.mark.slow  # two spawned groups (2 and 4 ranks), ten layouts: ~15 s alone, a minute on a busy machine
 @pytest.mark.parametrize(("world", "layout"), [(n, name) for n, layouts in LAYOUTS.items() for name in layouts])
 def test_packed_batches_match_one_process(groups, world, layout):
     ref = _reference("moe" in layout)

@@ -121,6 +121,19 @@ def document_mask(layout: InputLayout, tokens: torch.Tensor, kwargs: dict[str, A
         return str(err)
 
 
+def _local_padding(layout: InputLayout, mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The 2-D padding mask of this rank's tokens (None if none was given; kept even without zeros, so that every
+    rank of a batch hands the same inputs on). The attention takes the mask from ``ndparallel_documents``
+    (transformers builds none for a registered attention); what still reads ``attention_mask`` is a mixture of
+    experts' balancing loss, which must skip the padded tokens of its rows (and gathers them over dp x cp)."""
+    if mask is None:
+        return None
+    if layout.cp_size > 1 and mask.shape[-1] != tokens.shape[1]:  # the whole rows: this rank's shard of them
+        index = sequence_indices(mask.shape[-1], layout.cp_size, layout.cp_rank, layout.load_balance, mask.device)
+        mask = mask.index_select(-1, index)
+    return mask
+
+
 def input_hook(layout: InputLayout):
     """The forward pre-hook (``with_kwargs=True``): refuse on every rank alike, then fill the inputs in."""
 
@@ -129,7 +142,11 @@ def input_hook(layout: InputLayout):
         tokens = args[0] if args else kwargs["input_ids"]
         documents = document_mask(layout, tokens, kwargs)  # whole rows: gathered over cp, then reduced
         agree(documents if isinstance(documents, str) else None, "forward input refused", error_type=ConfigError)
-        kwargs = {**kwargs, "attention_mask": None, "use_cache": False}
+        kwargs = {
+            **kwargs,
+            "attention_mask": _local_padding(layout, kwargs.get("attention_mask"), tokens),
+            "use_cache": False,
+        }
         if documents is not None:
             kwargs[DOCUMENTS_KWARG] = documents
         if kwargs.get("position_ids") is None:
