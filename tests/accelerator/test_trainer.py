@@ -39,6 +39,11 @@ MESHES = {
     "pp2_dp2_acc2": {"pp_size": 2, "dp_shard_size": 2},  # the pipeline schedule per Trainer micro-batch
 }
 ACCUMULATION = {"pp2_dp2_acc2": 2}  # gradient accumulation steps (the same global batch of 8)
+PADDED = {  # rows of 5 to 16 real tokens, padded left or right (trainer_job.py "data": "padded")
+    "padded_dp2_cp2_acc2": {"dp_shard_size": 2, "cp_size": 2},
+    "padded_tp2_cp2": {"tp_size": 2, "cp_size": 2},
+    "padded_pp2_dp2": {"pp_size": 2, "dp_shard_size": 2},
+}
 
 
 def _runs(printed: str, tag: str = "RUN") -> dict[str, list]:
@@ -100,6 +105,7 @@ def plain_runs(model_dir, moe_dir, tmp_path_factory) -> tuple[Path, str]:
         {"out": str(root / "train"), "steps": STEPS},
         {"out": str(root / "eval"), "steps": STEPS, "eval": True},
         {"out": str(root / "moe"), "steps": STEPS, "model": str(moe_dir)},
+        {"out": str(root / "padded"), "steps": STEPS, "data": "padded"},
     ])  # fmt: skip
     done = subprocess.run(
         [sys.executable, JOB, str(model_dir), runs, "--plain"], capture_output=True, text=True, timeout=300,
@@ -135,6 +141,9 @@ def launched(model_dir, moe_dir, tmp_path_factory) -> tuple[Path, dict]:
     for name in EVAL_MESHES:  # evaluation, predict() and load_best_model_at_end (trainer_job.py: "eval")
         spec = {"out": str(root / f"eval_{name}"), "sizes": MESHES[name], "steps": STEPS, "eval": True}
         runs.append({**spec, "predict": MESHES[name].get("cp_size", 1) == 1})
+    for name, sizes in PADDED.items():  # padded rows: the valid tokens differ per rank, shard and micro-batch
+        runs.append({"out": str(root / name), "sizes": sizes, "steps": STEPS, "data": "padded"})
+        runs[-1]["accumulation"] = 2 if name == "padded_dp2_cp2_acc2" else 1
     pp = {"out": str(root / "eval_pp2_dp2"), "sizes": MESHES["pp2_dp2_acc2"], "steps": STEPS, "eval": "loss"}
     pp["accumulation"] = 2  # micro-batches of 2 rows, as the eval batches: torch's schedule fixes the shape
     runs.append({**pp, "predict": False})  # under pp: the eval loss through the schedule, forward only
@@ -209,6 +218,21 @@ def test_evaluation_predict_and_load_best_model_equal_transformers_trainer(plain
     # pp 2 x dp_shard 2: the eval losses (each eval step's 4 rows of 16 valid tokens: the mean of the batches')
     got = runs[f"EVAL {root / 'eval_pp2_dp2'}"]["losses"]
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref["losses"], strict=True)) < TOL, got
+
+
+@pytest.mark.slow
+@pytest.mark.jobs
+def test_padded_rows_average_the_loss_over_real_tokens_as_one_process(plain_runs, launched):
+    """Rows padded on the left or the right (attention_mask 0, label -100): the loss is the mean over the real
+    tokens of the global batch, across dp x cp ranks, cp shards, accumulation steps and pipeline micro-batches,
+    as transformers' Trainer computes it in one process (num_items_in_batch)."""
+    plain_root, printed = plain_runs
+    ref_logs, ref_params = _runs(printed)[str(plain_root / "padded")], _params(plain_root / "padded" / "final")
+    root, runs = launched
+    for name in PADDED:
+        assert _worst(runs[str(root / name)], ref_logs) < TOL, name
+        params = _params(root / name / "final")
+        assert max(float(np.abs(params[k] - ref_params[k]).max()) for k in ref_params) < TOL, name
 
 
 @pytest.mark.slow

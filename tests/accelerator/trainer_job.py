@@ -3,8 +3,8 @@
 in one process with ``--plain`` for transformers' own Trainer (the reference, Accelerate's engine).
 
 ``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume", "eval",
-"model", "accumulation"}`` (``model``: another model folder than MODEL_DIR, e.g. a tiny MoE; ``accumulation``:
-gradient accumulation steps, the same global batch in as many micro-batches)
+"model", "accumulation", "data"}`` (``model``: another model folder than MODEL_DIR, e.g. a tiny MoE; ``accumulation``:
+gradient accumulation steps, the same global batch in as many micro-batches; ``"data": "padded"``: padded rows)
 trains the float64 tiny Llama in ``MODEL_DIR`` on the same 64 sequences (global batch 8, sequential order),
 then ``save_model(out/final)``; rank 0 prints ``RUN <out> <json log history>`` (loss, grad norm per step).
 ``eval``: 16 other sequences evaluated every 2 steps (``"eval": "loss"``: only that), a checkpoint every 2
@@ -39,10 +39,25 @@ def float64_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignor
     return total / count
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
+def dataset(padded: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``SAMPLES`` rows of ``SEQ`` tokens; ``padded``: each row holds 5 to 16 real tokens, padded on the right
+    (even rows) or the left (odd rows): ``attention_mask`` 0 and label -100 there, so the valid tokens differ
+    between rows, ranks, micro-batches and cp shards."""
     generator = torch.Generator().manual_seed(5)
     rows = [torch.randint(0, VOCAB, (SEQ,), generator=generator) for _ in range(SAMPLES)]
-    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+    if not padded:
+        return [{"input_ids": row, "labels": row.clone()} for row in rows]
+    samples = []
+    for i, row in enumerate(rows):
+        real = int(torch.randint(5, SEQ + 1, (1,), generator=generator))
+        mask = torch.zeros(SEQ, dtype=torch.long)
+        if i % 2:
+            mask[SEQ - real :] = 1  # padded on the left
+        else:
+            mask[:real] = 1
+        row = row.masked_fill(mask == 0, 0)
+        samples.append({"input_ids": row, "attention_mask": mask, "labels": row.masked_fill(mask == 0, -100)})
+    return samples
 
 
 def eval_dataset() -> list[dict[str, torch.Tensor]]:
@@ -84,7 +99,8 @@ def run(model_dir: str, spec: dict, plain: bool) -> tuple[list, dict | None]:
     model.loss_function = float64_loss
     model.config._experts_implementation = "eager"  # an MoE's: grouped_mm has no float64 kernel
     evaluate = spec.get("eval") if spec.get("eval") == "loss" else bool(spec.get("eval"))
-    data = {"train_dataset": dataset(), "eval_dataset": eval_dataset() if evaluate else None}
+    train = dataset(padded=spec.get("data") == "padded")
+    data = {"train_dataset": train, "eval_dataset": eval_dataset() if evaluate else None}
     if plain:
         from transformers import Trainer
 
