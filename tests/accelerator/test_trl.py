@@ -64,6 +64,9 @@ MATRIX = {
     "dp2_cp2_completion": ("completion", DP2_CP2, {}),
     "dp2_cp2_assistant": ("assistant", DP2_CP2, {}),
     "dp2_cp2_padding_free": ("padding_free", DP2_CP2, {}),  # the alternative to packing, which TRL refuses on cp
+    # the exact alternative: the dataset packed by trl.data_utils.pack_dataset, trained padding-free, against
+    # TRL's own packing=True in one process
+    "dp2_cp2_prepacked": ("packing", DP2_CP2, {"data": "prepacked", "sft": REFERENCES["padding_free"]["sft"]}),
     "dp2_tp2_packing": ("packing", DP2_TP2, {}),
     "dp2_tp2_padding_free": ("padding_free", DP2_TP2, {}),
     "tp2_cp2_completion": ("completion", {"tp_size": 2, "cp_size": 2}, {}),

@@ -11,7 +11,8 @@ samples of varied lengths (global batch 8, sequential order), then ``save_model(
 
 ``data``: ``"text"`` (every token a label, padded rows), ``"full"`` (rows of 32 tokens: no padding),
 ``"completion"`` (``completion_mask``: prompt tokens ignored, ``completion_only_loss``),
-``"assistant"`` (``assistant_masks``: only assistant turns are labels). ``"trainer": "dpo"``: TRL's
+``"assistant"`` (``assistant_masks``: only assistant turns are labels), ``"prepacked"`` (the text rows packed
+by ``trl.data_utils.pack_dataset`` into rows of 32 before the trainer sees them). ``"trainer": "dpo"``: TRL's
 ``DPOTrainer`` instead, on prompt / chosen / rejected text (its reference model: a copy of the initial one).
 """
 
@@ -102,7 +103,12 @@ def run(spec: dict, plain: bool) -> dict:
     from trl import DPOTrainer, SFTTrainer
 
     dpo = spec.get("trainer") == "dpo"
-    data = Dataset.from_list(preferences() if dpo else samples(spec.get("data", "text")))
+    kind = spec.get("data", "text")
+    data = Dataset.from_list(preferences() if dpo else samples("text" if kind == "prepacked" else kind))
+    if kind == "prepacked":  # packed by the user with TRL's own function: the alternative to packing=True under cp
+        from trl.data_utils import pack_dataset
+
+        data = pack_dataset(data, 32, "bfd")
     per_device_steps = spec.get("accumulation", 1)
     base = DPOTrainer if dpo else SFTTrainer
     if spec.get("subclass"):  # a user's compute_loss override (refused under tp/cp)
