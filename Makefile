@@ -2,8 +2,8 @@
 # CPU build 2.13.0; e.g. `make test TORCH=torch==2.11.0` or a CUDA build); a torch already
 # importable in .venv is kept. TRANSFORMERS pins the hf extra to the release the tests were measured on
 # (its catalogue of plans changes between releases: docs/models.md); the package itself asks only >=5.24.
-# ACCELERATE likewise for the trainer extra (ndparallel.hf.Trainer; the Trainer imports accelerate), TRL for the trl
-# extra (SFTTrainer on ndparallel).
+# ACCELERATE likewise for the trainer extra (ndparallel.hf.Trainer; the Trainer imports accelerate), TRL for the
+# trl extra (TRL's SFTTrainer on ndparallel, docs/fine-tuning.md).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0

@@ -30,6 +30,7 @@ from ndparallel.distributed.agree import agree, gather_text
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.loss import token_loss_sum
+from ndparallel.parallel.masks import hf_document_mask
 from ndparallel.parallel.pipeline import Pipeline, build_pipeline
 from ndparallel.parallel.pipeline.tied import one_process_parameters
 
@@ -65,21 +66,19 @@ def loss_kind(loss: Any) -> str | None:
     return getattr(loss, _MARK, None)
 
 
-def _targets(input_ids: Any, labels: Any, shift_labels: Any, attention_mask: Any, extra: dict) -> torch.Tensor:
+def _targets(input_ids: Any, labels: Any, shift_labels: Any, extra: dict) -> torch.Tensor:
     """Next-token targets ``[batch, seq]`` (``-100``: ignored) from ``labels`` (shifted here, Hugging Face's
     convention) or ``shift_labels`` (used as given); anything the pipeline cannot honour is refused."""
     given = sorted(k for k, v in extra.items() if v is not None)
     if given:
         raise ConfigError(
-            f"model({', '.join(given)}=...) is not supported under pp_size > 1: the call takes input_ids and "
-            "labels= or shift_labels= only"
+            f"model({', '.join(given)}=...) is not supported under pp_size > 1: the call takes input_ids, "
+            "labels= or shift_labels=, and attention_mask= / position_ids= (padding, packed documents) only"
         )
     if not isinstance(input_ids, torch.Tensor):
         raise ConfigError(
             "under pp_size > 1 call model(input_ids, labels=...): input_ids must be a [batch, seq] tensor"
         )
-    if attention_mask is not None and not bool(torch.all(attention_mask == 1)):
-        raise ConfigError("attention_mask with padding is not supported under pp_size > 1: pack or drop padded tokens")
     if (labels is None) == (shift_labels is None):
         raise ConfigError(
             "under pp_size > 1 the model call runs the whole pipeline step and returns outputs.loss (no logits): "
@@ -148,25 +147,32 @@ class PipelineModel:
         *,
         shift_labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         **extra: Any,
     ) -> PipelineOutput:
-        """One pipeline step over this rank's ``[batch, seq]`` batch (see the class doc)."""
+        """One pipeline step over this rank's ``[batch, seq]`` batch (see the class doc). ``num_items_in_batch``:
+        the valid tokens the loss is divided by (transformers' meaning: those of the global batch, over every
+        data rank and accumulation step), instead of this call's."""
         error, targets = None, None
         try:  # a refusal on one rank (its batch) is raised on every rank before the pipeline's collectives
-            targets = _targets(input_ids, labels, shift_labels, attention_mask, extra)
+            targets = _targets(input_ids, labels, shift_labels, extra)
             self.pipeline.check_batch(input_ids, targets)
+            hf_document_mask(*input_ids.shape, attention_mask, position_ids)  # refused here, on every rank alike
         except ConfigError as err:
             error = err
         agree(error, "", error_type=ConfigError)
         count = (targets != IGNORE_INDEX).sum().reshape(1).to(self.pipeline.mesh.device, torch.int64)
-        if self._dp_group is not None:
+        if num_items_in_batch is not None:
+            count = torch.as_tensor(num_items_in_batch, dtype=torch.float64).reshape(1).round().to(count)
+        elif self._dp_group is not None:
             dist.all_reduce(count, group=self._dp_group)  # pp/tp/cp ranks of one dp index hold the same batch
         if int(count.item()) == 0:
             raise ConfigError("every label of this global batch is -100 (ignored): there is no loss to compute")
         self._loss.scale = self.pipeline.microbatches * self._dp_cp / float(count.item())
         backward = self.training and torch.is_grad_enabled()
         run = self.pipeline.step if backward else self.pipeline.eval
-        loss = run(input_ids, targets)
+        loss = run(input_ids, targets, attention_mask=attention_mask, positions=position_ids)  # masks: the pipeline's
         setattr(loss, _MARK, "backward" if backward else "eval")
         return PipelineOutput(loss)
 

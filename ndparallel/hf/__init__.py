@@ -26,6 +26,7 @@ the Trainer does)::
     from ndparallel.hf import Trainer, TrainingArguments
     Trainer(model, TrainingArguments(...), train_dataset=data, parallelism_config=cfg).train()
     SFTTrainer = ndparallel.hf.trainer_class(trl.SFTTrainer)   # any Trainer subclass
+    from ndparallel.hf import SFTTrainer                       # the same, for TRL's (docs/fine-tuning.md)
 """
 
 from ndparallel.models.hf.attention import apply_hf_attention
@@ -53,6 +54,7 @@ __all__ = [
     "seeded_init",
     "tiny_config",
     "trainer_class",
+    "SFTTrainer",
     "Trainer",
     "TrainingArguments",
 ]
@@ -68,15 +70,18 @@ def trainer_class(base: type, name: str | None = None) -> type:
 
 
 def __getattr__(name: str):
-    """``Trainer`` / ``TrainingArguments``: imported on first use (transformers' Trainer imports accelerate)."""
+    """``Trainer`` / ``TrainingArguments`` / ``SFTTrainer``: imported on first use (transformers' Trainer imports
+    accelerate; ``SFTTrainer`` is TRL's, the ``trl`` extra)."""
     if name == "TrainingArguments":  # transformers' own, refusing deepspeed= before transformers looks for it
         from ndparallel.accelerator.training_args import training_arguments_class
 
         return training_arguments_class()
-    if name == "Trainer":
-        if "Trainer" not in _TRAINERS:
-            from transformers import Trainer
-
-            _TRAINERS["Trainer"] = trainer_class(Trainer)
-        return _TRAINERS["Trainer"]
+    if name in ("Trainer", "SFTTrainer"):
+        if name not in _TRAINERS:
+            if name == "Trainer":
+                from transformers import Trainer as base
+            else:
+                from trl import SFTTrainer as base
+            _TRAINERS[name] = trainer_class(base)
+        return _TRAINERS[name]
     raise AttributeError(f"module 'ndparallel.hf' has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """``ndparallel.hf.Trainer``: the transformers Trainer on ndparallel's engine equals transformers' own Trainer in
-one process (float64), on five meshes, resumes from its checkpoint on other meshes, and saves transformers' layout.
+one process (float64), on six meshes (pp 2 x dp_shard 2 with gradient accumulation among them), resumes from its
+checkpoint on other meshes, and saves transformers' layout.
 
 The reference is transformers' ``Trainer`` itself (Accelerate's engine) in one process; the runs are
 ``tests/accelerator/trainer_job.py`` under ``ndparallel launch --cpu-ranks 4`` (real torchrun), one job for every
@@ -35,6 +36,13 @@ MESHES = {
     "dp2_tp2": {"dp_shard_size": 2, "tp_size": 2},
     "dp2_cp2": {"dp_shard_size": 2, "cp_size": 2},
     "tp2_cp2": {"tp_size": 2, "cp_size": 2},
+    "pp2_dp2_acc2": {"pp_size": 2, "dp_shard_size": 2},  # the pipeline schedule per Trainer micro-batch
+}
+ACCUMULATION = {"pp2_dp2_acc2": 2}  # gradient accumulation steps (the same global batch of 8)
+PADDED = {  # rows of 5 to 16 real tokens, padded left or right (trainer_job.py "data": "padded")
+    "padded_dp2_cp2_acc2": {"dp_shard_size": 2, "cp_size": 2},
+    "padded_tp2_cp2": {"tp_size": 2, "cp_size": 2},
+    "padded_pp2_dp2": {"pp_size": 2, "dp_shard_size": 2},
 }
 
 
@@ -97,6 +105,7 @@ def plain_runs(model_dir, moe_dir, tmp_path_factory) -> tuple[Path, str]:
         {"out": str(root / "train"), "steps": STEPS},
         {"out": str(root / "eval"), "steps": STEPS, "eval": True},
         {"out": str(root / "moe"), "steps": STEPS, "model": str(moe_dir)},
+        {"out": str(root / "padded"), "steps": STEPS, "data": "padded"},
     ])  # fmt: skip
     done = subprocess.run(
         [sys.executable, JOB, str(model_dir), runs, "--plain"], capture_output=True, text=True, timeout=300,
@@ -115,17 +124,29 @@ def reference(plain_runs) -> tuple[list, dict]:
 @pytest.fixture(scope="module")
 def launched(model_dir, moe_dir, tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("ndp")
-    runs = [{"out": str(root / name), "sizes": sizes, "steps": STEPS} for name, sizes in MESHES.items()]
+    runs = [
+        {"out": str(root / name), "sizes": sizes, "steps": STEPS, "accumulation": ACCUMULATION.get(name, 1)}
+        for name, sizes in MESHES.items()
+    ]
     runs[2]["save_steps"] = 2  # dp2_tp2 saves checkpoint-2: resumed below on two other meshes
     checkpoint = str(root / "dp2_tp2" / "checkpoint-2")
     runs.append(
         {"out": str(root / "resumed_tp2_cp2"), "sizes": MESHES["tp2_cp2"], "steps": STEPS, "resume": checkpoint}
     )
     runs.append({"out": str(root / "resumed_dp4"), "sizes": MESHES["dp_shard4"], "steps": STEPS, "resume": checkpoint})
+    runs[5]["save_steps"] = 2  # pp2_dp2_acc2: its stages' DCP checkpoint, resumed on the same mesh
+    pp_checkpoint = str(root / "pp2_dp2_acc2" / "checkpoint-2")
+    runs.append({**runs[5], "out": str(root / "resumed_pp2_dp2"), "resume": pp_checkpoint, "save_steps": None})
     runs.append({"out": str(root / "moe_dp4"), "sizes": MESHES["dp_shard4"], "steps": STEPS, "model": str(moe_dir)})
     for name in EVAL_MESHES:  # evaluation, predict() and load_best_model_at_end (trainer_job.py: "eval")
         spec = {"out": str(root / f"eval_{name}"), "sizes": MESHES[name], "steps": STEPS, "eval": True}
         runs.append({**spec, "predict": MESHES[name].get("cp_size", 1) == 1})
+    for name, sizes in PADDED.items():  # padded rows: the valid tokens differ per rank, shard and micro-batch
+        runs.append({"out": str(root / name), "sizes": sizes, "steps": STEPS, "data": "padded"})
+        runs[-1]["accumulation"] = 2 if name == "padded_dp2_cp2_acc2" else 1
+    pp = {"out": str(root / "eval_pp2_dp2"), "sizes": MESHES["pp2_dp2_acc2"], "steps": STEPS, "eval": "loss"}
+    pp["accumulation"] = 2  # micro-batches of 2 rows, as the eval batches: torch's schedule fixes the shape
+    runs.append({**pp, "predict": False})  # under pp: the eval loss through the schedule, forward only
     done = run_ndparallel("launch", "--cpu-ranks", "4", "--", JOB, str(model_dir), json.dumps(runs), timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return root, {**_runs(done.stdout), **{f"EVAL {k}": v for k, v in _runs(done.stdout, "EVAL").items()}}
@@ -157,12 +178,13 @@ def test_trainer_on_every_mesh_equals_transformers_trainer_in_one_process(refere
 @pytest.mark.jobs
 def test_trainer_resumes_its_checkpoint_on_other_meshes_exactly(reference, launched):
     """checkpoint-2 of dp_shard 2 x tp 2 (full weights, DCP optimizer, scheduler, trainer state), resumed on
-    tp 2 x cp 2 and on dp_shard 4: steps 3-4 and the final weights are the uninterrupted one process's."""
+    tp 2 x cp 2 and on dp_shard 4, and pp 2 x dp_shard 2's own (its stages' state) on that mesh: steps 3-4 and
+    the final weights are the uninterrupted one process's."""
     ref_logs, ref_params = reference
     root, runs = launched
     checkpoint = root / "dp2_tp2" / "checkpoint-2"
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "ndp_state").is_dir()
-    for name in ("resumed_tp2_cp2", "resumed_dp4"):
+    for name in ("resumed_tp2_cp2", "resumed_dp4", "resumed_pp2_dp2"):
         assert _worst(runs[str(root / name)], ref_logs, first_step=3) < TOL, name
         params = _params(root / name / "final")
         assert max(float(np.abs(params[k] - ref_params[k]).max()) for k in ref_params) < TOL, name
@@ -193,6 +215,24 @@ def test_evaluation_predict_and_load_best_model_equal_transformers_trainer(plain
         if "argmax" in got:
             assert got["label_ids"] == ref["label_ids"] and got["argmax"] == ref["argmax"], name
             assert max(abs(a - b) for a, b in zip(got["logits_sum"], ref["logits_sum"], strict=True)) < 1e-9, name
+    # pp 2 x dp_shard 2: the eval losses (each eval step's 4 rows of 16 valid tokens: the mean of the batches')
+    got = runs[f"EVAL {root / 'eval_pp2_dp2'}"]["losses"]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref["losses"], strict=True)) < TOL, got
+
+
+@pytest.mark.slow
+@pytest.mark.jobs
+def test_padded_rows_average_the_loss_over_real_tokens_as_one_process(plain_runs, launched):
+    """Rows padded on the left or the right (attention_mask 0, label -100): the loss is the mean over the real
+    tokens of the global batch, across dp x cp ranks, cp shards, accumulation steps and pipeline micro-batches,
+    as transformers' Trainer computes it in one process (num_items_in_batch)."""
+    plain_root, printed = plain_runs
+    ref_logs, ref_params = _runs(printed)[str(plain_root / "padded")], _params(plain_root / "padded" / "final")
+    root, runs = launched
+    for name in PADDED:
+        assert _worst(runs[str(root / name)], ref_logs) < TOL, name
+        params = _params(root / name / "final")
+        assert max(float(np.abs(params[k] - ref_params[k]).max()) for k in ref_params) < TOL, name
 
 
 @pytest.mark.slow
@@ -210,21 +250,49 @@ def test_an_moe_with_its_router_aux_loss_equals_transformers_trainer(plain_runs,
     assert worst < MOE_TOL and params < MOE_TOL, (worst, params)
 
 
-def test_trainer_refusals_and_the_dp_row_order():
+def test_trainer_refusals_at_trainer_init_and_the_dp_row_order():
     from types import SimpleNamespace
 
-    from ndparallel.accelerator.trainer import _check_eval_size, _refuse_loss_overrides, dataset_order
+    from ndparallel.accelerator.trainer_checks import loss_owners
+    from ndparallel.accelerator.trainer_checks import refuse_shard_blind_losses as _refuse_loss_overrides
+    from ndparallel.accelerator.trainer_eval import check_eval_size as _check_eval_size
+    from ndparallel.accelerator.trainer_eval import dataset_order
     from ndparallel.config.parallelism import ParallelismConfig
     from ndparallel.errors import ConfigError
 
-    cp2, tp2 = ParallelismConfig(cp_size=2), ParallelismConfig(tp_size=2)
-    custom = SimpleNamespace(compute_loss_func=lambda *a, **k: 0, args=SimpleNamespace(label_smoothing_factor=0))
-    smooth = SimpleNamespace(compute_loss_func=None, args=SimpleNamespace(label_smoothing_factor=0.1))
-    with pytest.raises(ConfigError, match="compute_loss_func under tp_size=1, cp_size=2"):
+    cp2, tp2, pp2 = ParallelismConfig(cp_size=2), ParallelismConfig(tp_size=2), ParallelismConfig(pp_size=2)
+    plain = {"compute_loss_func": None, "compute_metrics": None, "args": SimpleNamespace(label_smoothing_factor=0)}
+    custom = SimpleNamespace(**{**plain, "compute_loss_func": lambda *a, **k: 0})
+    smooth = SimpleNamespace(**{**plain, "args": SimpleNamespace(label_smoothing_factor=0.1)})
+    metrics = SimpleNamespace(**{**plain, "compute_metrics": lambda p: {}})
+    with pytest.raises(ConfigError, match="compute_loss_func under cp_size=2 would see this rank's shard"):
         _refuse_loss_overrides(custom, cp2)
     with pytest.raises(ConfigError, match="label_smoothing_factor=0.1 under tp_size=2"):
         _refuse_loss_overrides(smooth, tp2)
+    with pytest.raises(ConfigError, match="compute_loss_func under pp_size=2 .* under pp no logits"):
+        _refuse_loss_overrides(custom, pp2)
     _refuse_loss_overrides(smooth, ParallelismConfig(dp_shard_size=2))  # one rank's logits are whole: allowed
+    with pytest.raises(ConfigError, match="compute_metrics under cp_size > 1"):  # item 7: at Trainer(...)
+        _refuse_loss_overrides(metrics, cp2)
+    _refuse_loss_overrides(metrics, tp2)  # under tp the logits are gathered for compute_metrics
+
+    class OwnLoss(transformers.Trainer):  # a user's compute_loss: unknown to ndparallel
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    from ndparallel.accelerator.trainer import NDParallelTrainerMixin
+    from ndparallel.hf import trainer_class
+
+    assert loss_owners(trainer_class(transformers.Trainer)) == []  # transformers' own loss and the mixin's
+    assert loss_owners(trainer_class(OwnLoss)) == [OwnLoss]
+    subclass = type("Sub", (trainer_class(transformers.Trainer),), {"compute_loss": OwnLoss.compute_loss})
+    assert loss_owners(subclass) == [subclass] and NDParallelTrainerMixin in subclass.__mro__
+    own = object.__new__(trainer_class(OwnLoss))
+    own.__dict__.update(plain)
+    for config in (cp2, tp2, pp2):
+        with pytest.raises(ConfigError, match="OwnLoss.compute_loss under .* computes the loss outside ndparallel"):
+            _refuse_loss_overrides(own, config)
+    _refuse_loss_overrides(own, ParallelismConfig(dp_shard_size=2))  # on data ranks it sees whole rows: allowed
     with pytest.raises(ConfigError, match="has 10 samples, which dp=4 data ranks do not divide: the last 2"):
         _check_eval_size(list(range(10)), 4, "the eval dataset")
     _check_eval_size(list(range(12)), 4, "the eval dataset")
@@ -233,7 +301,7 @@ def test_trainer_refusals_and_the_dp_row_order():
     _check_eval_size(list(range(16)), 4, "the eval dataset", batch=2, drop_last=True)
     # 10 samples on dp 2 in batches of 2: rank 0 holds 0 2 4 6 8, rank 1 1 3 5 7 9; each step gathers both
     assert dataset_order(10, 2, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]
-    from ndparallel.accelerator.trainer import _in_dataset_order
+    from ndparallel.accelerator.trainer_eval import in_dataset_order as _in_dataset_order
 
     inverse = np.argsort(dataset_order(4, 2, 1))
     rows = np.arange(4)[dataset_order(4, 2, 1)]  # as gathered

@@ -3,13 +3,14 @@
 in one process with ``--plain`` for transformers' own Trainer (the reference, Accelerate's engine).
 
 ``python trainer_job.py MODEL_DIR RUNS_JSON``: each run ``{"out", "sizes", "steps", "save_steps", "resume", "eval",
-"model"}`` (``model``: another model folder than MODEL_DIR, e.g. a tiny MoE)
+"model", "accumulation", "data"}`` (``model``: another model folder than MODEL_DIR, e.g. a tiny MoE; ``accumulation``:
+gradient accumulation steps, the same global batch in as many micro-batches; ``"data": "padded"``: padded rows)
 trains the float64 tiny Llama in ``MODEL_DIR`` on the same 64 sequences (global batch 8, sequential order),
 then ``save_model(out/final)``; rank 0 prints ``RUN <out> <json log history>`` (loss, grad norm per step).
-``eval``: 16 other sequences evaluated every 2 steps, a checkpoint every 2 steps, the *worst* one loaded at the
-end (``load_best_model_at_end`` with ``greater_is_better``: the last weights are not the best, so loading
-shows); then ``EVAL <out> <json>``: every eval loss, and unless ``"predict": false`` the predictions' argmax and
-label ids of ``predict()`` on the eval sequences.
+``eval``: 16 other sequences evaluated every 2 steps (``"eval": "loss"``: only that), a checkpoint every 2
+steps, the *worst* one loaded at the end (``load_best_model_at_end`` with ``greater_is_better``: the last
+weights are not the best, so loading shows); then ``EVAL <out> <json>``: every eval loss, and unless
+``"predict": false`` the predictions' argmax and label ids of ``predict()`` on the eval sequences.
 """
 
 from __future__ import annotations
@@ -38,10 +39,25 @@ def float64_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignor
     return total / count
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
+def dataset(padded: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``SAMPLES`` rows of ``SEQ`` tokens; ``padded``: each row holds 5 to 16 real tokens, padded on the right
+    (even rows) or the left (odd rows): ``attention_mask`` 0 and label -100 there, so the valid tokens differ
+    between rows, ranks, micro-batches and cp shards."""
     generator = torch.Generator().manual_seed(5)
     rows = [torch.randint(0, VOCAB, (SEQ,), generator=generator) for _ in range(SAMPLES)]
-    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+    if not padded:
+        return [{"input_ids": row, "labels": row.clone()} for row in rows]
+    samples = []
+    for i, row in enumerate(rows):
+        real = int(torch.randint(5, SEQ + 1, (1,), generator=generator))
+        mask = torch.zeros(SEQ, dtype=torch.long)
+        if i % 2:
+            mask[SEQ - real :] = 1  # padded on the left
+        else:
+            mask[:real] = 1
+        row = row.masked_fill(mask == 0, 0)
+        samples.append({"input_ids": row, "attention_mask": mask, "labels": row.masked_fill(mask == 0, -100)})
+    return samples
 
 
 def eval_dataset() -> list[dict[str, torch.Tensor]]:
@@ -53,11 +69,15 @@ def eval_dataset() -> list[dict[str, torch.Tensor]]:
 EVAL_SAMPLES, EVAL_BATCH = 16, 2  # per device: 4 ranks x 2 = 8 a step, 2 steps; one process: 8 steps of 2
 
 
-def arguments(out: str, per_device: int, steps: int, save_steps: int | None, evaluate: bool = False):
+def arguments(
+    out: str, per_device: int, steps: int, save_steps: int | None, evaluate: bool | str = False, accumulation: int = 1
+):
     from transformers import TrainingArguments
 
     every = {}
-    if evaluate:
+    if evaluate == "loss":  # the eval loss every 2 steps, nothing else (pp: no best-checkpoint loading)
+        every = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=EVAL_BATCH)
+    elif evaluate:
         save_steps = 2
         every = dict(
             eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=EVAL_BATCH, load_best_model_at_end=True,
@@ -67,7 +87,8 @@ def arguments(out: str, per_device: int, steps: int, save_steps: int | None, eva
         output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, learning_rate=1e-2,
         weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=0.5, logging_steps=1,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], use_cpu=True,
-        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0, **every,
+        train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
+        gradient_accumulation_steps=accumulation, **every,
     )  # fmt: skip
 
 
@@ -77,8 +98,9 @@ def run(model_dir: str, spec: dict, plain: bool) -> tuple[list, dict | None]:
     model = AutoModelForCausalLM.from_pretrained(spec.get("model", model_dir), dtype=torch.float64)
     model.loss_function = float64_loss
     model.config._experts_implementation = "eager"  # an MoE's: grouped_mm has no float64 kernel
-    evaluate = bool(spec.get("eval"))
-    data = {"train_dataset": dataset(), "eval_dataset": eval_dataset() if evaluate else None}
+    evaluate = spec.get("eval") if spec.get("eval") == "loss" else bool(spec.get("eval"))
+    train = dataset(padded=spec.get("data") == "padded")
+    data = {"train_dataset": train, "eval_dataset": eval_dataset() if evaluate else None}
     if plain:
         from transformers import Trainer
 
@@ -88,9 +110,10 @@ def run(model_dir: str, spec: dict, plain: bool) -> tuple[list, dict | None]:
         import ndparallel as ndp
         from ndparallel.hf import Trainer
 
-        sizes = spec["sizes"]
-        dp = int(os.environ["WORLD_SIZE"]) // (sizes.get("tp_size", 1) * sizes.get("cp_size", 1))
-        args = arguments(spec["out"], GLOBAL_BATCH // dp, spec["steps"], spec.get("save_steps"), evaluate)
+        sizes, accumulation = spec["sizes"], spec.get("accumulation", 1)
+        inner = sizes.get("tp_size", 1) * sizes.get("cp_size", 1) * sizes.get("pp_size", 1)
+        per_device = GLOBAL_BATCH // (int(os.environ["WORLD_SIZE"]) // inner) // accumulation
+        args = arguments(spec["out"], per_device, spec["steps"], spec.get("save_steps"), evaluate, accumulation)
         trainer = Trainer(model=model, args=args, parallelism_config=ndp.ParallelismConfig(**sizes), **data)
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     trainer.save_model(os.path.join(spec["out"], "final"))

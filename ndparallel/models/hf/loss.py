@@ -16,10 +16,16 @@ installed on the model (``model.loss_function``) keeps the same arguments and me
   else by the number of valid tokens. Under cp the valid tokens of one sequence are spread over the cp ranks
   (the rank holding the last position has fewer), so each rank returns ``cp x its sum / the cp group's
   count``: the mean over ``dp_cp`` that FSDP's gradient averaging takes is the one-process loss, exactly.
+  Inside :func:`scaled_by_caller` (the transformers ``Trainer``, which multiplies every rank's loss by the ranks
+  holding different tokens, ``dp x cp``, itself) a loss with ``num_items_in_batch`` is the plain ``sum /
+  num_items_in_batch``, as transformers' own and TRL's fused LM head compute it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -31,7 +37,20 @@ from torch.distributed.tensor import DTensor
 from ndparallel.parallel.context_parallel import gather_sequence, sequence_indices
 from ndparallel.parallel.loss import cross_entropy_loss
 
-__all__ = ["install_causal_lm_loss", "labels_problem", "token_loss_sum"]
+__all__ = ["install_causal_lm_loss", "labels_problem", "scaled_by_caller", "token_loss_sum"]
+
+_CALLER_SCALES = ContextVar("ndparallel_hf_loss_caller_scales", default=False)
+
+
+@contextmanager
+def scaled_by_caller() -> Iterator[None]:
+    """Inside, a loss given ``num_items_in_batch`` is ``sum / num_items_in_batch`` without the cp factor: the
+    caller (transformers' Trainer) multiplies each rank's loss by ``dp x cp`` itself."""
+    token = _CALLER_SCALES.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_SCALES.reset(token)
 
 
 def labels_problem(kwargs: dict[str, Any], local: int, cp_size: int) -> str | None:
@@ -106,7 +125,8 @@ def _causal_lm_loss(cp: tuple[dist.ProcessGroup | None, int, int, bool]):
             dist.all_reduce(denominator, group=group)  # the valid tokens of these sequences, over the cp ranks
         else:
             denominator = torch.as_tensor(num_items_in_batch, device=total.device)
-        return total * cp_size / denominator.clamp(min=1).to(total.dtype)
+        share = 1 if num_items_in_batch is not None and _CALLER_SCALES.get() else cp_size
+        return total * share / denominator.clamp(min=1).to(total.dtype)
 
     return loss_function
 
