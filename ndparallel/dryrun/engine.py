@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ndparallel.config.dims import MESH_DIMS
 from ndparallel.config.precision import parallelize_config
@@ -30,7 +31,7 @@ from ndparallel.dryrun.report import CommRow, RankReport
 from ndparallel.dryrun.stage_metadata import StageMailbox
 from ndparallel.dryrun.torch_api import fake_tensor_mode
 from ndparallel.dryrun.tracker import RankTracker
-from ndparallel.dryrun.values import StandInValues
+from ndparallel.dryrun.values import DryRunValues
 from ndparallel.parallel.parallelize import parallelize
 from ndparallel.parallel.pipeline import Pipeline, build_pipeline
 from ndparallel.train.job_config import TrainConfig
@@ -47,10 +48,11 @@ DIM_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "ep_fsdp", "dp_
 
 
 def measure_rank(
-    cfg: TrainConfig, build: ModelBuilder, *, fake: bool = True, steps: int = 2, mailbox: StageMailbox | None = None
+    cfg: TrainConfig, build: ModelBuilder, *, fake: bool = True, steps: int = 1, mailbox: StageMailbox | None = None
 ) -> RankReport:
-    """Run ``steps`` training steps of ``cfg`` as this process's rank; measure the last one. ``mailbox``: the
-    pipeline stages' shape exchange of a dry run (one per run; pp ranks in order), for ``pp_size > 1``."""
+    """Run ``steps`` training steps of ``cfg`` as this process's rank and measure the last one, with the
+    optimizer's state already there (:func:`_create_optimizer_state`): the step of a job under way. ``mailbox``:
+    the pipeline stages' shape exchange of a dry run (one per run; pp ranks in order), for ``pp_size > 1``."""
     start = time.perf_counter()
     mesh = init_distributed(cfg.parallelism, device_type="cpu")
     accumulation = cfg.check_mesh(mesh.config)
@@ -64,7 +66,9 @@ def measure_rank(
     model = _parallelise(model, mesh, accumulation)
     modules = model.stages if isinstance(model, Pipeline) else [model]
     if isinstance(model, Pipeline) and fake:
-        (mailbox or StageMailbox()).attach(model.schedule)
+        mailbox = mailbox or StageMailbox()
+        mailbox.take_sent()
+        mailbox.attach(model.schedule)
     t = cfg.train
     optimizers = [
         torch.optim.AdamW(m.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True)
@@ -77,10 +81,11 @@ def measure_rank(
         router_bias_rate=t.router_bias_rate,
     )  # fmt: skip
     handles = tracker.watch(modules, optimizers)
-    values = StandInValues()
+    values = DryRunValues() if fake else None
     counter = CommCounter()
     try:
-        with mode or contextlib.nullcontext(), values, tracker.active():
+        with mode or contextlib.nullcontext(), values or contextlib.nullcontext(), tracker.active():
+            _create_optimizer_state(optimizers)
             tracker.track_all((p for m in modules for p in m.parameters()), "params")
             for number in range(1, steps + 1):
                 measured = number == steps
@@ -102,12 +107,24 @@ def measure_rank(
         peak_phase=tracker.phase_text(tracker.peak.phase),
         activation_peak_bytes=tracker.activation_peak,
         flops=tracker.flops - flops_before,
-        comms=_comm_rows(counter, mesh),
+        comms=_comm_rows(counter, mesh, mailbox.take_sent() if mailbox else []),
         accumulation=accumulation,
         local_batch=local,
-        stand_in_values=values.answered,
+        stand_in_values=values.stood_in if values else 0,
+        uneven_shards=_uneven_shards(modules),
         seconds=time.perf_counter() - start,
     )
+
+
+def _create_optimizer_state(optimizers: list[torch.optim.Optimizer]) -> None:
+    """AdamW's state, as after a first step: one optimizer step on zero gradients (cheaper than a training step;
+    the values do not matter here, the tensors do)."""
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _parallelise(model: nn.Module, mesh: Mesh, accumulation: int) -> nn.Module | Pipeline:
@@ -115,6 +132,21 @@ def _parallelise(model: nn.Module, mesh: Mesh, accumulation: int) -> nn.Module |
     if mesh.config.pp_size > 1:
         return build_pipeline(model, mesh.config, mesh, microbatches=accumulation)
     return parallelize(model, parallelize_config(mesh.config), mesh=mesh)
+
+
+def _uneven_shards(modules: list[nn.Module]) -> bool:
+    """Whether some parameter has a dimension its shards do not divide evenly (the last ranks then hold less)."""
+    for module in modules:
+        for param in module.parameters():
+            if not isinstance(param, DTensor):
+                continue
+            split: dict[int, int] = {}
+            for size, placement in zip(param.device_mesh.shape, param.placements, strict=True):
+                if isinstance(placement, Shard):
+                    split[placement.dim] = split.get(placement.dim, 1) * size
+            if any(param.shape[dim] % parts for dim, parts in split.items()):
+                return True
+    return False
 
 
 def _coordinate(mesh: Mesh) -> dict[str, int]:
@@ -142,9 +174,13 @@ def _dim_names(mesh: Mesh) -> dict[tuple[int, ...], str]:
     return names
 
 
-def _comm_rows(counter: CommCounter, mesh: Mesh) -> list[CommRow]:
+def _comm_rows(counter: CommCounter, mesh: Mesh, metadata_sends: list[int]) -> list[CommRow]:
+    """The measured step's collectives by mesh dimension and kind; ``metadata_sends``: the pipeline stages' shape
+    exchange, which a dry run answers in-process (:mod:`ndparallel.dryrun.stage_metadata`) but the job sends."""
     names = _dim_names(mesh)
     rows: dict[tuple[str, str], CommRow] = {}
+    if metadata_sends:
+        rows["pp", "send_recv"] = CommRow("pp", "send_recv", mesh.size("pp"), len(metadata_sends), sum(metadata_sends))
     for call in counter.calls:
         dim = names.get(call.ranks, "world" if call.group_size == dist.get_world_size() else f"{call.group_size}")
         row = rows.setdefault((dim, call.kind), CommRow(dim, call.kind, call.group_size, 0, 0))

@@ -49,6 +49,8 @@ class RankReport:
     stand_in_values: int = 0
     """How many values read off fake tensors were answered with a healthy step's stand-in."""
     seconds: float = 0.0
+    uneven_shards: bool = False
+    """Some parameter's shards differ in size across its shard group (then the last shard rank is measured too)."""
 
     def comm_bytes(self, dim: str | None = None) -> int:
         return sum(r.bytes for r in self.comms if dim is None or r.dim == dim)

@@ -8,10 +8,13 @@ arrives, so the dry run answers instead (:class:`StageMailbox`, one per dry run,
   whose sender has not run yet (interleaved schedules) the last one sent: every stage boundary of a decoder
   carries the same hidden-state tensor (a model whose boundaries differ is a named limit, docs/planning.md);
 - backward: gradients shaped like the stage's own outputs (a gradient has its tensor's shape).
+
+The sends the real exchange makes are kept (:meth:`StageMailbox.take_sent`): the rank's report counts them.
 """
 
 from __future__ import annotations
 
+import pickle
 import types
 from typing import Any
 
@@ -27,6 +30,13 @@ class StageMailbox:
     def __init__(self) -> None:
         self.forward: dict[int, Any] = {}
         self.last: Any = None
+        self.sent: list[int] = []
+        """Bytes of each send the real exchange makes (``send_object_list``: the pickle's size, then the pickle)."""
+
+    def take_sent(self) -> list[int]:
+        """The sends since the last call (one rank's), for its collectives."""
+        sent, self.sent = self.sent, []
+        return sent
 
     def attach(self, schedule: Any) -> None:
         for stage in pipeline_stages(schedule):
@@ -34,6 +44,7 @@ class StageMailbox:
             stage._recv_meta = types.MethodType(self._receive, stage)
 
     def _send(self, mailbox_stage: Any, meta: Any, dst_stage: int) -> None:
+        self.sent += [8, len(pickle.dumps(meta))]  # a LongTensor of the size, then the bytes (torch's default pickler)
         if not hasattr(meta, "backward_metas"):
             self.forward[dst_stage] = self.last = meta
 

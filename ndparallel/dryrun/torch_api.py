@@ -10,6 +10,7 @@ raises one ConfigError saying which torch version was expected, instead of an Im
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,11 +63,16 @@ def fake_constant(tensor: torch.Tensor) -> torch.Tensor | None:
 def flop_formula(func: Any) -> Callable[..., int] | None:
     """The FLOP formula ``FlopCounterMode`` uses for an aten op (called as ``formula(*args, out_val=out,
     **kwargs)``), or None. torch.utils.flop_counter.flop_registry: an undocumented module attribute."""
+    return _flop_registry().get(getattr(func, "overloadpacket", func))
+
+
+@functools.cache
+def _flop_registry() -> dict:
     try:
         from torch.utils.flop_counter import flop_registry
     except ImportError as err:
         raise _moved("torch.utils.flop_counter.flop_registry", err) from None
-    return flop_registry.get(getattr(func, "overloadpacket", func))
+    return flop_registry
 
 
 @contextlib.contextmanager
