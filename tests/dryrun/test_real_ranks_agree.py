@@ -13,12 +13,12 @@ from dataclasses import asdict
 
 import pytest
 
-pytestmark = pytest.mark.slow  # 4 real gloo ranks and two dry runs: ~25 s on 2 loaded cores
-
 from ndparallel.dryrun.engine import measure_rank
 from ndparallel.dryrun.run import dry_run, reference_model
 from ndparallel.testing import run_distributed
 from ndparallel.train.job_config import TrainConfig
+
+pytestmark = pytest.mark.slow  # 4 real gloo ranks and two dry runs: 60-80 s on 2 loaded cores
 
 JOB = ["model.preset=tiny", "data.seq_len=32", "model.max_seq_len=32", "train.global_batch=8"]
 MESHES = {
