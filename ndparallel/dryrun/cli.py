@@ -28,6 +28,9 @@ def add_dry_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         "collectives per mesh dimension, FLOPs. The same ConfigError as the real job.",
     )
     p.add_argument("--config", help="the training YAML (ndparallel train's); default: its defaults")
+    p.add_argument(
+        "--model", help="a preset, a Hugging Face config.json or folder, or module:factory (default: the job's model)"
+    )
     p.add_argument("--world", type=int, required=True, help="the job's world size (GPUs), up to 16,384")
     p.add_argument("--gpu-mem", help="memory per GPU (e.g. 80GiB): name the rank, phase and module that would OOM")
     p.add_argument(
@@ -47,7 +50,7 @@ def run_dry_run(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig.from_sources(args.config, args.overrides, os.environ, host_checks=False)
     memory = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
-    report = dry_run(cfg, args.world, gpu_memory=memory, steps=args.steps, progress=_progress)
+    report = dry_run(cfg, args.world, model=args.model, gpu_memory=memory, steps=args.steps, progress=_progress)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     elif args.table:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,10 +22,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ndparallel.config.dims import MESH_DIMS
+from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.precision import parallelize_config
+from ndparallel.config.preflight import check_job as preflight
 from ndparallel.distributed.counter import CommCounter
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
+from ndparallel.dryrun.models import DryRunModel
 from ndparallel.dryrun.report import CommRow, RankReport
 from ndparallel.dryrun.stage_metadata import StageMailbox
 from ndparallel.dryrun.torch_api import fake_tensor_mode
@@ -37,33 +39,41 @@ from ndparallel.parallel.pipeline import Pipeline, build_pipeline
 from ndparallel.train.job_config import TrainConfig
 from ndparallel.train.step import TrainStep
 
-__all__ = ["DIM_ORDER", "ModelBuilder", "measure_rank"]
-
-ModelBuilder = Callable[[], nn.Module]
-"""Builds the whole model (called under ``FakeTensorMode`` in a dry run)."""
+__all__ = ["DIM_ORDER", "check_job", "measure_rank"]
 
 DIM_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "ep_fsdp", "dp_shard_cp", "dp", "dp_cp")
 """The names a collective's group is reported under: the first whose ranks it has (``dp_shard`` before the
 ``dp_shard_cp`` view of the same ranks when cp is 1)."""
 
 
+def check_job(cfg: TrainConfig, sizes: ParallelismConfig, model: DryRunModel) -> int:
+    """The real job's pre-flight (:meth:`TrainConfig.check_mesh`; another model's shape for one not the job's
+    reference Transformer); the micro-batches per step."""
+    if model.shape is None:
+        return cfg.check_mesh(sizes)
+    return preflight(sizes, cfg.job_shape(), model.shape)
+
+
 def measure_rank(
-    cfg: TrainConfig, build: ModelBuilder, *, fake: bool = True, steps: int = 1, mailbox: StageMailbox | None = None
+    cfg: TrainConfig, model: DryRunModel, *, fake: bool = True, steps: int = 1, mailbox: StageMailbox | None = None
 ) -> RankReport:
     """Run ``steps`` training steps of ``cfg`` as this process's rank and measure the last one, with the
     optimizer's state already there (:func:`_create_optimizer_state`): the step of a job under way. ``mailbox``:
     the pipeline stages' shape exchange of a dry run (one per run; pp ranks in order), for ``pp_size > 1``."""
     start = time.perf_counter()
     mesh = init_distributed(cfg.parallelism, device_type="cpu")
-    accumulation = cfg.check_mesh(mesh.config)
+    accumulation = check_job(cfg, mesh.config, model)
     mode = fake_tensor_mode() if fake else None
+    wrap = model.wrap
     with mode or contextlib.nullcontext():
-        model = build()
+        model = model.build()
         local = cfg.train.global_batch // mesh.size("dp")
         tokens = torch.randint(0, _vocab(model), (local, cfg.data.seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     # Parallelised outside the fake mode: DeviceMesh computes its coordinates with real index tensors.
     model = _parallelise(model, mesh, accumulation)
+    if wrap is not None and not isinstance(model, Pipeline):
+        model = wrap(model)
     modules = model.stages if isinstance(model, Pipeline) else [model]
     if isinstance(model, Pipeline) and fake:
         mailbox = mailbox or StageMailbox()

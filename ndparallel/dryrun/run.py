@@ -9,18 +9,19 @@ micro-batches and send alike; expert-parallel ranks too, as routing is taken to 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 from torch import nn
 
 from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.dryrun.engine import ModelBuilder, measure_rank
+from ndparallel.dryrun.engine import check_job, measure_rank
 from ndparallel.dryrun.fake_world import MAX_WORLD, as_rank
+from ndparallel.dryrun.models import dry_run_model
 from ndparallel.dryrun.report import DryRunReport
 from ndparallel.dryrun.stage_metadata import StageMailbox
 from ndparallel.errors import ConfigError
-from ndparallel.models import Transformer
 from ndparallel.train.job_config import TrainConfig
 
 __all__ = ["dry_run", "first_ranks", "last_shard_rank"]
@@ -39,31 +40,27 @@ def last_shard_rank(cfg: ParallelismConfig, pp: int) -> int:
     return pp * inner + offset
 
 
-def reference_model(cfg: TrainConfig) -> ModelBuilder:
-    """The job's reference Transformer (``model:`` of the job config)."""
-    return lambda: Transformer(cfg.model)
-
-
 def dry_run(
     cfg: TrainConfig,
     world: int,
     *,
-    build: ModelBuilder | None = None,
-    model_name: str | None = None,
+    model: str | None = None,
     gpu_memory: float | None = None,
     steps: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> DryRunReport:
-    """Dry-run ``cfg`` on ``world`` ranks: the same pre-flight as the real job, then each rank that differs."""
+    """Dry-run ``cfg`` on ``world`` ranks: the same pre-flight as the real job, then each rank that differs.
+    ``model``: a preset, a Hugging Face config.json or folder, or ``module:factory`` (default: the job's)."""
     if not 1 <= world <= MAX_WORLD:
         raise ConfigError(f"--world {world}: a dry run takes 1 to {MAX_WORLD:,} ranks")
     if steps < 1:
         raise ConfigError(f"--steps {steps} must be >= 1 (the last one is measured)")
+    cfg, built = dry_run_model(cfg, model)
     resolved = cfg.parallelism.resolve(world)  # a world the mesh does not divide: the config's own error
-    cfg.check_mesh(resolved)  # and every rule the real job checks before it starts
-    build = _guarded(build or reference_model(cfg), model_name or _model_name(cfg))
+    check_job(cfg, resolved, built)  # and every rule the real job checks before it starts
+    built = dataclasses.replace(built, build=_guarded(built.build, built.name))
     start = time.perf_counter()
-    report = DryRunReport(world, resolved.describe(), model_name or _model_name(cfg), gpu_memory=gpu_memory)
+    report = DryRunReport(world, resolved.describe(), built.name, gpu_memory=gpu_memory)
     mailbox = StageMailbox()
     for pp in range(resolved.pp_size):
         ranks = [first_ranks(resolved)[pp]]
@@ -72,7 +69,7 @@ def dry_run(
             if progress:
                 progress(f"dry run: rank {rank} of {world} ...")
             with as_rank(rank, world):
-                measured = measure_rank(cfg, build, steps=steps, mailbox=mailbox)
+                measured = measure_rank(cfg, built, steps=steps, mailbox=mailbox)
             report.ranks.append(measured)
             last = last_shard_rank(resolved, pp)
             if measured.uneven_shards and rank != last and last not in [r.rank for r in report.ranks]:
@@ -86,13 +83,7 @@ def dry_run(
     return report
 
 
-def _model_name(cfg: TrainConfig) -> str:
-    m = cfg.model
-    experts = f", {m.n_experts} experts top-{m.top_k}" if m.n_experts else ""
-    return f"Transformer {m.num_params() / 1e9:.2f}B (dim {m.dim}, {m.n_layers} layers{experts}, {m.dtype})"
-
-
-def _guarded(build: ModelBuilder, name: str) -> ModelBuilder:
+def _guarded(build: Callable[[], nn.Module], name: str) -> Callable[[], nn.Module]:
     """``build`` with its failures on fake tensors as one line naming the cause."""
 
     def guarded() -> nn.Module:

@@ -14,7 +14,8 @@ from dataclasses import asdict
 import pytest
 
 from ndparallel.dryrun.engine import measure_rank
-from ndparallel.dryrun.run import dry_run, reference_model
+from ndparallel.dryrun.models import dry_run_model
+from ndparallel.dryrun.run import dry_run
 from ndparallel.testing import run_distributed
 from ndparallel.train.job_config import TrainConfig
 
@@ -36,7 +37,7 @@ def _real_rank(meshes: dict[str, list[str]]) -> dict[str, dict]:
     out = {}
     for name, overrides in meshes.items():
         cfg = _config(overrides)
-        out[name] = asdict(measure_rank(cfg, reference_model(cfg), fake=False))
+        out[name] = asdict(measure_rank(cfg, dry_run_model(cfg)[1], fake=False))
     return out
 
 
