@@ -30,7 +30,7 @@ from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.dryrun.models import DryRunModel
 from ndparallel.dryrun.report import CommRow, RankReport
-from ndparallel.dryrun.stage_metadata import StageMailbox
+from ndparallel.dryrun.stage_metadata import StageMailbox, after_shape_inference
 from ndparallel.dryrun.torch_api import fake_tensor_mode
 from ndparallel.dryrun.tracker import RankTracker
 from ndparallel.dryrun.values import DryRunValues
@@ -55,11 +55,18 @@ def check_job(cfg: TrainConfig, sizes: ParallelismConfig, model: DryRunModel) ->
 
 
 def measure_rank(
-    cfg: TrainConfig, model: DryRunModel, *, fake: bool = True, steps: int = 1, mailbox: StageMailbox | None = None
+    cfg: TrainConfig,
+    model: DryRunModel,
+    *,
+    fake: bool = True,
+    steps: int = 1,
+    mailbox: StageMailbox | None = None,
 ) -> RankReport:
     """Run ``steps`` training steps of ``cfg`` as this process's rank and measure the last one, with the
-    optimizer's state already there (:func:`_create_optimizer_state`): the step of a job under way. ``mailbox``:
-    the pipeline stages' shape exchange of a dry run (one per run; pp ranks in order), for ``pp_size > 1``."""
+    optimizer's state already there (:func:`_create_optimizer_state`): the step of a job under way. Under pp,
+    torch's schedule first infers its stages' shapes (a forward and backward of its own, in the first step
+    only): the measurement starts after it, at the first micro-batch. ``mailbox``: the pipeline stages' shape
+    exchange of a dry run (one per run; pp ranks in order)."""
     start = time.perf_counter()
     mesh = init_distributed(cfg.parallelism, device_type="cpu")
     accumulation = check_job(cfg, mesh.config, model)
@@ -76,9 +83,7 @@ def measure_rank(
         model = wrap(model)
     modules = model.stages if isinstance(model, Pipeline) else [model]
     if isinstance(model, Pipeline) and fake:
-        mailbox = mailbox or StageMailbox()
-        mailbox.take_sent()
-        mailbox.attach(model.schedule)
+        (mailbox or StageMailbox()).attach(model.schedule)
     t = cfg.train
     optimizers = [
         torch.optim.AdamW(m.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True)
@@ -93,6 +98,16 @@ def measure_rank(
     handles = tracker.watch(modules, optimizers)
     values = DryRunValues() if fake else None
     counter = CommCounter()
+    flops_before = 0
+
+    def measure_from_here() -> None:
+        nonlocal flops_before
+        tracker.reset_peak()
+        counter.calls.clear()
+        flops_before = tracker.flops
+
+    if isinstance(model, Pipeline):
+        after_shape_inference(model.schedule, measure_from_here)
     try:
         with mode or contextlib.nullcontext(), values or contextlib.nullcontext(), tracker.active():
             _create_optimizer_state(optimizers)
@@ -100,8 +115,7 @@ def measure_rank(
             for number in range(1, steps + 1):
                 measured = number == steps
                 if measured:
-                    tracker.reset_peak()
-                    flops_before = tracker.flops
+                    measure_from_here()
                 with counter if measured else contextlib.nullcontext():
                     step(inputs, labels, accumulation, number)
     finally:
@@ -113,11 +127,13 @@ def measure_rank(
         stage_ids=list(model.stage_ids) if isinstance(model, Pipeline) else [],
         peak_bytes=tracker.peak.total,
         peak_by_kind=dict(tracker.peak.by_kind),
+        state_bytes={**(tracker.state_at_step or {}), "optimizer_step_counters": _step_counter_bytes(optimizers)},
         peak_module=tracker.peak.module,
         peak_phase=tracker.phase_text(tracker.peak.phase),
         activation_peak_bytes=tracker.activation_peak,
+        retained_activation_bytes=tracker.retained_activations,
         flops=tracker.flops - flops_before,
-        comms=_comm_rows(counter, mesh, mailbox.take_sent() if mailbox else []),
+        comms=_comm_rows(counter, mesh),
         accumulation=accumulation,
         local_batch=local,
         stand_in_values=values.stood_in if values else 0,
@@ -135,6 +151,21 @@ def _create_optimizer_state(optimizers: list[torch.optim.Optimizer]) -> None:
             param.grad = torch.zeros_like(param)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def _step_counter_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of AdamW's per-parameter ``step`` counters (a scalar each: counted in the optimizer's state, not in
+    the planner's, which counts exp_avg and exp_avg_sq)."""
+    return sum(
+        _local(state["step"]).untyped_storage().nbytes()
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        if isinstance(state.get("step"), torch.Tensor)
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # no dispatch (see tracker._local)
 
 
 def _parallelise(model: nn.Module, mesh: Mesh, accumulation: int) -> nn.Module | Pipeline:
@@ -184,13 +215,10 @@ def _dim_names(mesh: Mesh) -> dict[tuple[int, ...], str]:
     return names
 
 
-def _comm_rows(counter: CommCounter, mesh: Mesh, metadata_sends: list[int]) -> list[CommRow]:
-    """The measured step's collectives by mesh dimension and kind; ``metadata_sends``: the pipeline stages' shape
-    exchange, which a dry run answers in-process (:mod:`ndparallel.dryrun.stage_metadata`) but the job sends."""
+def _comm_rows(counter: CommCounter, mesh: Mesh) -> list[CommRow]:
+    """The measured step's collectives by mesh dimension and kind."""
     names = _dim_names(mesh)
     rows: dict[tuple[str, str], CommRow] = {}
-    if metadata_sends:
-        rows["pp", "send_recv"] = CommRow("pp", "send_recv", mesh.size("pp"), len(metadata_sends), sum(metadata_sends))
     for call in counter.calls:
         dim = names.get(call.ranks, "world" if call.group_size == dist.get_world_size() else f"{call.group_size}")
         row = rows.setdefault((dim, call.kind), CommRow(dim, call.kind, call.group_size, 0, 0))

@@ -38,10 +38,16 @@ class RankReport:
     stage_ids: list[int]
     peak_bytes: int
     peak_by_kind: dict[str, int]
+    state_bytes: dict[str, int]
+    """Parameter, gradient and optimizer bytes when the optimizer steps (every gradient there); of the optimizer's,
+    ``optimizer_step_counters`` are AdamW's per-parameter step scalars."""
     peak_module: str
     peak_phase: str
     activation_peak_bytes: int
-    """The most bytes autograd held saved for backward at once."""
+    """The most bytes autograd held saved for backward at once (with the retained ones)."""
+    retained_activation_bytes: int
+    """Of them, saved before the measured step began and still held: under pp, torch 2.13's first stage keeps
+    the saved tensors of its shape-inference forward (one micro-batch) from the first step on."""
     flops: int
     comms: list[CommRow]
     accumulation: int
@@ -127,7 +133,13 @@ def format_report(report: DryRunReport) -> str:
         lines += [
             "",
             f"{r.where()}: peak {_gib(r.peak_bytes)} GiB in {r.peak_phase}, module {r.peak_module or '(none)'}; "
-            f"activations at most {_gib(r.activation_peak_bytes)} GiB; {r.accumulation} micro-batch(es) of "
+            f"activations at most {_gib(r.activation_peak_bytes)} GiB"
+            + (
+                f" ({_gib(r.retained_activation_bytes)} GiB held since an earlier step)"
+                if r.retained_activation_bytes
+                else ""
+            )
+            + f"; {r.accumulation} micro-batch(es) of "
             f"{r.local_batch // max(1, r.accumulation)} sequence(s); {r.flops / 1e12:.2f} TFLOP per step",
         ]
         for c in r.comms:

@@ -9,19 +9,38 @@ arrives, so the dry run answers instead (:class:`StageMailbox`, one per dry run,
   carries the same hidden-state tensor (a model whose boundaries differ is a named limit, docs/planning.md);
 - backward: gradients shaped like the stage's own outputs (a gradient has its tensor's shape).
 
-The sends the real exchange makes are kept (:meth:`StageMailbox.take_sent`): the rank's report counts them.
+The exchange happens in the first step only, before the first micro-batch: :func:`after_shape_inference` tells
+when the step proper starts (the measurement begins there, in a dry run and on real ranks alike).
 """
 
 from __future__ import annotations
 
 import pickle
 import types
+from collections.abc import Callable
 from typing import Any
 
 from ndparallel.dryrun.torch_api import backward_meta, pipeline_stages
 from ndparallel.errors import ConfigError
 
-__all__ = ["StageMailbox"]
+__all__ = ["StageMailbox", "after_shape_inference"]
+
+
+def after_shape_inference(schedule: Any, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` once, when the schedule's first micro-batch starts (its shapes then inferred):
+    ``PipelineStage.forward_one_chunk`` of each stage, wrapped on the instance."""
+    called = False
+    for stage in pipeline_stages(schedule):
+        original = stage.forward_one_chunk
+
+        def forward_one_chunk(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            nonlocal called
+            if not called:
+                called = True
+                callback()
+            return _original(*args, **kwargs)
+
+        stage.forward_one_chunk = forward_one_chunk
 
 
 class StageMailbox:
@@ -30,13 +49,6 @@ class StageMailbox:
     def __init__(self) -> None:
         self.forward: dict[int, Any] = {}
         self.last: Any = None
-        self.sent: list[int] = []
-        """Bytes of each send the real exchange makes (``send_object_list``: the pickle's size, then the pickle)."""
-
-    def take_sent(self) -> list[int]:
-        """The sends since the last call (one rank's), for its collectives."""
-        sent, self.sent = self.sent, []
-        return sent
 
     def attach(self, schedule: Any) -> None:
         for stage in pipeline_stages(schedule):
@@ -44,9 +56,9 @@ class StageMailbox:
             stage._recv_meta = types.MethodType(self._receive, stage)
 
     def _send(self, mailbox_stage: Any, meta: Any, dst_stage: int) -> None:
-        self.sent += [8, len(pickle.dumps(meta))]  # a LongTensor of the size, then the bytes (torch's default pickler)
+        sent = pickle.dumps(meta)  # what torch sends; keeping the object itself would keep the stage's outputs
         if not hasattr(meta, "backward_metas"):
-            self.forward[dst_stage] = self.last = meta
+            self.forward[dst_stage] = self.last = pickle.loads(sent)  # noqa: S301 (our own bytes)
 
     def _receive(self, stage: Any, src_stage: int) -> Any:
         if src_stage > stage.stage_index:  # gradients of this stage's outputs

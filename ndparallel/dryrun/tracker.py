@@ -87,6 +87,11 @@ class RankTracker(TorchDispatchMode):
         self.peak = Peak()
         self.activation_peak = 0
         self.flops = 0
+        self.retained_activations = 0
+        """Saved activations still alive when the measured step starts (torch's pipeline keeps the first stage's
+        shape-inference forward, one micro-batch, from the first step on)."""
+        self.state_at_step: dict[str, int] | None = None
+        """Parameter, gradient and optimizer bytes when the optimizer steps (every gradient there)."""
         self._step_phase = ""
         self._micro_batch = 0
         self._in_backward = False
@@ -145,7 +150,8 @@ class RankTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (the step measured, after a warm-up step)."""
         self.peak = Peak(self.total, dict(self.totals), self.where(), self._where_in_step())
-        self.activation_peak = self.totals["activations"]
+        self.activation_peak = self.retained_activations = self.totals["activations"]
+        self.state_at_step = None
 
     # -- where the step is -------------------------------------------------------------------------------------
     def set_phase(self, text: str) -> None:
@@ -185,6 +191,7 @@ class RankTracker(TorchDispatchMode):
             for param in root.parameters():
                 handles.append(param.register_post_accumulate_grad_hook(lambda p: self.track(p.grad, "grads")))
         for optimizer in optimizers:
+            handles.append(optimizer.register_step_pre_hook(self._optimizer_stepping))
             handles.append(optimizer.register_step_post_hook(self._optimizer_stepped))
         return handles
 
@@ -214,6 +221,10 @@ class RankTracker(TorchDispatchMode):
             self._backward_module, self._in_backward = name, True
 
         return hook
+
+    def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.state_at_step is None:  # the first optimizer of the step: every gradient is there
+            self.state_at_step = {kind: self.totals[kind] for kind in ("params", "grads", "optimizer")}
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for state in optimizer.state.values():

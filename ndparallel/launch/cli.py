@@ -129,7 +129,13 @@ def _add_optional_subcommands(sub: argparse._SubParsersAction) -> None:
     except ImportError:
         pass
     else:
-        add_plan_parser(sub)
+        plan = add_plan_parser(sub)
+        try:
+            from ndparallel.dryrun.cli import add_plan_dry_run
+        except ImportError:
+            pass
+        else:
+            add_plan_dry_run(plan)  # plan --dry-run
     try:
         from ndparallel.bench import add_bench_parser
     except ImportError:
