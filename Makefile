@@ -20,7 +20,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-fast zoo bench lint format clean
+.PHONY: demo test test-fast zoo dryrun-matrix bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,18 +36,21 @@ demo: $(STAMP)
 # Inductor gets its own cache there: torch 2.13 reuses C++ kernels cached under another capability
 # and fails to build them ("'at::vec' has not been declared").
 test: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo and not matrix"
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
 
 # The inner loop: everything but the jobs (torchrun launches, CLI processes, notebooks, signals: marker
 # `jobs`) and the costliest tests, 10-60 s each (marker `slow`: big parity groups, inductor builds).
 test-fast: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not jobs and not slow and not zoo"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not jobs and not slow and not zoo and not matrix"
 
 # Breadth sweeps that add no code path of their own (marker `zoo`: every other translated Hugging Face plan
 # of the catalogue on tp 2, dp_shard 2, cp 2 and pp 2, ~20 s); docs/models.md records their last result.
 zoo: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m zoo
+
+dryrun-matrix: $(STAMP)  # the planner against the dry run at real sizes (tests/dryrun; minutes to an hour)
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m matrix tests/dryrun
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml

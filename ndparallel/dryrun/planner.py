@@ -15,7 +15,14 @@ from typing import Any
 from ndparallel.dryrun.report import DryRunReport, RankReport
 from ndparallel.dryrun.run import dry_run
 from ndparallel.errors import ConfigError
-from ndparallel.estimate import Estimate, ModelSpec, TrainingSpec, estimate_memory
+from ndparallel.estimate import (
+    Estimate,
+    ModelSpec,
+    TrainingSpec,
+    activation_bytes,
+    estimate_memory,
+    saved_activation_bytes,
+)
 from ndparallel.estimate.spec import MeshShape
 from ndparallel.models import PRESETS, TransformerConfig
 from ndparallel.train.job_config import DataConfig, LoopConfig, TrainConfig
@@ -49,7 +56,7 @@ def _transformer(model: ModelSpec, seq_len: int) -> TransformerConfig:
         return TransformerConfig.from_preset(model.name, max_seq_len=seq_len)
     if (
         model.family != "transformer"
-        or model.moe_layers
+        or set(model.moe_layers) not in (set(), set(range(model.n_layers)))
         or model.tied_embeddings
         or model.head_dim * model.n_heads != model.dim
     ):
@@ -101,8 +108,13 @@ def compare(e: Estimate, model: ModelSpec, train: TrainingSpec, report: DryRunRe
     for r in report.ranks:
         pp_rank = r.coordinate.get("pp", 0)
         mem = estimate_memory(model, train, e.mesh, pp_rank if e.mesh.pp > 1 else None)
+        # what autograd saves (the dry run counts saved tensors), not the loss's live logits and their gradient
+        if e.mesh.pp > 1:
+            saved = saved_activation_bytes(model, train, e.mesh, pp_rank, saved_only=True)
+        else:
+            saved = activation_bytes(model, train, e.mesh, saved_only=True)
         analytic = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-                    "activations": mem.activations, "peak": mem.peak}  # fmt: skip
+                    "activations": saved, "peak": mem.peak}  # fmt: skip
         state = r.state_bytes
         measured = {
             "params": state["params"],

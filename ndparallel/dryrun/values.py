@@ -6,8 +6,8 @@ which ranks lack a gradient, how many tokens each expert gets. :class:`DryRunVal
 healthy step of a job whose ranks are alike:
 
 - small tensors are real: an op on real tensors only (the device mesh's rank tensors, a ``torch.tensor([...])``
-  of flags) runs for real, and a factory (``torch.zeros``, ``torch.arange``) of at most ``SMALL`` elements
-  makes a real tensor (integers and bools only); the model's tensors, made from fake parameters and inputs, stay fake;
+  of flags) runs for real, and ``torch.zeros`` / ``ones`` / ``full`` of at most ``SMALL`` integers
+  or bools make a real tensor; the model's tensors, made from fake parameters and inputs, stay fake;
 - a collective over real tensors on the fake process group returns this rank's own values, as if every rank
   held the same (an all-gather repeats them, an all-to-all sends them back);
 - routing is balanced: ``torch.bincount`` of fake expert indices counts the same tokens for every expert
@@ -37,6 +37,9 @@ a model's activations and buffers far larger."""
 
 _aten, _c10d = torch.ops.aten, torch.ops.c10d
 _STAND_IN = (_aten._local_scalar_dense, _aten.nonzero)
+_CONTROL_FACTORIES = (_aten.zeros, _aten.ones, _aten.full, _aten.scalar_tensor)
+"""The factories a control-flow tensor comes from (not ``empty``, ``arange`` or ``randint``: buffers, positions and
+tokens are data, which context parallelism shards in place into fake tensors)."""
 
 
 class DryRunValues(TorchDispatchMode):
@@ -79,7 +82,8 @@ class DryRunValues(TorchDispatchMode):
         out = func(*args, **kwargs)  # a factory: fake, unless a small integer tensor (never a float: DTensor's
         # sharding propagation makes float and index tensors to run ops on them fake, and a real float input
         # beside a real index would run for real on uninitialised indices)
-        if isinstance(out, torch.Tensor) and out.numel() <= SMALL and not out.is_floating_point():
+        small = isinstance(out, torch.Tensor) and out.numel() <= SMALL and not out.is_floating_point()
+        if small and packet in _CONTROL_FACTORIES:
             with without_fake_mode():
                 return func(*args, **kwargs)
         return out
