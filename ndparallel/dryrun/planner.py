@@ -86,6 +86,11 @@ class Side:
     measured: dict[str, float]
     comm: dict[str, tuple[float, float]] = field(default_factory=dict)
     """dim -> (analytic bytes, measured bytes) over the step."""
+    flops: tuple[float, float] = (0.0, 0.0)
+    """(the planner's model FLOPs per rank: the step's ``6 N`` + attention over the world, no recompute; the FLOPs
+    the dry run traced on this rank, recompute included)."""
+    compute_s: tuple[float, float] = (0.0, 0.0)
+    """(the planner's compute seconds, bubble included; the trace's FLOPs at the GPU's peak: a floor)."""
 
     def disagreements(self) -> list[str]:
         """What breaks the rule: state bytes equal, activations and collective bytes within 5%."""
@@ -128,7 +133,10 @@ def compare(e: Estimate, model: ModelSpec, train: TrainingSpec, report: DryRunRe
             comm.setdefault(_dim(row.group, e.mesh), [0.0, 0.0])[0] += row.payload_bytes
         for row in r.comms:
             comm.setdefault(_dim(row.dim, e.mesh), [0.0, 0.0])[1] += row.bytes
-        sides.append(Side(e.mesh.describe(), r, analytic, measured, {k: (a, m) for k, (a, m) in comm.items()}))
+        side = Side(e.mesh.describe(), r, analytic, measured, {k: (a, m) for k, (a, m) in comm.items()})
+        side.flops = (e.time.model_flops_per_step / e.mesh.world_size, float(r.flops))
+        side.compute_s = (e.time.compute_s, r.flops / e.time.peak_flops)
+        sides.append(side)
     return sides
 
 
@@ -159,19 +167,22 @@ def format_side_by_side(sides: list[Side]) -> str:
     """Per shape and pp rank: each figure as analytic | dry run (GiB; collectives in GB), and what disagrees."""
     lines = [
         "dry run beside the plan (analytic | dry run; GiB; state must be equal, activations and collectives within "
-        "5%; collectives under 1 MiB are control traffic, not modelled):",
+        "5%; collectives under 1 MiB are control traffic, not modelled; TFLOP: the model's 6N per rank | traced, "
+        "recompute included; compute s: the plan's | the traced FLOPs at the GPU's peak, a floor):",
         f"{'mesh':<34} {'rank':>6} {'params':>13} {'grads':>13} {'optimizer':>13} {'activations':>13} "
-        f"{'peak':>13}  collectives GB by dim",
+        f"{'peak':>13} {'TFLOP':>11} {'compute s':>11}  collectives GB by dim",
     ]
     for s in sides:
         cells = [f"{_gib(s.analytic[k])}|{_gib(s.measured[k])}" for k in ("params", "grads", "optimizer",
                                                                           "activations", "peak")]  # fmt: skip
         comm = ", ".join(f"{d} {a / 1e9:.2f}|{m / 1e9:.2f}" for d, (a, m) in sorted(s.comm.items()))
         bad = s.disagreements()
+        flops = f"{s.flops[0] / 1e12:.0f}|{s.flops[1] / 1e12:.0f}"
+        seconds = f"{s.compute_s[0]:.2f}|{s.compute_s[1]:.2f}"
         lines.append(
             f"{s.shape:<34} {s.rank.rank:>6} "
             + " ".join(f"{c:>13}" for c in cells)
-            + f"  {comm}"
+            + f" {flops:>11} {seconds:>11}  {comm}"
             + (f"  DIFFERS: {', '.join(bad)}" if bad else "")
         )
     return "\n".join(lines)
