@@ -33,7 +33,7 @@ from ndparallel.dryrun.report import CommRow, RankReport
 from ndparallel.dryrun.stage_metadata import StageMailbox, after_shape_inference
 from ndparallel.dryrun.torch_api import fake_tensor_mode
 from ndparallel.dryrun.tracker import RankTracker
-from ndparallel.dryrun.values import DryRunValues
+from ndparallel.dryrun.values import DryRunValues, objects_as_if_every_rank_alike
 from ndparallel.parallel.parallelize import parallelize
 from ndparallel.parallel.pipeline import Pipeline, build_pipeline
 from ndparallel.train.job_config import TrainConfig
@@ -89,7 +89,7 @@ def measure_rank(
         torch.optim.AdamW(m.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True)
         for m in modules
     ]
-    tracker = RankTracker()
+    tracker = RankTracker(mode)
     step = TrainStep(
         model, optimizers if isinstance(model, Pipeline) else optimizers[0], mesh, max_grad_norm=t.max_grad_norm,
         defer_grad_sync=bool(t.defer_grad_sync), max_nonfinite_steps=t.max_nonfinite_steps, phase=tracker.set_phase,
@@ -109,7 +109,8 @@ def measure_rank(
     if isinstance(model, Pipeline):
         after_shape_inference(model.schedule, measure_from_here)
     try:
-        with mode or contextlib.nullcontext(), values or contextlib.nullcontext(), tracker.active():
+        fake_only = (values, objects_as_if_every_rank_alike()) if fake else (contextlib.nullcontext(),) * 2
+        with mode or contextlib.nullcontext(), fake_only[0], fake_only[1], tracker.active():
             _create_optimizer_state(optimizers)
             tracker.track_all((p for m in modules for p in m.parameters()), "params")
             for number in range(1, steps + 1):

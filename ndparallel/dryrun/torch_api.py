@@ -123,3 +123,33 @@ def without_fake_mode() -> contextlib.AbstractContextManager:
     from torch._subclasses.fake_tensor import unset_fake_temporarily  # the same private module as fake_tensor_mode
 
     return unset_fake_temporarily()
+
+
+@contextlib.contextmanager
+def during_sharding_propagation(flag: list[int]) -> Iterator[None]:
+    """While entered, ``flag[0]`` counts the DTensor sharding propagations running now. DTensor derives an op's
+    output shape by running it on global-shape fake tensors of the active FakeTensorMode (the dry run's own), so
+    a tracker must not count what is made meanwhile. ShardingPropagator._propagate_tensor_meta_non_cached:
+    private (torch.distributed.tensor._sharding_prop, torch 2.11-2.14); without it nothing is wrapped."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        yield
+        return
+    original = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if original is None:
+        yield
+        return
+
+    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        flag[0] += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            flag[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original

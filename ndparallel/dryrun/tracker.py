@@ -12,6 +12,10 @@ phase running then. Kinds, strongest first (a storage keeps the strongest kind i
 - ``activations``: what autograd saves for backward (``saved_tensors_hooks``);
 - ``temporaries``: everything else (communication buffers, unsharded gradients, an op's workspace).
 
+Fake tensors made while DTensor propagates a sharding are no memory (global-shape ones, in the dry run's own
+FakeTensorMode: a whole unsharded weight per parameter of a foreach op of the optimizer, were they counted), nor
+are fake tensors of another FakeTensorMode (on real ranks DTensor makes its own).
+
 Sizes are read on every touch and on every ``UntypedStorage.resize_`` (FSDP2 frees a gathered parameter by
 resizing its storage to 0), so a freed storage counts 0 at once. A storage counts once however many views share
 it. Not seen: memory that is no torch tensor (NCCL's buffers, the CUDA caching allocator's rounding and
@@ -33,7 +37,7 @@ from torch.distributed.tensor import DTensor
 # TorchDispatchMode: the documented extension point for intercepting aten ops (a private module on 2.11-2.14).
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ndparallel.dryrun.torch_api import flop_formula, on_storage_resize
+from ndparallel.dryrun.torch_api import during_sharding_propagation, flop_formula, on_storage_resize
 
 __all__ = ["KINDS", "Peak", "RankTracker"]
 
@@ -78,9 +82,14 @@ def _leaves(value: Any) -> Iterator[Any]:
 class RankTracker(TorchDispatchMode):
     """Live bytes by kind, the peak (total, by kind, module, phase), the activation peak, and FLOPs."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake_mode: Any = None) -> None:
         super().__init__()
         self.supports_higher_order_operators = True
+        self.fake_mode = fake_mode
+        """The dry run's FakeTensorMode (None on real ranks): a fake tensor of any other mode holds no memory (DTensor
+        makes global-shape ones of its own to propagate shardings)."""
+        self._propagating = [0]
+        """DTensor sharding propagations running now (their global-shape fake tensors are no memory)."""
         self._live: dict[int, _Entry] = {}
         self.totals = dict.fromkeys(KINDS, 0)
         self.total = 0
@@ -102,7 +111,7 @@ class RankTracker(TorchDispatchMode):
     # -- storages ---------------------------------------------------------------------------------------------
     def track(self, tensor: Any, kind: str = "temporaries") -> None:
         """Remember ``tensor``'s storage (if new) and raise its kind to ``kind`` if that is stronger."""
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or not self._holds_memory(tensor):
             return
         try:
             storage = _local(tensor).untyped_storage()
@@ -120,6 +129,12 @@ class RankTracker(TorchDispatchMode):
             self.totals[entry.kind] -= entry.nbytes
             self.totals[kind] += entry.nbytes
             entry.kind = kind
+
+    def _holds_memory(self, tensor: torch.Tensor) -> bool:
+        if self._propagating[0]:
+            return False
+        mode = getattr(_local(tensor), "fake_mode", None)  # FakeTensor.fake_mode (torch._subclasses, private)
+        return mode is None or mode is self.fake_mode
 
     def track_all(self, tensors: Iterable[Any], kind: str) -> None:
         for tensor in tensors:
@@ -152,6 +167,7 @@ class RankTracker(TorchDispatchMode):
         self.peak = Peak(self.total, dict(self.totals), self.where(), self._where_in_step())
         self.activation_peak = self.retained_activations = self.totals["activations"]
         self.state_at_step = None
+        self._micro_batch = 0  # a pipeline's shape-inference forward is no micro-batch
 
     # -- where the step is -------------------------------------------------------------------------------------
     def set_phase(self, text: str) -> None:
@@ -243,7 +259,11 @@ class RankTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def active(self) -> Iterator[RankTracker]:
         """Enter the mode, the saved-tensor hooks and the resize watch together."""
-        with on_storage_resize(self._resized), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+        with (
+            on_storage_resize(self._resized),
+            during_sharding_propagation(self._propagating),
+            torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),
+        ):
             with self:
                 yield self
 
@@ -263,6 +283,8 @@ class RankTracker(TorchDispatchMode):
         return out
 
     def _touch(self, tensor: torch.Tensor) -> None:
+        if not self._holds_memory(tensor):
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):

@@ -9,7 +9,8 @@ healthy step of a job whose ranks are alike:
   of flags) runs for real, and ``torch.zeros`` / ``ones`` / ``full`` of at most ``SMALL`` integers
   or bools make a real tensor; the model's tensors, made from fake parameters and inputs, stay fake;
 - a collective over real tensors on the fake process group returns this rank's own values, as if every rank
-  held the same (an all-gather repeats them, an all-to-all sends them back);
+  held the same (an all-gather repeats them, an all-to-all sends them back); so does ``all_gather_object``
+  (:func:`objects_as_if_every_rank_alike`: its pickles travel in byte tensors, which fake tensors cannot carry);
 - routing is balanced: ``torch.bincount`` of fake expert indices counts the same tokens for every expert
   (remainders to the first), as a real tensor (the mixture-of-experts dispatch splits rows by it);
 - any other value read off a fake tensor stands in as a healthy step's: 0 (a bool True: finite, present), and
@@ -18,10 +19,12 @@ healthy step of a job whose ranks are alike:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 # TorchDispatchMode: the documented extension point for intercepting aten ops (a private module on 2.11-2.14).
@@ -29,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndparallel.dryrun.torch_api import is_fake, without_fake_mode
 
-__all__ = ["SMALL", "DryRunValues"]
+__all__ = ["SMALL", "DryRunValues", "objects_as_if_every_rank_alike"]
 
 SMALL = 1 << 16
 """Elements of the largest factory tensor kept real (512 KiB in float64): control-flow tensors are far smaller,
@@ -93,12 +96,33 @@ def _as_if_every_rank_alike(packet: Any, args: tuple) -> None:
     """After a c10d collective over real tensors on the fake process group (which writes nothing): the result
     every rank would get if all held this rank's values."""
     with without_fake_mode(), torch.no_grad():
-        if packet in (_c10d._allgather_base_, _c10d.allgather_into_tensor_coalesced_):
+        if packet is _c10d.allgather_:  # [[output per rank]], [input]
+            for outputs, inp in zip(args[0], args[1], strict=True):
+                for out in outputs:
+                    out.copy_(inp)
+        elif packet in (_c10d._allgather_base_, _c10d.allgather_into_tensor_coalesced_):
             out, inp = args[0], args[1]
             for o, i in zip(_tensor_list(out), _tensor_list(inp), strict=True):
                 o.copy_(i.reshape(-1).repeat(o.numel() // max(1, i.numel())).view_as(o))
         elif packet is _c10d.alltoall_base_:
             args[0].copy_(args[1])
+
+
+@contextlib.contextmanager
+def objects_as_if_every_rank_alike() -> Iterator[None]:
+    """While entered, ``torch.distributed.all_gather_object`` fills every slot with this rank's object (the
+    pipeline's per-stage router loads are the one object collective of a training step). A public torch
+    function replaced for the dry run only: the pickles it sends cannot cross fake tensors."""
+    original = dist.all_gather_object
+
+    def all_gather_object(object_list: list, obj: Any, group: Any = None) -> None:
+        object_list[:] = [obj] * dist.get_world_size(group)
+
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
 
 
 def _tensor_list(value: Any) -> list[torch.Tensor]:
