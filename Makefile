@@ -22,7 +22,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-fast zoo accelerate-examples stress bench lint format clean
+.PHONY: demo test test-fast zoo accelerate-examples dryrun-matrix stress bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,7 +38,7 @@ demo: $(STAMP)
 # Inductor gets its own cache there: torch 2.13 reuses C++ kernels cached under another capability
 # and fails to build them ("'at::vec' has not been declared").
 test: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo and not examples"
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo and not examples and not matrix"
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
 
 # The inner loop, what a plain `pytest` runs (pyproject's addopts): everything but the jobs (torchrun launches,
@@ -64,6 +64,9 @@ stress: $(STAMP)
 # CPU ranks, each against Accelerate's run of the same script (marker `examples`; docs/accelerate-migration.md).
 accelerate-examples: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m examples
+
+dryrun-matrix: $(STAMP)  # the planner against the dry run at real sizes (tests/dryrun; minutes to an hour)
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m matrix tests/dryrun
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml

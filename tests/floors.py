@@ -28,6 +28,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("state", ("checkpoint", "estimate"), "checkpoints on disk; the cost model and mesh search"),
     ("train", ("train",), "the training job: one step, the loop, data"),
     ("jobs", ("accelerator", "bench", "verify"), "the Accelerate-compatible API; the scaling benchmark; verify"),
+    ("rehearsal", ("dryrun",), "the dry run: the real job on fake ranks, one process (models as verify reads them)"),
     ("launch", ("launch",), "the ndparallel command, torchrun underneath, worker guard, notebook launcher"),
     (
         "api",

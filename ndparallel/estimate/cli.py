@@ -46,7 +46,7 @@ PINNED = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 """The sizes ``--pp`` ... ``--ep`` pin (ep: a mixture of experts' expert parallelism, inside dp_shard x cp)."""
 """``--pp-schedule all``: the schedules whose memory rule is measured (docs/planning.md)."""
 
-__all__ = ["add_plan_parser", "format_explain", "format_plan", "main", "plan_to_json", "run_plan"]
+__all__ = ["add_plan_parser", "format_explain", "format_plan", "main", "plan_from_args", "plan_to_json", "run_plan"]
 
 _RAW_COUNTS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
                "ffn_dim": "ffn_dim", "vocab": "vocab_size"}  # fmt: skip
@@ -220,26 +220,32 @@ def _training_from_args(args: argparse.Namespace) -> TrainingSpec:
     )
 
 
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The plan the ``plan`` arguments ask for (``ndparallel plan --dry-run`` starts from it too); ConfigError on
+    bad input."""
+    model = _model_from_args(args)
+    cluster = _cluster_from_args(args)
+    train = _training_from_args(args)
+    fixed = {dim: getattr(args, f"pin_{dim}") for dim in PINNED}
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    for flag in ("top", "rejected"):
+        _non_negative(getattr(args, flag), f"--{flag}")
+    if args.top == 0:  # printed an empty table, exit 0
+        raise ConfigError("--top=0 would print no shape: give --top 1 or more (10 by default)")
+    _check_pinned_ep(model, fixed.get("ep", 1))
+    if args.no_pp and fixed.get("pp", 1) > 1:
+        raise ConfigError(f"--no-pp contradicts --pp {fixed['pp']}")
+    return plan(
+        model, train, cluster, fixed, search_pp=not args.no_pp, pp_schedules=_pp_schedules(args.pp_schedule),
+        pp_microbatches=_non_negative(args.pp_microbatches, "--pp-microbatches"),
+        pp_stages_per_rank=_non_negative(args.pp_stages_per_rank, "--pp-stages-per-rank"),
+    )  # fmt: skip
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Handler of ``ndparallel plan``: 0 when some shape fits, 1 when none does, 2 on bad input."""
     try:
-        model = _model_from_args(args)
-        cluster = _cluster_from_args(args)
-        train = _training_from_args(args)
-        fixed = {dim: getattr(args, f"pin_{dim}") for dim in PINNED}
-        fixed = {k: v for k, v in fixed.items() if v is not None}
-        for flag in ("top", "rejected"):
-            _non_negative(getattr(args, flag), f"--{flag}")
-        if args.top == 0:  # printed an empty table, exit 0
-            raise ConfigError("--top=0 would print no shape: give --top 1 or more (10 by default)")
-        _check_pinned_ep(model, fixed.get("ep", 1))
-        if args.no_pp and fixed.get("pp", 1) > 1:
-            raise ConfigError(f"--no-pp contradicts --pp {fixed['pp']}")
-        result = plan(
-            model, train, cluster, fixed, search_pp=not args.no_pp, pp_schedules=_pp_schedules(args.pp_schedule),
-            pp_microbatches=_non_negative(args.pp_microbatches, "--pp-microbatches"),
-            pp_stages_per_rank=_non_negative(args.pp_stages_per_rank, "--pp-stages-per-rank"),
-        )  # fmt: skip
+        result = plan_from_args(args)
     except ConfigError as err:
         print(f"ndparallel plan: error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The ``ndparallel`` command: ``mesh``, ``train``, ``launch``, ``plan``, ``bench``, ``verify``.
+"""The ``ndparallel`` command: ``mesh``, ``train``, ``launch``, ``plan``, ``bench``, ``verify``, ``dry-run``.
 
 ``launch`` is a thin layer over ``torch.distributed.run`` (torchrun): every torchrun option
 (``--nnodes``, ``--rdzv-endpoint``, ``--max-restarts``, ...) works unchanged, and ``--cpu-ranks N``
@@ -131,7 +131,13 @@ def _add_optional_subcommands(sub: argparse._SubParsersAction) -> None:
     except ImportError:
         pass
     else:
-        add_plan_parser(sub)
+        plan = add_plan_parser(sub)
+        try:
+            from ndparallel.dryrun.cli import add_plan_dry_run
+        except ImportError:
+            pass
+        else:
+            add_plan_dry_run(plan)  # plan --dry-run
     try:
         from ndparallel.bench import add_bench_parser
     except ImportError:
@@ -144,6 +150,12 @@ def _add_optional_subcommands(sub: argparse._SubParsersAction) -> None:
         pass
     else:
         add_verify_parser(sub)
+    try:
+        from ndparallel.dryrun.cli import add_dry_run_parser
+    except ImportError:
+        pass
+    else:
+        add_dry_run_parser(sub)
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

@@ -127,7 +127,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+    def from_dict(cls, data: Mapping[str, Any], *, host_checks: bool = True) -> TrainConfig:
+        """``host_checks=False``: leave out the rules about this machine's memory (a dry run builds nothing)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a training config must be a mapping of sections, got {type(data).__name__}")
         known = {"parallelism", *_SECTIONS}
@@ -149,7 +150,7 @@ class TrainConfig:
             else:
                 kwargs[name] = _build(section_cls, name, values)
         cfg = cls(**kwargs)
-        cfg.validate()
+        cfg.validate(host_checks=host_checks)
         return cfg
 
     @classmethod
@@ -159,20 +160,25 @@ class TrainConfig:
 
     @classmethod
     def from_sources(
-        cls, path: str | os.PathLike | None, overrides: Iterable[str] = (), environ: Mapping[str, str] | None = None
+        cls,
+        path: str | os.PathLike | None,
+        overrides: Iterable[str] = (),
+        environ: Mapping[str, str] | None = None,
+        *,
+        host_checks: bool = True,
     ) -> TrainConfig:
         """What ``ndparallel train`` reads: the YAML (or defaults), then the environment's parallelism
         variables (default ``os.environ``), then the command-line overrides
         (:meth:`ndparallel.ParallelismConfig.from_sources` orders the parallelism fields)."""
         data = load_yaml_mapping(path) if path else {}
         if not isinstance(data.get("parallelism") or {}, Mapping):
-            return cls.from_dict(data)  # the section's own error
+            return cls.from_dict(data, host_checks=host_checks)  # the section's own error
         parallel, rest = _split_parallel_overrides(overrides)
         data = {
             **data,
             "parallelism": ParallelismConfig.from_sources(data.get("parallelism"), environ, parallel).to_dict(),
         }
-        return cls.from_dict(apply_overrides(data, rest))
+        return cls.from_dict(apply_overrides(data, rest), host_checks=host_checks)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -180,8 +186,9 @@ class TrainConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False)
 
-    def validate(self) -> None:
-        """Ranges and cross-field rules (types were checked when the sections were built)."""
+    def validate(self, *, host_checks: bool = True) -> None:
+        """Ranges and cross-field rules (types were checked when the sections were built); ``host_checks``: also
+        that the corpus and the model fit this machine's memory."""
         t, d, c = self.train, self.data, self.checkpoint
         rules = [
             ("train.steps", t.steps >= 1, "must be >= 1"),
@@ -210,7 +217,7 @@ class TrainConfig:
                 raise ConfigError(f"{name}={brief_repr(getattr(getattr(self, section), field_name))} {message}")
         ranks = ranks_on_this_machine()
         fits_in_memory(
-            d.max_bytes, 1, holders=ranks, what=f"data.max_bytes={d.max_bytes} needs",
+            0 if not host_checks else d.max_bytes, 1, holders=ranks, what=f"data.max_bytes={d.max_bytes} needs",
             held=f"on this machine's {ranks} rank(s) (every rank holds what it reads)", fix="lower data.max_bytes",
         )  # fmt: skip
         check_seq_fits(d.seq_len, self.model.max_seq_len)
@@ -218,7 +225,8 @@ class TrainConfig:
             raise ConfigError("checkpoint.every / checkpoint.resume=true need checkpoint.dir (where to save and look)")
         if d.path is None and self.model.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for byte-level data")
-        check_fits_in_memory(self.model)
+        if host_checks:
+            check_fits_in_memory(self.model)
 
     def accumulation_steps(self, dp_size: int) -> int:
         """Micro-batches per optimizer step on each rank, checked against the data-parallel size."""

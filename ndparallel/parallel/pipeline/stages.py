@@ -47,7 +47,10 @@ def stage_fsdp_groups(groups: Sequence[Sequence[str]], stage: nn.Module) -> list
 
 def _materialise(stage: nn.Module, on_meta: bool, device: torch.device, seed: int | None) -> None:
     if not on_meta:
-        stage.to(device)
+        # Only when something is elsewhere: a stage already on its device (a dry run's fake tensors, which
+        # nn.Module.to would try to swap) is left as it is.
+        if any(t.device != device for t in (*stage.parameters(), *stage.buffers())):
+            stage.to(device)
         return
     init = getattr(stage, "init_weights", None)
     if init is None:
