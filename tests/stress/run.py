@@ -101,7 +101,19 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(1, args.rounds + 1):
                 results = _launches(args.launches, work, args.timeout)
                 if args.tests:
-                    pytest = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *args.tests]
+                    pytest = [
+                        sys.executable,
+                        "-m",
+                        "pytest",
+                        "-q",
+                        "-n",
+                        "2",
+                        "-p",
+                        "no:cacheprovider",
+                        "-m",
+                        "not zoo",
+                    ]
+                    pytest += args.tests  # -m: every tier of those files, the jobs and slow ones included
                     results.append({"job": "pytest", **_run(pytest, REPO, args.timeout)})
                     totals["pytest_runs"] += 1
                 totals["rounds"] += 1
