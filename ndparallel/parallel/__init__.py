@@ -5,6 +5,7 @@
 TP/SP -> CP -> MoE/EP -> activation checkpointing -> compile -> FSDP2/HSDP/replicate), one module per planner
 (``tensor_parallel``, ``context_parallel``, ``expert_parallel``, ``moe_tensor_parallel``,
 ``activation_checkpoint``, ``compile``, ``fully_shard``, ``replicate``), ``master_weights`` (fp32 masters of
-low-precision parameters, as Accelerate keeps them), ``fqn`` (module-path patterns), ``grad_sync``, ``clip``,
-``loss``, and ``pipeline/``. tests/test_architecture.py holds that this list names every module here.
+low-precision parameters, as Accelerate keeps them), ``fqn`` (module-path patterns), ``masks`` (padding and
+packed documents as one document mask), ``grad_sync``, ``clip``, ``loss``, and ``pipeline/``.
+tests/test_architecture.py holds that this list names every module here.
 """
