@@ -110,9 +110,10 @@ class GradientAccumulationPlugin(KwargsHandler):
 
 @dataclasses.dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """DDP's options: ``bucket_cap_mb`` sizes ndparallel's all-reduce buckets; ``find_unused_parameters``,
-    ``static_graph``, ``gradient_as_bucket_view`` and ``check_reduction`` change nothing computed (the reducer
-    handles unused parameters itself); compression hooks are refused."""
+    """DDP's options: ``bucket_cap_mb`` sizes ndparallel's all-reduce buckets; ``broadcast_buffers`` (every
+    forward takes the first rank's buffers) is honoured; ``find_unused_parameters``, ``static_graph``,
+    ``gradient_as_bucket_view`` and ``check_reduction`` change nothing computed (the reducer handles unused
+    parameters itself); compression hooks are refused."""
 
     dim: int = 0
     broadcast_buffers: bool = True

@@ -121,6 +121,20 @@ def _group(root: str) -> dict[str, Any]:
         model(torch.ones(1, 3))
     out["traces"] = sorted(p.name for p in Path(f"{root}/traces").iterdir())
 
+    # broadcast_buffers (DDP's default): every forward takes rank 0's running statistics, so after a training step
+    # on different data the ranks evaluate alike; without it they do not
+    from ndparallel.utils import DistributedDataParallelKwargs
+
+    evals = {}
+    for label, accelerator in (("synced", acc), ("off", ndp.Accelerator(cpu=True, kwargs_handlers=[
+            DistributedDataParallelKwargs(broadcast_buffers=False)]))):  # fmt: skip
+        torch.manual_seed(0)
+        norm = accelerator.prepare(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+        norm(torch.randn(8, 2) * (rank + 1)).sum().backward()
+        norm.eval()
+        evals[label] = norm(torch.ones(1, 2)).tolist()
+    out["batch norm"] = evals
+
     # LocalSGD: no gradient sync inside; the parameters are averaged every 2 steps
     local = nn.Linear(2, 1, bias=False)
     local, local_opt = acc.prepare(local, torch.optim.SGD(local.parameters(), lr=0.1))
@@ -185,6 +199,8 @@ def test_everyday_names_have_accelerates_semantics_on_two_ranks(tmp_path):
     full, skipped = zero["skip"]
     assert full != one["skip"][0] and skipped == full[2:]  # ranks get different batches of one synced order
     assert sorted(sum(zero["skip"][0] + one["skip"][0], [])) == list(range(12))
+    assert zero["batch norm"]["synced"] == one["batch norm"]["synced"]
+    assert zero["batch norm"]["off"] != one["batch norm"]["off"]
     assert zero["local 0"] != one["local 0"]  # local steps: no gradient sync
     assert zero["local 1"] == one["local 1"] and zero["local 2"] != one["local 2"]  # averaged every 2 steps
     assert zero["logged"] == ["main only", "everyone"] and one["logged"] == ["everyone"]
