@@ -170,7 +170,6 @@ def test_accelerate_keywords(single_process, tmp_path):
         ({"mixed_precision": "fp8"}, ConfigError, "fp8"),
         ({"mixed_precision": "fp16"}, ConfigError, "loss scaler"),  # no FSDP on one process: autocast fp16
         ({"dynamo_backend": "inductor"}, ConfigError, "compile="),
-        ({"dispatch_batches": True}, ConfigError, "dispatch_batches=True\\) is not supported"),
         ({"dataloader_config": DataLoaderConfiguration(use_stateful_dataloader=True)}, ConfigError, "skip_first"),
         (
             {"dataloader_config": DataLoaderConfiguration(even_batches=False), "even_batches": True},

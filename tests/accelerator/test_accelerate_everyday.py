@@ -88,6 +88,24 @@ def _group(root: str) -> dict[str, Any]:
         objects += acc.gather_for_metrics([f"s{i}" for i in batch.tolist()])
     out["metrics"] = (gathered, pairs, objects)
 
+    # a stream (IterableDataset): the first rank reads one batch per rank each step and dispatches; 11 samples in
+    # batches of 2 end with a step of 3, split 2 + 2 with the first sample repeated, which gather_for_metrics drops
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(11))
+
+    stream = acc.prepare(DataLoader(Stream(), batch_size=2))
+    seen, gathered = [], []
+    for batch in stream:
+        seen.append(batch.tolist())
+        gathered += acc.gather_for_metrics(batch).tolist()
+    out["stream"] = (seen, gathered)
+    for config in ({"dispatch_batches": False}, {"split_batches": True}):
+        try:
+            ndp.Accelerator(cpu=True, **config).prepare(DataLoader(Stream(), batch_size=2))
+        except ConfigError as error:
+            out[f"stream refused {config}"] = str(error)
+
     # skip_first_batches on a dealt shuffling loader: the rest of the same (rank-0-synced) order
     torch.manual_seed(100 + rank)  # different global generators: the loader's own is synced from rank 0
     train = acc.prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=True))
@@ -196,6 +214,13 @@ def test_everyday_names_have_accelerates_semantics_on_two_ranks(tmp_path):
     assert (zero["split"], one["split"]) == ([0, 1, 2], [3, 4])
     assert (zero["split_padded"], one["split_padded"]) == (([0, 1, 2], [0, 1, 2]), ([3, 4, 4], [3, 4, 4]))
     assert (zero["ran"], one["ran"]) == (["main", "local main"], ["last", "process 1"])
+    assert zero["stream"] == ([[0, 1], [4, 5], [8, 9]], list(range(11)))
+    assert one["stream"] == ([[2, 3], [6, 7], [10, 0]], list(range(11)))
+    assert (
+        "dispatch_batches=False with an IterableDataset is not supported"
+        in zero["stream refused {'dispatch_batches': False}"]
+    )
+    assert "split_batches=True with an IterableDataset" in zero["stream refused {'split_batches': True}"]
     full, skipped = zero["skip"]
     assert full != one["skip"][0] and skipped == full[2:]  # ranks get different batches of one synced order
     assert sorted(sum(zero["skip"][0] + one["skip"][0], [])) == list(range(12))
