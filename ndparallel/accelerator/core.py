@@ -303,7 +303,8 @@ class Accelerator(ProcessNames, MetricNames, CheckpointNames, trackers.TrackerNa
         # Without FSDP the forward autocasts (below); FSDP casts through its policy.
         cfg = parallelize_config(self._config)
         model = parallelize(model.to(self.device), cfg, mesh=self.mesh, blocks=self._blocks(model))
-        if self.mesh.size("dp_replicate") > 1 and getattr(self.ddp_handler, "broadcast_buffers", True):
+        plain_dp = self.num_processes > 1 and self.mesh.size("dp_replicate") == self.num_processes  # Accelerate's DDP
+        if plain_dp and getattr(self.ddp_handler, "broadcast_buffers", True):
             broadcast_buffers_each_forward(model, self.mesh["dp_replicate"].get_group())
         if self._autocast is not None:
             precision.wrap_autocast(model, self.device.type, self._autocast)
