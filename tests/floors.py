@@ -32,11 +32,32 @@ FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("launch", ("launch",), "the ndparallel command, torchrun underneath, worker guard, notebook launcher"),
     (
         "api",
-        ("__init__", "__main__", "hf", "local_sgd", "logging", "parallelism_config", "state", "testing", "utils"),
+        (
+            "__init__",
+            "__main__",
+            "hf",
+            "local_sgd",
+            "logging",
+            "parallelism_config",
+            "state",
+            "testing",
+            "tracking",
+            "utils",
+        ),
         "the public face: ndp.X, python -m, ndparallel.hf, ndparallel.testing; Accelerate's import paths",
     ),
 )
-ROOT_MODULES = ("__init__", "__main__", "errors", "local_sgd", "logging", "parallelism_config", "state", "testing")
+ROOT_MODULES = (
+    "__init__",
+    "__main__",
+    "errors",
+    "local_sgd",
+    "logging",
+    "parallelism_config",
+    "state",
+    "testing",
+    "tracking",
+)
 
 
 def floor_of(unit: str) -> int:

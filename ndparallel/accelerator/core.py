@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from ndparallel.accelerator import data, dealing, precision, saving, stepping, trackers
+from ndparallel.accelerator.buffers import broadcast_buffers_each_forward
 from ndparallel.accelerator.checkpointing import CheckpointNames
 from ndparallel.accelerator.hf_load import serve_tp_plan_loads
 from ndparallel.accelerator.kwargs import (
@@ -302,6 +303,9 @@ class Accelerator(ProcessNames, MetricNames, CheckpointNames, trackers.TrackerNa
         # Without FSDP the forward autocasts (below); FSDP casts through its policy.
         cfg = parallelize_config(self._config)
         model = parallelize(model.to(self.device), cfg, mesh=self.mesh, blocks=self._blocks(model))
+        plain_dp = self.num_processes > 1 and self.mesh.size("dp_replicate") == self.num_processes  # Accelerate's DDP
+        if plain_dp and getattr(self.ddp_handler, "broadcast_buffers", True):
+            broadcast_buffers_each_forward(model, self.mesh["dp_replicate"].get_group())
         if self._autocast is not None:
             precision.wrap_autocast(model, self.device.type, self._autocast)
         if is_hf_model(model):

@@ -249,9 +249,11 @@ def deal_loader(loader: DataLoader, ranks: int, rank: int, gradient_state: Any, 
                 config: Any, rng_types: list[str]) -> DealtLoader:  # fmt: skip
     """``loader`` rebuilt as Accelerate's ``prepare`` does (``config``: a DataLoaderConfiguration; module doc)."""
     if isinstance(loader.dataset, IterableDataset):
+        return _dispatch(loader, ranks, rank, gradient_state, device, config)
+    if config.dispatch_batches:
         raise ConfigError(
-            "prepare() of a DataLoader over an IterableDataset: ndparallel deals batches of a map-style dataset; "
-            "give the loader a map-style dataset, or read your stream per rank (accelerator.process_index)"
+            "dispatch_batches=True for a map-style dataset: every rank reads its own batches from its own copy of "
+            "the loader here; set dispatch_batches=None"
         )
     batches = loader.batch_sampler
     if batches is None:
@@ -280,6 +282,31 @@ def deal_loader(loader: DataLoader, ranks: int, rank: int, gradient_state: Any, 
         total_batch_size=batch_size if config.split_batches else batch_size * ranks,
         **loader_options(loader),
     )
+
+
+def _dispatch(loader: DataLoader, ranks: int, rank: int, gradient_state: Any, device: torch.device | None,
+              config: Any) -> Any:  # fmt: skip
+    """An IterableDataset's loader: the first rank reads, every rank gets its slice (dispatching.py)."""
+    from ndparallel.accelerator.dispatching import DispatchedLoader
+
+    if config.dispatch_batches is False or config.split_batches:
+        setting = "dispatch_batches=False" if config.dispatch_batches is False else "split_batches=True"
+        raise ConfigError(
+            f"{setting} with an IterableDataset is not supported by ndparallel: its stream is read by the first rank "
+            "and dispatched; keep dispatch_batches=None and split_batches=False"
+        )
+    if dist.is_initialized() and ranks != dist.get_world_size():
+        raise ConfigError(
+            "an IterableDataset under tp or cp: its dispatched batches would reach every rank of a tp/cp group "
+            "apart; give the loader a map-style dataset (Accelerate refuses this too)"
+        )
+    options = loader_options(loader)
+    options.pop("generator", None)  # as Accelerate's dispatcher: the stream's own order
+    return DispatchedLoader(
+        loader.dataset, gradient_state=gradient_state, device=device, ranks=ranks, rank=rank,
+        original_drop_last=loader.drop_last, non_blocking=config.non_blocking, batch_size=loader.batch_size,
+        drop_last=loader.drop_last, **options,
+    )  # fmt: skip
 
 
 class _SkippedBatches(BatchSampler):

@@ -53,7 +53,9 @@ def _is(*values: Any) -> Callable[[Any], bool]:
 @dataclasses.dataclass
 class DataLoaderConfiguration:
     """How ``prepare()`` shards loaders: Accelerate's semantics by default (docs/accelerate-migration.md, "Data").
-    ``use_seedable_sampler=True`` uses ndparallel's seeded DistributedSampler (seed ``data_seed``, default 0)."""
+    ``use_seedable_sampler=True`` uses ndparallel's seeded DistributedSampler (seed ``data_seed``, default 0).
+    ``dispatch_batches``: None or True dispatch an IterableDataset's stream from the first rank (Accelerate's
+    default); a map-style dataset with True, or a stream with False, is refused by name at ``prepare()``."""
 
     split_batches: bool = False
     dispatch_batches: bool | None = None
@@ -64,10 +66,6 @@ class DataLoaderConfiguration:
     use_stateful_dataloader: bool = False
 
     REFUSED = {
-        "dispatch_batches": (
-            _is(None, False),
-            "every rank reads its own batches from its own copy of the loader; set dispatch_batches=None",
-        ),
         "use_stateful_dataloader": (
             _is(False),
             "torchdata's StatefulDataLoader is not wrapped: resume with accelerator.skip_first_batches",
@@ -110,9 +108,10 @@ class GradientAccumulationPlugin(KwargsHandler):
 
 @dataclasses.dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """DDP's options: ``bucket_cap_mb`` sizes ndparallel's all-reduce buckets; ``find_unused_parameters``,
-    ``static_graph``, ``gradient_as_bucket_view`` and ``check_reduction`` change nothing computed (the reducer
-    handles unused parameters itself); compression hooks are refused."""
+    """DDP's options: ``bucket_cap_mb`` sizes ndparallel's all-reduce buckets; ``broadcast_buffers`` (every
+    forward takes the first rank's buffers) is honoured; ``find_unused_parameters``, ``static_graph``,
+    ``gradient_as_bucket_view`` and ``check_reduction`` change nothing computed (the reducer handles unused
+    parameters itself); compression hooks are refused."""
 
     dim: int = 0
     broadcast_buffers: bool = True

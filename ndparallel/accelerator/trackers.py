@@ -28,6 +28,7 @@ from ndparallel.errors import ConfigError
 __all__ = [
     "BUILT_IN",
     "BlankTracker",
+    "GeneralTracker",
     "JSONLTracker",
     "TensorBoardTracker",
     "TrackerNames",
@@ -208,23 +209,56 @@ class TrackerNames:
     """The Accelerator's tracker methods. Needs ``self._tracker_entries``, ``self.logging_dir``."""
 
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        """Start the ``log_with`` trackers on the main process (files under ``project_dir/project_name``)."""
-        if self.is_main_process:
-            self.trackers = make_trackers(self._tracker_entries, project_name, self.logging_dir, init_kwargs or {})
-            for tracker in self.trackers:
-                if config is not None:
-                    tracker.store_init_configuration(config)
+        """Start the ``log_with`` trackers on the main process (files under ``project_dir/project_name``); a
+        tracker object with ``main_process_only = False`` runs on every process (as Accelerate's)."""
+        entries = self._tracker_entries
+        if not self.is_main_process:
+            entries = [e for e in entries if getattr(e, "main_process_only", True) is False]
+        self.trackers = make_trackers(entries, project_name, self.logging_dir, init_kwargs or {})
+        for tracker in self.trackers:
+            if callable(getattr(tracker, "start", None)):
+                tracker.start()
+            if config is not None:
+                tracker.store_init_configuration(config)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         """The started tracker ``name``; on the other processes a tracker that does nothing (as Accelerate)."""
-        if not self.is_main_process:
-            return BlankTracker()
         for tracker in self.trackers:
             if getattr(tracker, "name", None) == name:
                 return tracker.tracker if unwrap else tracker
+        if not self.is_main_process:
+            return BlankTracker()
         raise ConfigError(f"no tracker named {name!r}: log_with has {[getattr(t, 'name', t) for t in self.trackers]}")
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict | None = None) -> None:
         """Log ``values`` to every tracker (main process only)."""
         for tracker in self.trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(getattr(tracker, "name", ""), {}))
+
+
+class GeneralTracker:
+    """Accelerate's base class of a custom tracker (``accelerate.tracking.GeneralTracker``): subclasses define
+    ``name``, ``requires_logging_directory`` and ``tracker``, and ``store_init_configuration``, ``log`` and
+    ``finish``; ``main_process_only = False`` makes the Accelerator use it on every process."""
+
+    main_process_only = True
+
+    def __init__(self, _blank: bool = False):
+        missing = [a for a in ("name", "requires_logging_directory", "tracker") if not _blank and a not in dir(self)]
+        if missing:
+            raise ConfigError(
+                f"{type(self).__name__} is missing {', '.join(missing)}: define them in the class, as Accelerate's "
+                "GeneralTracker requires"
+            )
+
+    def start(self) -> None:
+        """Called by ``init_trackers`` before the first ``store_init_configuration``."""
+
+    def store_init_configuration(self, values: dict) -> None:
+        """Record ``values`` as the run's hyperparameters."""
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        """Record ``values`` at ``step``."""
+
+    def finish(self) -> None:
+        """Flush and close."""

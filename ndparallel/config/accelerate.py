@@ -166,8 +166,20 @@ def accelerate_settings(data: Mapping[str, Any]) -> dict[str, Any]:
                 _translate(str(inner), inner_value, settings, f"accelerate config fsdp_config.{inner}", False)
         else:
             _translate(str(key), value, settings, f"accelerate config {key}", True)
+    settings.update(_default_sizes(data.get("distributed_type"), settings))
     _check_num_processes(data.get("num_processes"), settings)
     return settings
+
+
+def _default_sizes(distributed_type: Any, settings: Mapping[str, Any]) -> dict[str, int]:
+    """Accelerate's mesh when the file sets no size: data parallel over every process (MULTI_CPU / MULTI_GPU),
+    or FSDP over every process (FSDP), as its ``Accelerator()`` then does."""
+    if any(key.endswith("_size") for key in settings) or not isinstance(distributed_type, str):
+        return {}
+    kind = distributed_type.upper()
+    if kind == "FSDP":
+        return {"dp_shard_size": -1}
+    return {"dp_replicate_size": -1} if kind.startswith("MULTI_") else {}
 
 
 def _check_num_processes(num_processes: Any, settings: Mapping[str, Any]) -> None:

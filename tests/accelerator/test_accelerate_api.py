@@ -92,6 +92,24 @@ def test_accelerate_yaml_keys_are_honoured(tmp_path):
     assert ndp.ParallelismConfig.from_yaml(_write(tmp_path, offload)).cpu_offload is True
 
 
+@pytest.mark.parametrize(
+    "kind, sizes",
+    [
+        ("MULTI_CPU", {"dp_replicate": 4, "dp_shard": 1}),
+        ("MULTI_GPU", {"dp_replicate": 4, "dp_shard": 1}),
+        ("FSDP", {"dp_replicate": 1, "dp_shard": 4}),
+    ],
+)
+def test_an_accelerate_yaml_without_sizes_is_accelerates_default_mesh(tmp_path, kind, sizes):
+    # `accelerate config` for plain multi-process training writes no parallelism sizes: Accelerator() is then
+    # data parallel (or FSDP) over every process, and num_processes must fit that.
+    text = f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nmixed_precision: 'no'\nnum_processes: 4\n"
+    cfg = ndp.ParallelismConfig.from_yaml(_write(tmp_path, text)).resolve(4)
+    assert {k: cfg.sizes[k] for k in sizes} == sizes and cfg.mixed_precision == "no"
+    single = ndp.ParallelismConfig.from_yaml(_write(tmp_path, text.replace(kind, "'NO'").replace("4", "1")))
+    assert single.resolve(1).world_size == 1
+
+
 def _write(tmp_path, text: str):
     path = tmp_path / "variant.yaml"
     path.write_text(text)
@@ -152,7 +170,6 @@ def test_accelerate_keywords(single_process, tmp_path):
         ({"mixed_precision": "fp8"}, ConfigError, "fp8"),
         ({"mixed_precision": "fp16"}, ConfigError, "loss scaler"),  # no FSDP on one process: autocast fp16
         ({"dynamo_backend": "inductor"}, ConfigError, "compile="),
-        ({"dispatch_batches": True}, ConfigError, "dispatch_batches=True\\) is not supported"),
         ({"dataloader_config": DataLoaderConfiguration(use_stateful_dataloader=True)}, ConfigError, "skip_first"),
         (
             {"dataloader_config": DataLoaderConfiguration(even_batches=False), "even_batches": True},

@@ -88,6 +88,24 @@ def _group(root: str) -> dict[str, Any]:
         objects += acc.gather_for_metrics([f"s{i}" for i in batch.tolist()])
     out["metrics"] = (gathered, pairs, objects)
 
+    # a stream (IterableDataset): the first rank reads one batch per rank each step and dispatches; 11 samples in
+    # batches of 2 end with a step of 3, split 2 + 2 with the first sample repeated, which gather_for_metrics drops
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(11))
+
+    stream = acc.prepare(DataLoader(Stream(), batch_size=2))
+    seen, gathered = [], []
+    for batch in stream:
+        seen.append(batch.tolist())
+        gathered += acc.gather_for_metrics(batch).tolist()
+    out["stream"] = (seen, gathered)
+    for config in ({"dispatch_batches": False}, {"split_batches": True}):
+        try:
+            ndp.Accelerator(cpu=True, **config).prepare(DataLoader(Stream(), batch_size=2))
+        except ConfigError as error:
+            out[f"stream refused {config}"] = str(error)
+
     # skip_first_batches on a dealt shuffling loader: the rest of the same (rank-0-synced) order
     torch.manual_seed(100 + rank)  # different global generators: the loader's own is synced from rank 0
     train = acc.prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=True))
@@ -120,6 +138,20 @@ def _group(root: str) -> dict[str, Any]:
     with acc.profile(ProfileKwargs(output_trace_dir=f"{root}/traces")):
         model(torch.ones(1, 3))
     out["traces"] = sorted(p.name for p in Path(f"{root}/traces").iterdir())
+
+    # broadcast_buffers (DDP's default): every forward takes rank 0's running statistics, so after a training step
+    # on different data the ranks evaluate alike; without it they do not
+    from ndparallel.utils import DistributedDataParallelKwargs
+
+    evals = {}
+    for label, accelerator in (("synced", acc), ("off", ndp.Accelerator(cpu=True, kwargs_handlers=[
+            DistributedDataParallelKwargs(broadcast_buffers=False)]))):  # fmt: skip
+        torch.manual_seed(0)
+        norm = accelerator.prepare(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+        norm(torch.randn(8, 2) * (rank + 1)).sum().backward()
+        norm.eval()
+        evals[label] = norm(torch.ones(1, 2)).tolist()
+    out["batch norm"] = evals
 
     # LocalSGD: no gradient sync inside; the parameters are averaged every 2 steps
     local = nn.Linear(2, 1, bias=False)
@@ -182,9 +214,18 @@ def test_everyday_names_have_accelerates_semantics_on_two_ranks(tmp_path):
     assert (zero["split"], one["split"]) == ([0, 1, 2], [3, 4])
     assert (zero["split_padded"], one["split_padded"]) == (([0, 1, 2], [0, 1, 2]), ([3, 4, 4], [3, 4, 4]))
     assert (zero["ran"], one["ran"]) == (["main", "local main"], ["last", "process 1"])
+    assert zero["stream"] == ([[0, 1], [4, 5], [8, 9]], list(range(11)))
+    assert one["stream"] == ([[2, 3], [6, 7], [10, 0]], list(range(11)))
+    assert (
+        "dispatch_batches=False with an IterableDataset is not supported"
+        in zero["stream refused {'dispatch_batches': False}"]
+    )
+    assert "split_batches=True with an IterableDataset" in zero["stream refused {'split_batches': True}"]
     full, skipped = zero["skip"]
     assert full != one["skip"][0] and skipped == full[2:]  # ranks get different batches of one synced order
     assert sorted(sum(zero["skip"][0] + one["skip"][0], [])) == list(range(12))
+    assert zero["batch norm"]["synced"] == one["batch norm"]["synced"]
+    assert zero["batch norm"]["off"] != one["batch norm"]["off"]
     assert zero["local 0"] != one["local 0"]  # local steps: no gradient sync
     assert zero["local 1"] == one["local 1"] and zero["local 2"] != one["local 2"]  # averaged every 2 steps
     assert zero["logged"] == ["main only", "everyone"] and one["logged"] == ["everyone"]

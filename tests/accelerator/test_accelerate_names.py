@@ -27,6 +27,7 @@ MIRRORED_MODULES = {
     "logging": "ndparallel.logging",
     "local_sgd": "ndparallel.local_sgd",
     "parallelism_config": "ndparallel.parallelism_config",
+    "tracking": "ndparallel.tracking",
 }
 
 
@@ -159,3 +160,42 @@ def test_one_process_helpers_behave_as_accelerates(both, tmp_path):
     assert ours.check_trigger() and not ours.check_trigger()
     assert ours.free_memory(object(), object()) == [None, None]
     assert ours.on_process(lambda: 7, process_index=0)() == 7
+
+
+def test_a_custom_tracker_subclasses_general_tracker(tmp_path):
+    from ndparallel.tracking import GeneralTracker
+
+    class Recorder(GeneralTracker):
+        name, requires_logging_directory = "recorder", False
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        @property
+        def tracker(self):
+            return self.calls
+
+        def start(self):
+            self.calls.append("start")
+
+        def store_init_configuration(self, values):
+            self.calls.append(("config", values))
+
+        def log(self, values, step=None, **kwargs):
+            self.calls.append(("log", values, step))
+
+    class Incomplete(GeneralTracker):
+        pass
+
+    with pytest.raises(ConfigError, match="Incomplete is missing name, requires_logging_directory, tracker"):
+        Incomplete()
+    recorder = Recorder()
+    try:
+        acc = ndp.Accelerator(cpu=True, log_with=[recorder])
+        acc.init_trackers("run", config={"lr": 0.1})
+        acc.log({"loss": 1.0}, step=3)
+        assert acc.get_tracker("recorder", unwrap=True) is recorder.calls
+    finally:
+        ndp.destroy_distributed()
+    assert recorder.calls == ["start", ("config", {"lr": 0.1}), ("log", {"loss": 1.0}, 3)]

@@ -40,6 +40,17 @@ def test_tutorial_equals_accelerates(tmp_path, ranks):
 
 
 @pytest.mark.examples
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_a_stream_equals_accelerates(tmp_path, ranks):
+    """An IterableDataset's loader: Accelerate dispatches it from the first process, and so does ndparallel; the
+    losses and the gathered evaluation are identical (measured on 1, 2 and 4 ranks)."""
+    run_twin(SCRIPTS / "stream.py", tmp_path, ranks)
+    ours, theirs = rank_results(tmp_path / "ndparallel", ranks), rank_results(tmp_path / "accelerate", ranks)
+    assert largest_difference(ours, theirs)[0] == 0.0
+    assert [len(p) for p in ours[0]["predictions"]] == [23, 23]  # every sample once, the repeated ones dropped
+
+
+@pytest.mark.examples
 def test_tutorial_under_accelerate_launch_with_fsdp_equals_accelerates(tmp_path):
     """``accelerate launch --use_fsdp`` starts the renamed tutorial: ndparallel shards with FSDP2 (Accelerate
     falls back to DDP on CPU) and computes the same numbers as Accelerate's run, bit for bit on 2 ranks."""
