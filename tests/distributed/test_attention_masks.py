@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -88,6 +89,7 @@ def masked_parity() -> dict:
     return results
 
 
+@pytest.mark.slow  # 49 cases in one 2-rank group: 1-4 s alone, 17-42 s on a loaded machine
 def test_masked_ring_attention_matches_one_process_on_2_ranks():
     results = run_distributed(masked_parity, 2)
     for rank_results in results:
