@@ -149,9 +149,13 @@ class DocumentMask:
         which must name the block and window uniquely)."""
         cache_key = (*key, window)
         if cache_key not in self._blocks:
-            block = _classify(self.visible(q_index, k_index, window), q_index, k_index)
-            if block is not None and block.mask is not None and window is None:
-                block.pieces = self._pieces(q_index.cpu(), k_index.cpu())
+            # documents alone: read from the runs of document ids (no [q, k] mask is built); a window, or more
+            # rectangles than MAX_PIECES: the boolean mask of the block
+            pieces = self._pieces(q_index.cpu(), k_index.cpu()) if window is None else None
+            if pieces is not None:
+                block = _from_pieces(pieces, len(q_index), len(k_index), self.batch)
+            else:
+                block = _classify(self.visible(q_index, k_index, window), q_index, k_index)
             self._blocks[cache_key] = block
         return self._blocks[cache_key]
 
@@ -161,12 +165,14 @@ class DocumentMask:
         pieces: list[Piece] = []
         for b in range(self.batch):
             q_runs = _runs(self.query_docs[b, q_index].cpu(), q_index)
-            k_runs = _runs(self.key_docs[b, k_index].cpu(), k_index)
+            k_runs: dict[int, list] = {}
+            for doc, local, run in _runs(self.key_docs[b, k_index].cpu(), k_index):
+                k_runs.setdefault(doc, []).append((local, run))
             rows = slice(b, b + 1) if self.batch > 1 else slice(None)
             for doc, (qs, qe), (ga, gb) in q_runs:
-                for kdoc, (ks, _), (ka, kb) in k_runs:
-                    if kdoc != doc or doc < 0:
-                        continue
+                if len(pieces) > MAX_PIECES:
+                    return None
+                for (ks, _), (ka, kb) in k_runs.get(doc, []) if doc >= 0 else []:
                     if ka < ga:  # keys before every query of the run: all visible
                         end = min(kb, ga)
                         pieces.append(Piece(rows, slice(qs, qe), slice(ks, ks + end - ka), False))
@@ -179,6 +185,18 @@ class DocumentMask:
             if len(pieces) > MAX_PIECES:
                 return None
         return pieces
+
+
+def _from_pieces(pieces: list[Piece], rows: int, cols: int, batch: int) -> BlockMask | None:
+    """The block as its rectangles: none (skipped), one covering the whole block in each batch row, all alike
+    (unmasked, or the kernel's causal mask: a causal piece is square and aligned), or the list."""
+    if not pieces:
+        return SKIP
+    whole = all((p.rows.start, p.rows.stop, p.cols.start, p.cols.stop) == (0, rows, 0, cols) for p in pieces)
+    kinds = {p.causal for p in pieces}
+    if whole and len(kinds) == 1 and sum(len(range(batch)[p.batch]) for p in pieces) == batch:
+        return BlockMask(causal=kinds.pop())
+    return BlockMask(pieces=pieces)
 
 
 def _classify(visible: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor) -> BlockMask | None:

@@ -135,10 +135,8 @@ def _document_pieces(documents: DocumentMask) -> list[Piece] | None:
     block = documents.block(index, index, None, ("whole rows",))
     if block is None:
         return []
-    if block.mask is None:
-        return [Piece(slice(None), slice(None), slice(None), block.causal)]
     if block.pieces is None:
-        return None
+        return None if block.mask is not None else [Piece(slice(None), slice(None), slice(None), block.causal)]
     spans = sorted((b, p.rows.start, p.rows.stop) for p in block.pieces for b in range(documents.batch)[p.batch])
     overlap = any(b == b0 and start < stop0 for (b0, _, stop0), (b, start, _) in zip(spans, spans[1:], strict=False))
     return None if overlap else block.pieces

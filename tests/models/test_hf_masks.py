@@ -34,7 +34,9 @@ BATCH, SEQ, MICRO = 4, 16, 2
 KINDS = ("padding", "packed")
 DOCUMENTS = [[3, 7, 6], [9, 2, 5], [16], [5, 5, 6]]  # packed rows: document lengths
 # mixtures of experts of the zoo (tests/models/test_hf_moe.py's families), with their balancing loss
-MOE_ZOO = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "gpt_oss", "deepseek_v3")
+# (DeepSeek-V3 is not among them: its tiny model fails in transformers' own SDPA path with a padding mask, one
+# process, "The size of tensor a (4) must match the size of tensor b (8)")
+MOE_ZOO = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "gpt_oss")
 OVERRIDES = {
     "gemma2": {"sliding_window": 6, "final_logit_softcapping": 3.0, "attn_logit_softcapping": 1.0},
     "mistral": {"sliding_window": 6},
@@ -60,6 +62,8 @@ NO_PIPELINE = ("qwen2_moe", *MOE_ZOO)
 # (model_type, layout) -> words of the one-line ConfigError that refuses it (any other error fails the test)
 REFUSED = {
     ("gemma2", "cp2_a2a"): "soft-capping is not implemented under cp_rotate_method='alltoall'",
+    # transformers 5.25's gpt-oss builds its masks without position_ids: one process attends across packed documents
+    ("gpt_oss", "cp2", "packed"): "model_type='gpt_oss' builds its masks without position_ids",
     ("nanochat", "pp2"): "is not supported for model_type='nanochat'",  # as in tests/models/test_hf_zoo.py
 }
 WINDOW = "+window"  # a zoo model built with its windows shorter than the sequence (test_hf_zoo.py's PP_OVERRIDES)
@@ -67,7 +71,9 @@ NO_TP = ("qwen2_moe", *MOE_ZOO)
 # transformers sums the balancing loss's padding-masked token fractions in float32: rows gathered over dp x cp
 # sum in another order, one fp32 ulp of the loss (measured 3.0e-8 on Qwen2-MoE's padded batch; its gradients
 # agree to 1e-16). The loss alone is held to that; the cause is issue 45's MoE-under-cp item.
-LOSS_FLOOR = {"qwen2_moe": 1e-7}  # fused experts: tensor parallel refused by name (expert parallel shards them)
+LOSS_FLOOR = dict.fromkeys(
+    ("qwen2_moe", *MOE_ZOO), 1e-7
+)  # fused experts: tensor parallel refused by name (expert parallel shards them)
 
 
 def build(model_type: str):
@@ -268,15 +274,20 @@ def check(results: list[dict], cases: list[tuple]) -> list[str]:
     """Every case of every rank against one process; the failures, one line each."""
     failures = []
     for model_type, name, kind in cases:
-        ref = reference(model_type, kind)
-        tol = tolerance(model_type, kind)
+        try:
+            ref, tol = reference(model_type, kind), tolerance(model_type, kind)
+        except Exception as err:  # the one-process model itself: reported, not the end of the sweep
+            failures.append(f"{model_type} {kind}: one process failed: {type(err).__name__}: {err}")
+            continue
         joined = {}
         for result in results:
             got = result.get((model_type, name, kind))
             if got is None:
                 continue
             if "error" in got:
-                if REFUSED.get((model_type.removesuffix(WINDOW), name), "\0") not in got["error"]:
+                base = model_type.removesuffix(WINDOW)
+                expected = REFUSED.get((base, name), REFUSED.get((base, name, kind), "\0"))
+                if expected not in got["error"]:
                     failures.append(f"{model_type} {name} {kind}: {got['error']}")
                 break
             joined.update(got["grads"])
@@ -365,3 +376,17 @@ def test_windows_are_read_as_transformers_reads_them():
     assert sliding[0] == 6 and None in sliding, sliding  # every other layer, as its layer_types say
     assert set(windows("mistral", sliding_window=6)) == {6}
     assert set(windows("llama")) == {None}
+
+
+def test_models_that_ignore_packed_positions_are_found_from_their_source():
+    """gpt-oss (transformers 5.25) builds its masks without position_ids: one process attends across packed
+    documents, so its packed batches are refused under tp/cp (the zoo sweep pins the message); Llama passes them,
+    CWM through a copy of its mask keywords."""
+    from ndparallel.hf import tiny_config
+    from ndparallel.models.hf.packing import ignores_packed_positions
+
+    def ignores(model_type: str) -> bool:
+        with torch.device("meta"):
+            return ignores_packed_positions(transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)))
+
+    assert ignores("gpt_oss") and not ignores("llama") and not ignores("cwm")

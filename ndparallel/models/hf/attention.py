@@ -38,6 +38,7 @@ from ndparallel.distributed.ulysses import check_sinks, local_attention
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.inputs import InputLayout, input_hook
 from ndparallel.models.hf.loss import install_causal_lm_loss
+from ndparallel.models.hf.packing import ignores_packed_positions
 from ndparallel.parallel.masks import DOCUMENTS_KWARG, FLASH_VARLEN_KWARGS
 
 __all__ = [
@@ -220,7 +221,8 @@ def apply_hf_attention(model: nn.Module, mesh: Mesh, cfg: ParallelismConfig | No
     cp, cp_mesh = mesh.size("cp"), mesh["cp"]
     cp_group = cp_mesh.get_group() if cp > 1 else None
     cp_rank = cp_mesh.get_local_rank() if cp > 1 else 0
-    layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance, cp_group)
+    ignores = getattr(model.config, "model_type", "?") if ignores_packed_positions(model) else None
+    layout = InputLayout(mesh.size("tp"), cp, cp_rank, cfg.cp_load_balance, cp_group, ignores)
     model.register_forward_pre_hook(input_hook(layout), with_kwargs=True)
     model.register_forward_hook(_check_delivered, with_kwargs=True)
     install_causal_lm_loss(model, cp_group, cp, cp_rank, cfg.cp_load_balance)

@@ -45,6 +45,7 @@ class InputLayout:
     cp_rank: int
     load_balance: bool
     cp_group: dist.ProcessGroup | None = None  # gathers the rank's mask inputs into whole rows (cp > 1)
+    ignores_packing: str | None = None  # the model_type, when it builds its masks without position_ids (packing.py)
 
 
 def input_problem(layout: InputLayout, args: tuple, kwargs: dict[str, Any]) -> str | None:
@@ -116,9 +117,16 @@ def document_mask(layout: InputLayout, tokens: torch.Tensor, kwargs: dict[str, A
         positions = _whole_rows(layout, positions.expand(batch, local), local)
     mask = _whole_rows(layout, mask, local) if has_mask else None
     try:
-        return hf_document_mask(batch, local * layout.cp_size, mask, positions, cu)
+        documents = hf_document_mask(batch, local * layout.cp_size, mask, positions, cu)
     except ConfigError as err:
         return str(err)
+    if documents is not None and mask is None and layout.ignores_packing:
+        return (
+            f"position_ids restart inside a row (packed documents), but model_type={layout.ignores_packing!r} builds "
+            "its masks without position_ids, so one process attends across the documents while ndparallel would "
+            "mask them apart: pad one document per row (attention_mask), or use tp_size=1 and cp_size=1"
+        )
+    return documents
 
 
 def _local_padding(layout: InputLayout, mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
