@@ -7,6 +7,7 @@ each rank holds a share of every sequence). docs/accelerate-migration.md#the-tra
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import types
 from collections.abc import Iterator
@@ -58,12 +59,29 @@ class _GradientState:
         return self._accelerator._end_of_loader
 
 
+_EXIT_TEARDOWN = []  # registered once per process
+
+
+def _tear_down_at_exit() -> None:
+    """The Trainer's process group is started by transformers (Accelerate's ``PartialState``) before ndparallel
+    sees it, so ``init_distributed`` does not register its exit teardown: without it a rank may destroy its gloo
+    group while a peer still finishes the last collective, and that peer aborts after the script's last line
+    ("terminate called without an active exception", seen under load). Register ndparallel's own, once."""
+    if _EXIT_TEARDOWN or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from ndparallel.distributed.process import _destroy_at_exit  # the package's one exit teardown, reused
+
+    atexit.register(_destroy_at_exit)
+    _EXIT_TEARDOWN.append(True)
+
+
 class TrainerAccelerator:
     """ndparallel's :class:`Accelerator` with the Accelerate attributes the Trainer reads; the rest delegates."""
 
     def __init__(self, accelerator: Accelerator, autocast: torch.dtype | None = None):
         from accelerate.utils import DistributedType  # the Trainer compares with Accelerate's enum
 
+        _tear_down_at_exit()
         self._accelerator = accelerator
         self._autocast = autocast  # the forward's autocast dtype (the Trainer's bf16=True), or None
         self.gradient_state = _GradientState(accelerator)

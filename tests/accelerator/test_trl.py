@@ -43,7 +43,6 @@ REFERENCES = {  # TRL's own run in one process: name -> spec
     "assistant": {"data": "assistant", "sft": PAD4},
     "padding_free": {"data": "text", "sft": {"padding_free": True, "max_length": None, **PAD4}},
     "packing": {"data": "text", "sft": {"packing": True, **PAD4}},
-    "text32": {"data": "text", "sft": {"pad_to_multiple_of": 32}},  # one row length: torch's pipeline fixes shapes
     "dpo": {"trainer": "dpo"},  # TRL's DPOTrainer: its own loss, exact on data ranks, refused under tp/cp/pp
     "bf16": {"data": "full", "dtype": "float32", "bf16": True, "steps": 6},  # one process's autocast
 }
@@ -52,7 +51,9 @@ DP2_CP2, DP2_TP2, PP2_DP2 = {"dp_shard_size": 2, "cp_size": 2}, {"dp_shard_size"
 LAYOUTS = {
     "dp2_cp2_acc2": ("full", DP2_CP2, {"accumulation": 2}),  # TRL's loss was 1/cp
     "dp2_tp2_padded": ("text", DP2_TP2, {}),  # TRL's fused head crashed on the shards; padding masks (tp)
-    "pp2_dp2_padded": ("text32", {**PP2_DP2, "dp_shard_size": 2}, {}),  # the pipeline's loss and masks
+    # the pipeline's loss and masks, rows padded to one length (torch's schedule fixes shapes): the same real
+    # tokens and labels as "text", whose rows are padded less
+    "pp2_dp2_padded": ("text", {**PP2_DP2, "dp_shard_size": 2}, {"sft": {"pad_to_multiple_of": 32}}),
     "bf16_dp4": ("bf16", {"dp_shard_size": 4}, {}),  # bf16=True: autocast as one process, not FSDP's bf16
 }
 MATRIX = {
