@@ -69,7 +69,7 @@ def test_a_rank_ending_on_a_reported_error_does_not_wait():
 def test_the_watchdog_is_stopped_before_finalization_even_after_torchs_own_destroy(tmp_path):
     """tests/stress/watchdog_exit.py: the heartbeat thread blocked in a store call as the interpreter exits. The
     exit teardown stops it (and waits it out) also when the script destroyed the group with torch's call; before,
-    it returned early and the process aborted: "terminate called without an active exception", -6, every run."""
+    it returned early and the process aborted: "terminate called without an active exception", -6 (2 of 2 runs)."""
     done = subprocess.run(
         [sys.executable, str(REPO / "tests" / "stress" / "watchdog_exit.py"), str(tmp_path / "store")],
         capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},

@@ -5,7 +5,7 @@ Python 3.11 ends a thread that takes the GIL back during finalization with ``pth
 runs through pybind11's GIL guard, a destructor (``noexcept``), so the C++ runtime calls ``std::terminate``:
 ``terminate called without an active exception``, ``Fatal Python error: Aborted``, exit code -6 (SIGABRT); in
 static destructors the same thread can fault instead (SIGSEGV). Measured on torch 2.13.0+cpu, Python 3.11:
-every run aborts. ``python tests/stress/daemon_thread_exit.py [call_s] [teardown_s]``. docs/troubleshooting.md.
+it aborted in 6 of 6 runs. ``python tests/stress/daemon_thread_exit.py [call_s] [teardown_s]``. docs/troubleshooting.md.
 """
 
 import datetime

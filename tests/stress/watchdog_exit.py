@@ -4,7 +4,7 @@ heartbeats, its next heartbeat caught in a store call as the interpreter finaliz
 job store's file lock across this one's exit, so the heartbeat is inside C++ when finalization starts.
 
 ``python tests/stress/watchdog_exit.py STORE_FILE``: exits 0 when the exit teardown stops the watchdog first
-(ndparallel/distributed/process.py ``_destroy_at_exit``); aborted (-6) every time before that fix.
+(ndparallel/distributed/process.py ``_destroy_at_exit``); aborted (-6) in 2 of 2 runs before that fix.
 """
 
 import atexit
