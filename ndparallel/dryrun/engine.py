@@ -6,9 +6,10 @@ real one) it builds the job's mesh with :func:`ndparallel.distributed.process.in
 job's pre-flight (:meth:`ndparallel.train.job_config.TrainConfig.check_mesh`, the same ``ConfigError`` as the
 real job), builds the model (under ``FakeTensorMode`` in a dry run: shapes, no data), parallelises it with the
 real :func:`ndparallel.parallelize` (or :func:`ndparallel.parallel.pipeline.build_pipeline` under pp), and runs
-the real :class:`ndparallel.train.step.TrainStep` with AdamW: a warm-up step (it creates the optimizer state),
-then the measured step, under :class:`~ndparallel.dryrun.tracker.RankTracker` and
-:class:`~ndparallel.distributed.counter.CommCounter`.
+the real :class:`ndparallel.train.step.TrainStep` with AdamW (its state made first by one optimizer step on zero
+gradients), measuring the step under :class:`~ndparallel.dryrun.tracker.RankTracker` and
+:class:`~ndparallel.distributed.counter.CommCounter` (under pp from the first micro-batch, after torch's shape
+inference).
 """
 
 from __future__ import annotations
