@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
         )
         return 1
     mode, program = argv[0], argv[1:]
-    if mode == "python" and program[0] != "-m":  # a script: run with the hang watchdog (script_runner.py)
+    # a script file runs with the hang watchdog (script_runner.py); interpreter options (-m, -c) run as given
+    if mode == "python" and not program[0].startswith("-"):
         program = ["-m", "ndparallel.launch.script_runner", *program]
     try:
         if mode == "python":

@@ -128,6 +128,9 @@ class _CountingFile:
             def get_shape(self):
                 return stored.get_shape()
 
+            def get_dtype(self):
+                return stored.get_dtype()
+
             def __getitem__(self, region):
                 tensor = stored[region]
                 log["keys"].append(name)
