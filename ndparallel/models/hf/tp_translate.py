@@ -58,6 +58,7 @@ _ROWWISE = {"rowwise", "rowwise_split_input"}
 
 
 def custom_plan_hint(model: nn.Module) -> str:
+    """The way out every refusal of the plan ends with: pass a plan of your own, or no tensor parallel."""
     return (
         f"pass tp_plan={{fqn_pattern: ParallelStyle}} to ndparallel.parallelize for {type(model).__name__} (start from "
         "ndparallel.hf.hf_tp_plan(model, overrides={fqn: style})), with "
