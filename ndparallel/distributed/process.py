@@ -1,4 +1,4 @@
-"""Process start and stop: the process group from torchrun's env (or one process), the job store, device rules.
+"""Process start and stop: the process group from torchrun's env (or one process), its watchdog, device rules.
 
 ``init_distributed(cfg)`` starts (or reuses) the default process group and builds the named
 :class:`~ndparallel.distributed.mesh.Mesh` on it; ``destroy_distributed()`` tears it down.
@@ -19,70 +19,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from ndparallel.config.dims import MESH_DIMS
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import INNER_DIMS, VIEWS, Mesh, flatten
+from ndparallel.distributed.store import launcher_store
+from ndparallel.distributed.timeouts import job_timeout, process_group_timeout
+from ndparallel.distributed.watchdog import Watchdog
 from ndparallel.errors import ConfigError
 
-__all__ = [
-    "DEVICE_TYPES",
-    "check_device_type",
-    "destroy_distributed",
-    "file_job_store",
-    "init_distributed",
-    "job_store",
-]
+__all__ = ["DEVICE_TYPES", "check_device_type", "destroy_distributed", "init_distributed"]
 
 DEVICE_TYPES = ("cpu", "cuda")
-
-
-def _launcher_store(timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store torchrun's env describes, keyed by restart attempt.
-
-    After ``--max-restarts`` restarts a job, the store still holds the dead attempt's gloo
-    addresses under the same keys, and the new ranks can connect to them ("connectFullMesh
-    failed ... connection refused"; measured on torch 2.13). A prefix per attempt keeps them apart.
-    """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
-    store = dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        int(os.environ.get("MASTER_PORT", "29500")),
-        world,
-        is_master=rank == 0 and not agent_hosts_store,
-        timeout=timeout,
-    )
-    return dist.PrefixStore(_attempt_prefix(), store)
-
-
-def _attempt_prefix() -> str:
-    return f"ndparallel/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def job_store(timeout_s: float) -> dist.Store | None:
-    """A connection of its own to the job's rendezvous store (None for one process), for a thread
-    that must not queue behind the process group's store calls: the watchdog's heartbeats.
-
-    torchrun's store (``MASTER_ADDR:MASTER_PORT``, keyed by restart attempt as the process group's
-    is), or the file store of ``ndparallel.testing.run_distributed`` (``NDP_STORE_PATH``).
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if "NDP_STORE_PATH" in os.environ:
-        return file_job_store(os.environ["NDP_STORE_PATH"])
-    if "MASTER_PORT" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        store = dist.TCPStore(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        return dist.PrefixStore(_attempt_prefix() + "/watchdog", store)
-    return None
-
-
-def file_job_store(path: str) -> dist.Store:
-    """The job store of ``ndparallel.testing.run_ranks``' file ``path`` (the watchdog's keys), for its ranks
-    and for the parent that started them."""
-    # num_workers=-1: this handle never counts towards deleting the file.
-    return dist.PrefixStore("ndparallel/watchdog", dist.FileStore(path, -1))
 
 
 def check_device_type(device_type: str, source: str = "device_type") -> str:
@@ -115,8 +59,6 @@ def init_distributed(
     a rank that waits that long in a collective ends the job, naming the rank behind and the
     collective the others wait in; the process group's own timeout comes a little later, as a backstop.
     """
-    from ndparallel.distributed.watchdog import Watchdog, job_timeout, process_group_timeout
-
     cfg = cfg or ParallelismConfig()
     device_type = check_device_type(device_type or _default_device_type())
     hang_timeout = job_timeout(timeout_s)
@@ -128,7 +70,7 @@ def init_distributed(
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             timeout = datetime.timedelta(seconds=process_group_timeout(hang_timeout))
             dist.init_process_group(
-                backend=backend, timeout=timeout, store=_launcher_store(timeout), rank=rank, world_size=world
+                backend=backend, timeout=timeout, store=launcher_store(timeout), rank=rank, world_size=world
             )
             Watchdog.for_job(hang_timeout)
             atexit.register(_destroy_at_exit)  # a script that ends without destroy_distributed()
@@ -155,8 +97,6 @@ _LONGEST_BACKSTOP_S = 10.8
 def script_group_timeout() -> datetime.timedelta:
     """The timeout of a group a script under ``ndparallel launch`` starts with torch's own call and no timeout: the
     watchdog's backstop, after its verdict (``--timeout``, default 600 s)."""
-    from ndparallel.distributed.watchdog import job_timeout, process_group_timeout
-
     return datetime.timedelta(seconds=process_group_timeout(job_timeout()))
 
 
@@ -164,8 +104,6 @@ def watch_script_group(group_timeout_s: float | None) -> None:
     """The hang watchdog and the exit teardown of :func:`init_distributed`, for a default group a script under
     ``ndparallel launch`` started itself (``ndparallel/launch/script_runner.py``). It judges at ``--timeout``, or
     early enough to come before ``group_timeout_s``, the group's own timeout when the script set one."""
-    from ndparallel.distributed.watchdog import Watchdog, job_timeout, process_group_timeout
-
     if not dist.is_initialized() or dist.get_world_size() < 2 or "RANK" not in os.environ:
         return
     hang = job_timeout()
@@ -188,8 +126,6 @@ def destroy_distributed() -> None:
 
 def _teardown() -> None:
     """Stop the hang watchdog, destroy the default group, forget what DTensor cached about its meshes."""
-    from ndparallel.distributed.watchdog import Watchdog
-
     Watchdog.stop_current()
     dist.destroy_process_group()
     _clear_sharding_cache()
@@ -221,8 +157,6 @@ def _destroy_at_exit() -> bool | None:
     does not wait: its peers may never come, and the launcher stops them anyway.
 
     Returns whether the peers met at the barrier (None: no barrier)."""
-    from ndparallel.distributed.watchdog import Watchdog
-
     if not dist.is_initialized():
         Watchdog.stop_current()
         return None

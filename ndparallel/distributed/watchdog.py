@@ -1,4 +1,4 @@
-"""Heartbeats and a hang watchdog: a stuck job ends in bounded time, naming the rank(s) behind.
+"""The hang watchdog: a stuck job ends in bounded time, naming the rank(s) behind.
 
 ``init_distributed`` starts one on every rank of a multi-rank job (:meth:`Watchdog.for_job`; one per
 process), so any script under ``ndparallel launch`` has it. The training loop also marks where each rank
@@ -6,13 +6,14 @@ is (``watchdog.phase("step 12: gradient clipping")``: one tuple assignment); a s
 is watched collective by collective (the clock starts when the main thread enters, or leaves, a
 ``torch.distributed`` call). A daemon thread posts that position to the job's rendezvous store at every
 new phase and every ``interval`` seconds, with a counter that grows with every post and the main thread's
-current frame (where in the code, and which ``torch.distributed`` call, if any, it is blocked in). Then:
+current frame (where in the code, and which ``torch.distributed`` call, if any, it is blocked in): a
+:class:`~ndparallel.distributed.heartbeat.Beat`. Then:
 
 - When this rank has been in one phase (a script: in one collective) for ``timeout_s``, it reads
-  every rank's heartbeat and :func:`judge` names who is behind: a rank whose counter stopped (dead,
-  frozen, or its node lost), a rank still in an earlier phase, or - all in one phase - a rank that is
-  not in the collective its peers wait in. The verdict goes to the store (the first one wins), is printed
-  on this rank, and the process ends with exit status 124.
+  every rank's heartbeat and :func:`~ndparallel.distributed.verdict.judge` names who is behind: a rank
+  whose counter stopped (dead, frozen, or its node lost), a rank still in an earlier phase, or - all in
+  one phase - a rank that is not in the collective its peers wait in. The verdict goes to the store (the
+  first one wins), is printed on this rank, and the process ends with exit status 124.
 - A rank that finds a verdict in the store prints it and ends too, so every rank reports. Each rank that
   printed says so in the store (``told/<rank>``), and no rank exits before every live peer has (at most
   :data:`_TELL_PEERS_S`): the first exit makes torchrun SIGTERM the rest, and a hung rank cannot print
@@ -22,14 +23,15 @@ current frame (where in the code, and which ``torch.distributed`` call, if any, 
   silent, instead of the gloo message that blames nobody.
 
 All times are measured on each rank's own clock (no clock is compared across machines). The
-process group's own timeout (``process_group_timeout``) is set a little later than
-``timeout_s``, as a backstop: the watchdog speaks first.
+process group's own timeout (:func:`~ndparallel.distributed.timeouts.process_group_timeout`) is set a little
+later than ``timeout_s``, as a backstop: the watchdog speaks first. This module holds the thread and its store
+mechanics; what a heartbeat holds is ``heartbeat``, the pure verdicts ``verdict``, the clocks ``timeouts``, the
+store ``store``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import socket
@@ -37,36 +39,28 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from types import FrameType
 
 import torch.distributed as dist
 
-from ndparallel.distributed.process import job_store
-from ndparallel.errors import EXIT_HUNG, ConfigError, JobError
+from ndparallel.distributed.heartbeat import Beat, main_thread_position, read_beats
+from ndparallel.distributed.store import hosts_the_store, job_store
+from ndparallel.distributed.timeouts import SILENT_AFTER, heartbeat_interval
+from ndparallel.distributed.verdict import (
+    in_phase,
+    judge,
+    lost_peer_symptom,
+    lost_peers,
+    ranks_phrase,
+    silence,
+)
+from ndparallel.errors import EXIT_HUNG, JobError
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "TIMEOUT_ENV",
-    "Beat",
-    "Watchdog",
-    "heartbeat_interval",
-    "judge",
-    "judge_at_deadline",
-    "job_timeout",
-    "parse_timeout",
-    "process_group_timeout",
-    "read_beats",
-]
-
-DEFAULT_TIMEOUT_S = 600.0
-"""How long a rank waits for its peers before the watchdog ends the job (``train.timeout_s``' default too)."""
-TIMEOUT_ENV = "NDP_TIMEOUT_S"
-"""Set by ``ndparallel launch --timeout S``: the ranks' hang timeout when the script names none."""
+__all__ = ["Watchdog"]
 
 _VERDICT = "verdict"
 _LEAVING = "exiting:"  # the phase of a rank that has explained its failure and is about to exit
-_SILENT_AFTER = 3  # intervals without a new heartbeat before a rank counts as silent
 _STORE_TIMEOUT_FLOOR_S = 5.0  # the job store's timeout is at least this (a heartbeat's store call ends by then)
 _PHASE_POST_GAP = 0.02  # seconds between two heartbeats posted for new phases: at most 50 a second
 _TOLD = "told/"  # + rank: this rank has printed the verdict
@@ -78,224 +72,6 @@ _GONE_AFTER_S = 5.0
 (dead or frozen: it cannot print)."""
 
 
-def job_timeout(timeout_s: float | None = None) -> float:
-    """The hang timeout: ``timeout_s`` when given, else ``NDP_TIMEOUT_S`` (``ndparallel launch --timeout``),
-    else :data:`DEFAULT_TIMEOUT_S`."""
-    if timeout_s is not None:
-        return parse_timeout(timeout_s, "timeout_s")
-    if os.environ.get(TIMEOUT_ENV):
-        return parse_timeout(os.environ[TIMEOUT_ENV], TIMEOUT_ENV)
-    return DEFAULT_TIMEOUT_S
-
-
-def parse_timeout(value: float | str, source: str) -> float:
-    """``value`` as a number of seconds > 0, or a ConfigError naming ``source``."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{source}={value!r} must be a number of seconds > 0 (how long a rank waits for its peers)")
-    return seconds
-
-
-def heartbeat_interval(timeout_s: float) -> float:
-    """Seconds between two heartbeats: a twentieth of the timeout, within [0.2, 2]."""
-    return min(2.0, max(0.2, timeout_s / 20))
-
-
-def process_group_timeout(timeout_s: float) -> float:
-    """The process group's own collective timeout: after the watchdog's verdict (``timeout_s`` plus
-    the few intervals it takes to be sure), so that the rank named is the one behind."""
-    return timeout_s + (_SILENT_AFTER + 3) * heartbeat_interval(timeout_s) + 10
-
-
-@dataclass
-class Beat:
-    """One rank's heartbeat: where its main thread is, and since when."""
-
-    rank: int
-    node: int
-    host: str
-    seq: int
-    """How many phases this rank has entered (all ranks go through the same phases in order)."""
-    phase: str
-    age: float
-    """Seconds spent in ``phase`` so far, on this rank's clock."""
-    count: int
-    """Grows with every post; a count that stops moving means the rank is gone or frozen."""
-    where: str
-    """The innermost frame of the main thread outside torch: ``function (file:line)``."""
-    collective: str
-    """The torch.distributed call the main thread is blocked in ("" if none)."""
-
-
-# ----------------------------------------------------------------------------- reading a stack
-def _short(filename: str) -> str:
-    parts = filename.replace(os.sep, "/").split("/")
-    return "/".join(parts[-3:])
-
-
-def _is_collective(filename: str, name: str) -> bool:
-    path = filename.replace(os.sep, "/")
-    if "/torch/distributed/" not in path:
-        return False
-    return path.endswith(("/distributed_c10d.py", "/_functional_collectives.py")) or "wait" in name
-
-
-def main_thread_position() -> tuple[str, str, FrameType | None]:
-    """(where, collective, its frame) of the main thread: its innermost frame outside torch, and the
-    ``torch.distributed`` collective it is inside ("" and None if none). The frame object is the same
-    while that one call runs, and a new one for the next call, even at the same line."""
-    # sys._current_frames is documented CPython API ("for internal and specialized purposes"):
-    # the only way to see what a blocked thread is doing without stopping it.
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    where = collective = ""
-    call = None
-    while frame is not None:
-        code = frame.f_code
-        in_torch = "/torch/" in code.co_filename.replace(os.sep, "/")
-        if call is None and _is_collective(code.co_filename, code.co_name):
-            collective, call = code.co_name, frame
-        if not where and not in_torch:
-            where = f"{code.co_name} ({_short(code.co_filename)}:{frame.f_lineno})"
-        frame = frame.f_back
-    return where, collective, call
-
-
-def _listens_on(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds a listening TCP socket on ``port`` (Linux /proc; False elsewhere)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = [line.split() for line in f.read().splitlines()[1:]]
-        except OSError:
-            continue
-        inodes |= {r[9] for r in rows if len(r) > 9 and r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port}
-    if not inodes:
-        return False
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:[") : -1] in inodes:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def hosts_the_store() -> bool:
-    """Whether this rank's node hosts the job's rendezvous store: its launcher (torchrun's agent
-    store), or rank 0 itself when the ranks keep their own store."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
-        return _listens_on(os.getppid(), int(os.environ["MASTER_PORT"]))
-    return os.environ.get("RANK") == "0"
-
-
-# ----------------------------------------------------------------------------- the verdict
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
-
-
-def describe(ranks: list[int], beats: dict[int, Beat]) -> str:
-    """``node 1 (ranks 2, 3)`` when the ranks are whole nodes of a multi-node job, else ``ranks 2, 3``."""
-    nodes: dict[int, set[int]] = {}
-    for beat in beats.values():
-        nodes.setdefault(beat.node, set()).add(beat.rank)
-    chosen = set(ranks)
-    whole = sorted(n for n, members in nodes.items() if members <= chosen)
-    if len(nodes) < 2 or not whole:
-        return _ranks(ranks)
-    covered = set().union(*(nodes[n] for n in whole))
-    parts = [f"node {n} ({_ranks(sorted(nodes[n]))}, host {beats[min(nodes[n])].host})" for n in whole]
-    rest = sorted(chosen - covered)
-    return " and ".join(parts + ([_ranks(rest)] if rest else []))
-
-
-def _at(beat: Beat) -> str:
-    if not beat.phase:  # a script that marks no phases
-        return beat.where or "?"
-    return f"'{beat.phase}'" + (f" in {beat.where}" if beat.where else "")
-
-
-def _in(phase: str) -> str:
-    return f" in '{phase}'" if phase else ""
-
-
-def judge(beats: dict[int, Beat], silent: dict[int, float], timeout_s: float) -> str | None:
-    """Who is behind, from every rank's last heartbeat and how long each has been ``silent``
-    (seconds without a new heartbeat); None when nobody is (e.g. every rank is busy computing)."""
-    if silent:
-        ranks = sorted(silent)
-        last = beats.get(ranks[0])
-        return f"{describe(ranks, beats)} stopped responding: no heartbeat for {max(silent.values()):.0f}s" + (
-            f", last seen at {_at(last)}" if last else ""
-        )
-    if not beats:
-        return None
-    front = max(b.seq for b in beats.values())
-    ahead = [b for b in beats.values() if b.seq == front]
-    behind = [b for b in beats.values() if b.seq < front]
-    if min(b.age for b in ahead) < timeout_s:
-        return None
-    phase = ahead[0].phase
-    if behind:
-        positions = "; ".join(f"{_ranks([b.rank])} is at {_at(b)}" for b in sorted(behind, key=lambda b: b.rank))
-        waiting = [b.rank for b in ahead]
-        return (
-            f"{describe([b.rank for b in behind], beats)} did not arrive at '{phase}' within {timeout_s:.0f}s: "
-            f"{positions}; {_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} there"
-        )
-    waiting = [b for b in ahead if b.collective]
-    busy = [b for b in ahead if not b.collective]
-    if waiting and busy:
-        positions = "; ".join(f"{_ranks([b.rank])} is in {b.where or '?'}" for b in sorted(busy, key=lambda b: b.rank))
-        ranks = [b.rank for b in waiting]
-        calls = sorted({b.collective for b in waiting})
-        return (
-            f"{describe([b.rank for b in busy], beats)} did not reach the collective{_in(phase)} within "
-            f"{timeout_s:.0f}s: {positions}; {_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in "
-            f"{', '.join(calls)}"
-        )
-    if waiting:
-        calls = "; ".join(f"{_ranks([b.rank])} in {b.collective} at {b.where or '?'}" for b in waiting)
-        return (
-            f"every rank has waited {timeout_s:.0f}s in a collective{_in(phase)} that no rank completes "
-            f"(mismatched collectives?): {calls}"
-        )
-    return None
-
-
-def judge_at_deadline(beats: dict[int, Beat], at_least_s: float) -> str | None:
-    """:func:`judge` for a launcher whose own time limit ran out: who is behind now, provided the ranks in
-    front have been where they are for at least ``at_least_s`` (else they may just be slow)."""
-    if not beats:
-        return None
-    front = max(b.seq for b in beats.values())
-    waited = min(b.age for b in beats.values() if b.seq == front)
-    return judge(beats, {}, waited) if waited >= at_least_s else None
-
-
-def _silence(
-    beats: dict[int, Beat], seen: dict[int, tuple[int, float]], now: float, after: float, me: int
-) -> dict[int, float]:
-    """Ranks (other than ``me``) whose heartbeat count has not moved for ``after`` seconds of this
-    rank's clock; ``seen`` (rank -> (count, when first seen)) carries the history between calls."""
-    silent = {}
-    for rank, beat in beats.items():
-        count, first_seen = seen.get(rank, (None, now))
-        if count != beat.count:
-            seen[rank] = (beat.count, now)
-        elif rank != me and now - first_seen >= after:
-            silent[rank] = now - first_seen
-    return silent
-
-
-# ----------------------------------------------------------------------------- the watchdog
 class Watchdog:
     """Posts this rank's heartbeat and ends the job when it hangs (see the module docstring).
 
@@ -340,7 +116,7 @@ class Watchdog:
             return running
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return cls(None, 0, 1, timeout_s)
-        store = job_store(max(_STORE_TIMEOUT_FLOOR_S, _SILENT_AFTER * heartbeat_interval(timeout_s)))
+        store = job_store(max(_STORE_TIMEOUT_FLOOR_S, SILENT_AFTER * heartbeat_interval(timeout_s)))
         cls._current = cls(store, dist.get_rank(), dist.get_world_size(), timeout_s)
         return cls._current
 
@@ -391,7 +167,7 @@ class Watchdog:
     def explain(self, err: BaseException) -> JobError | None:
         """After a failed collective: a JobError naming the rank(s) or node(s) that went silent, or
         None when every peer still beats (then ``err`` is the story)."""
-        if self.store is None or not _lost_peer_symptom(err):
+        if self.store is None or not lost_peer_symptom(err):
             return None
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         seen: dict[int, tuple[int, float]] = {}
@@ -402,10 +178,10 @@ class Watchdog:
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
         try:
             self._end_if_judged()
-            deadline = time.monotonic() + (_SILENT_AFTER + 0.5) * self.interval
+            deadline = time.monotonic() + (SILENT_AFTER + 0.5) * self.interval
             while time.monotonic() < deadline:
                 beats = self._read_beats()
-                silent = _silence(beats, seen, time.monotonic(), _SILENT_AFTER * self.interval, self.rank)
+                silent = silence(beats, seen, time.monotonic(), SILENT_AFTER * self.interval, self.rank)
                 time.sleep(self.interval / 2)
             beats = self._read_beats()
         except Exception as store_err:  # the store went with the node that hosted it
@@ -413,18 +189,13 @@ class Watchdog:
         finally:
             if main:
                 signal.signal(signal.SIGTERM, previous)
-        silent.update({r: _SILENT_AFTER * self.interval for r in range(self.world_size) if r not in beats})
+        silent.update({r: SILENT_AFTER * self.interval for r in range(self.world_size) if r not in beats})
         silent.pop(self.rank, None)
         for rank in [r for r in silent if r in beats and beats[r].phase.startswith(_LEAVING)]:
             del silent[rank]  # a peer that explained its own failure and left: not lost
         if not silent:
             return None
-        last = beats.get(min(silent))  # posted when it entered its last phase: where it was lost
-        lost = JobError(
-            f"lost {describe(sorted(silent), beats)}: no heartbeat for {max(silent.values()):.0f}s"
-            + (f" (last at {_at(last)})" if last else "")
-            + f"; this rank's collective{_in(self._position[1])} failed as a consequence: {first_line}"
-        )
+        lost = JobError(lost_peers(silent, beats, self._position[1], first_line))
         self.phase(f"{_LEAVING} {str(lost)[:200]}")
         try:
             self._post()  # so that the peers still explaining do not count this rank as lost too
@@ -459,7 +230,7 @@ class Watchdog:
                 seq, phase, since = self._where()
                 if self._waiting() and time.monotonic() - since >= self.timeout_s:
                     self._end(
-                        f"{self._store_lost(err)}, and rank {self.rank} has been{_in(phase) or ' waiting'} for "
+                        f"{self._store_lost(err)}, and rank {self.rank} has been{in_phase(phase) or ' waiting'} for "
                         f"{time.monotonic() - since:.0f}s",
                         tell=False,
                     )
@@ -490,11 +261,11 @@ class Watchdog:
     def _watch(self) -> None:
         seq, phase, since = self._where()
         stuck = time.monotonic() - since
-        if not self._waiting() or stuck < self.timeout_s - (_SILENT_AFTER + 1) * self.interval:
+        if not self._waiting() or stuck < self.timeout_s - (SILENT_AFTER + 1) * self.interval:
             self._seen.clear()
             return
         beats = self._read_beats()
-        silent = _silence(beats, self._seen, time.monotonic(), _SILENT_AFTER * self.interval, self.rank)
+        silent = silence(beats, self._seen, time.monotonic(), SILENT_AFTER * self.interval, self.rank)
         if stuck >= self.timeout_s:
             verdict = judge(beats, silent, self.timeout_s)
             if verdict:
@@ -510,7 +281,7 @@ class Watchdog:
     def _announce_store_host(self) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
-        ranks = _ranks(list(range(first, first + local)))
+        ranks = ranks_phrase(list(range(first, first + local)))
         self.store.set("store-host", f"node {self._node} ({ranks}, host {self._host})")
 
     def _store_lost(self, err: Exception) -> str:
@@ -540,7 +311,7 @@ class Watchdog:
                 if not pending:
                     return  # every peer has printed it
                 beats = self._read_beats()
-                gone = _silence(beats, seen, now, _GONE_AFTER_S, self.rank)
+                gone = silence(beats, seen, now, _GONE_AFTER_S, self.rank)
                 if all(r in gone or (r not in beats and now - start >= _GONE_AFTER_S) for r in pending):
                     return
                 time.sleep(min(0.5, self.interval / 2))
@@ -570,22 +341,3 @@ class Watchdog:
         if before_exit is not None:
             before_exit()
         os._exit(code)
-
-
-def read_beats(store: dist.Store, world_size: int) -> dict[int, Beat]:
-    """Every rank's last heartbeat in ``store`` (rank -> Beat; a rank that never posted is missing)."""
-    keys = [f"beat/{r}" for r in range(world_size)]
-    if not store.check(keys):
-        keys = [k for k in keys if store.check([k])]
-    values = store.multi_get(keys) if keys else []
-    beats = [Beat(**json.loads(v)) for v in values]
-    return {b.rank: b for b in beats}
-
-
-def _lost_peer_symptom(err: BaseException) -> bool:
-    """Whether ``err`` may come from a peer that died: a DistError (NCCL, the store), or gloo's plain
-    RuntimeError about its connection. Other errors are this rank's own story, told at once."""
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err)
-    return type(err) is RuntimeError and any(s in text for s in ("gloo", "onnection", "ocket", "peer", "imed out"))

@@ -30,11 +30,13 @@ the Trainer does)::
 """
 
 from ndparallel.models.hf.attention import apply_hf_attention
+from ndparallel.models.hf.detect import is_hf_model
 from ndparallel.models.hf.init import seeded_init
 from ndparallel.models.hf.pretrained import load_pretrained, load_pretrained_pipeline, local_region, save_pretrained
 from ndparallel.models.hf.styles import GatherSequence, PerShardNorm, ReplicatedCompute, TiedColwiseParallel
 from ndparallel.models.hf.tiny import tiny_config
-from ndparallel.models.hf.tp_plan import REFUSED, STYLES, hf_fsdp_groups, hf_tp_plan, is_hf_model
+from ndparallel.models.hf.tp_plan import hf_fsdp_groups, hf_tp_plan
+from ndparallel.models.hf.tp_translate import REFUSED, STYLES
 
 __all__ = [
     "REFUSED",

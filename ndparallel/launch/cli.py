@@ -75,7 +75,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _train_config(args: argparse.Namespace):
     """``ndparallel train``'s TrainConfig: the YAML (or defaults), the environment, overrides, --steps, --resume."""
-    from ndparallel.distributed.watchdog import TIMEOUT_ENV
+    from ndparallel.distributed.timeouts import TIMEOUT_ENV
     from ndparallel.train.job_config import TrainConfig
 
     overrides = list(args.overrides)

@@ -109,8 +109,10 @@ def _who_is_behind(store_path: str, world_size: int, timeout: float) -> str:
     are killed (a heartbeat is up to one interval old when read)."""
     import time
 
-    from ndparallel.distributed.process import file_job_store
-    from ndparallel.distributed.watchdog import heartbeat_interval, judge_at_deadline, read_beats
+    from ndparallel.distributed.heartbeat import read_beats
+    from ndparallel.distributed.store import file_job_store
+    from ndparallel.distributed.timeouts import heartbeat_interval
+    from ndparallel.distributed.verdict import judge_at_deadline
 
     interval = heartbeat_interval(timeout)
     give_up = time.monotonic() + 4 * interval

@@ -99,7 +99,7 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
         raise ConfigError("launch: nothing to run after `--` (an ndparallel subcommand or a script)")
     timeout = _option_value(options, "--timeout")
     if timeout is not None:  # the ranks' hang timeout (the watchdog's): init_distributed reads it
-        from ndparallel.distributed.watchdog import TIMEOUT_ENV, parse_timeout
+        from ndparallel.distributed.timeouts import TIMEOUT_ENV, parse_timeout
 
         os.environ[TIMEOUT_ENV] = str(parse_timeout(timeout, "--timeout"))
         options = without_option(options, "--timeout")

@@ -108,7 +108,7 @@ def test_a_script_rank_behind_is_named_and_the_job_ends_under_launch(tmp_path):
 
 
 def test_the_launch_timeout_reaches_init_distributed_and_bad_values_are_refused(monkeypatch):
-    from ndparallel.distributed.watchdog import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, job_timeout, process_group_timeout
+    from ndparallel.distributed.timeouts import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, job_timeout, process_group_timeout
     from ndparallel.launch.torchrun import torchrun_argv
 
     for name in (TIMEOUT_ENV, "NDP_DEVICE", "NDP_CPU_RANKS", "OMP_NUM_THREADS"):  # torchrun_argv sets them: restored

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from ndparallel.distributed.watchdog import Beat, describe, heartbeat_interval, judge, process_group_timeout
+from ndparallel.distributed.heartbeat import Beat
+from ndparallel.distributed.timeouts import heartbeat_interval, process_group_timeout
+from ndparallel.distributed.verdict import describe, judge
 from ndparallel.testing import run_distributed
 
 

@@ -1,9 +1,11 @@
 """Hugging Face causal LMs (any with a ``base_model_tp_plan``) as a model family: what ``parallelize`` asks of them.
 
-The answers live beside this file: the TP + SP table and FSDP units in :mod:`ndparallel.models.hf.tp_plan`, the
-attention seam, position handling and input checks in :mod:`ndparallel.models.hf.attention` /
-:mod:`ndparallel.models.hf.inputs`, ``outputs.loss`` in :mod:`ndparallel.models.hf.loss`. Models are recognised by
-``config.model_type`` without importing ``transformers``. Decoder layers are the first ``nn.ModuleList``.
+The answers live beside this file: the TP + SP table and FSDP units in :mod:`ndparallel.models.hf.tp_plan` (its
+entries translated in :mod:`ndparallel.models.hf.tp_translate`; lookups such as ``is_hf_model`` in
+:mod:`ndparallel.models.hf.detect`), the attention seam, position handling and input checks in
+:mod:`ndparallel.models.hf.attention` / :mod:`ndparallel.models.hf.inputs`, ``outputs.loss`` in
+:mod:`ndparallel.models.hf.loss`. Models are recognised by ``config.model_type`` without importing ``transformers``.
+Decoder layers are the first ``nn.ModuleList``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.models.hf.attention import apply_hf_attention, check_attention, route_hf_attention
+from ndparallel.models.hf.detect import is_hf_model
 from ndparallel.models.hf.moe import adapt_experts, hf_moe_layers, install_global_router_loss
 from ndparallel.models.hf.stage import HFCausalLMStage
-from ndparallel.models.hf.tp_plan import hf_fsdp_groups, hf_tp_plan, is_hf_model
+from ndparallel.models.hf.tp_plan import hf_fsdp_groups, hf_tp_plan
 from ndparallel.parallel.expert_parallel import apply_expert_parallel
 from ndparallel.parallel.family import ModelFamily
 
