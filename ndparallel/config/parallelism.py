@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from ndparallel.config.accelerate import AccelerateNames, accelerate_settings, is_accelerate_file
-from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS, ep_mesh_problem
+from ndparallel.config.dims import MESH_DIMS, SIZE_FIELDS, ep_mesh_problem, is_size
 from ndparallel.config.pipeline import check_pipeline_fields
 from ndparallel.config.sources import did_you_mean, load_yaml_mapping, parse_overrides, parse_scalar
 from ndparallel.errors import ConfigError, brief_repr
@@ -37,13 +37,13 @@ from ndparallel.errors import ConfigError, brief_repr
 __all__ = ["ParallelismConfig", "environment_fields", "is_parallelism_key"]
 
 
-# Allowed values of the string knobs.
+# Allowed values of the string knobs (the planner offers the same: ndparallel/estimate/training.py).
 CHOICES: dict[str, tuple[str, ...]] = {
     "mixed_precision": ("no", "bf16", "fp16"),
     "activation_checkpointing": ("none", "full", "selective"),
     "cp_rotate_method": ("ring", "allgather", "alltoall"),
     "cp_backend": ("ndparallel", "torch"),
-    "compile": ("none", "model", "blocks"),
+    "compile": ("none", "blocks", "model"),
 }
 
 # Section names a combined YAML file may keep the parallelism settings under.
@@ -91,7 +91,7 @@ class ParallelismConfig(AccelerateNames):
     activation_checkpointing: str = "none"
     """``none``, ``full`` (recompute each block in backward) or ``selective`` (every other block)."""
     compile: str = "none"
-    """``none``, ``model`` (whole-model torch.compile) or ``blocks`` (per transformer block)."""
+    """``none``, ``blocks`` (per transformer block) or ``model`` (whole-model torch.compile)."""
     dp_bucket_mb: float = 25.0
     """Pure data parallel: gradient all-reduce bucket cap, MB."""
     cp_rotate_method: str = "ring"
@@ -209,7 +209,7 @@ class ParallelismConfig(AccelerateNames):
                 f"only one size may be -1, got {' and '.join(autos)} = -1; set all but one of them explicitly"
             )
         ep = self.ep_size
-        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        if not is_size(ep):
             raise ConfigError(f"ep_size={brief_repr(ep)} must be an integer >= 1 (ep borrows ranks; it is never -1)")
         for name, choices in CHOICES.items():
             value = getattr(self, name)

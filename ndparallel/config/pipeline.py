@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ndparallel.config.dims import fsdp_shards
+from ndparallel.config.dims import fsdp_shards, is_size
 from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = [
@@ -23,7 +23,10 @@ __all__ = [
     "check_pipeline_fields",
     "check_pp_split",
     "schedule_spec",
+    "stages_fit_blocks",
+    "stages_per_pp_rank",
     "stages_per_rank",
+    "stages_problem",
     "torch_compiles_pipeline_stages",
     "torch_supports_v_schedules",
 ]
@@ -81,6 +84,28 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
     if requested is not None:
         return requested
     return 2 if schedule_spec(schedule).multi_stage else 1
+
+
+def stages_per_pp_rank(pp_size: int, schedule: str, requested: int | None) -> int:
+    """Stages each pp rank holds in a resolved config: 1 without pp (the knob is then unused), else
+    :func:`stages_per_rank`."""
+    return 1 if pp_size == 1 else stages_per_rank(schedule, requested)
+
+
+def stages_fit_blocks(n_stages: int, n_blocks: int) -> bool:
+    """Every pipeline stage needs a block: no more stages than the model has blocks."""
+    return n_stages <= n_blocks
+
+
+def stages_problem(pp_size: int, per_rank: int, n_blocks: int, blocks_field: str = "model.n_layers") -> str | None:
+    """Why ``pp_size x per_rank`` stages cannot split ``n_blocks`` blocks (:func:`stages_fit_blocks`), or None."""
+    n_stages = pp_size * per_rank
+    if stages_fit_blocks(n_stages, n_blocks):
+        return None
+    return (
+        f"pp_size={pp_size} x pp_stages_per_rank={per_rank} = {n_stages} pipeline stages but "
+        f"{blocks_field}={n_blocks}: every stage needs a block; use fewer stages or more layers"
+    )
 
 
 def _check_stages_per_rank(schedule: str, spec: ScheduleSpec, per_rank: int) -> None:
@@ -184,7 +209,7 @@ def check_pipeline_fields(cfg: Any) -> None:
     schedule_spec(cfg.pp_schedule)
     for name in ("pp_microbatches", "pp_stages_per_rank"):
         value = getattr(cfg, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and not is_size(value):
             raise ConfigError(f"{name}={brief_repr(value)} must be a positive integer (or null for the default)")
     check_pp_split(cfg.pp_split)
     if cfg.pp_size == 1:

@@ -13,9 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ndparallel.config.dims import divisors
+from ndparallel.config.dims import data_parallel_size, divisors
 from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.config.pipeline import check_defer_grad_sync, check_microbatches, check_pp_split, stages_per_rank
+from ndparallel.config.pipeline import (
+    check_defer_grad_sync,
+    check_microbatches,
+    check_pp_split,
+    stages_per_rank,
+    stages_problem,
+)
 from ndparallel.config.precision import forward_autocast_dtype
 from ndparallel.config.sequence import sequence_problem
 from ndparallel.errors import ConfigError
@@ -184,22 +190,20 @@ def _pipeline_microbatches(p: ParallelismConfig, job: JobShape, model: ModelShap
     :func:`default_pipeline_microbatches`; checked against the schedule and the model's blocks."""
     per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
     n_stages = p.pp_size * per_rank
-    if n_stages > model.n_blocks:
-        raise ConfigError(
-            f"pp_size={p.pp_size} x pp_stages_per_rank={per_rank} = {n_stages} pipeline stages but "
-            f"{model.blocks_field}={model.n_blocks}: every stage needs a block; use fewer stages or more layers"
-        )
+    problem = stages_problem(p.pp_size, per_rank, model.n_blocks, model.blocks_field)
+    if problem:
+        raise ConfigError(problem)
     check_pp_split(p.pp_split, n_stages=n_stages, n_blocks=model.n_blocks)
     check_defer_grad_sync(job.defer_grad_sync, p)
     field_name = "pp_microbatches"
-    per_rank_batch = job.global_batch // (p.dp_replicate_size * p.dp_shard_size)
+    per_rank_batch = job.global_batch // data_parallel_size(p)
     if p.pp_microbatches is None and job.micro_batch is None:
         chosen = default_pipeline_microbatches(p.pp_schedule, p.pp_size, per_rank, per_rank_batch)
         if chosen is None:
             raise ConfigError(
                 f"no pipeline micro-batch count that pp_schedule={p.pp_schedule!r} accepts on {n_stages} stages "
                 f"divides the per-rank batch {per_rank_batch} (train.global_batch / dp); raise train.global_batch "
-                f"(e.g. to {n_stages * p.dp_replicate_size * p.dp_shard_size}) or set pp_microbatches"
+                f"(e.g. to {n_stages * data_parallel_size(p)}) or set pp_microbatches"
             )
         return chosen
     if p.pp_microbatches is None:
@@ -242,7 +246,7 @@ def _rules(p: ParallelismConfig, job: JobShape, model: ModelShape) -> list[Calla
             raise ConfigError(problem)
 
     def batch() -> int:
-        accumulation = split_batch(job.global_batch, job.micro_batch, p.dp_replicate_size * p.dp_shard_size)
+        accumulation = split_batch(job.global_batch, job.micro_batch, data_parallel_size(p))
         return _pipeline_microbatches(p, job, model, accumulation) if p.pp_size > 1 else accumulation
 
     heads = model.heads if p.cp_rotate_method == "alltoall" else None

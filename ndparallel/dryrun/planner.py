@@ -23,7 +23,7 @@ from ndparallel.estimate import (
     estimate_memory,
     saved_activation_bytes,
 )
-from ndparallel.estimate.spec import MeshShape
+from ndparallel.estimate.mesh import MeshShape
 from ndparallel.models import PRESETS, TransformerConfig
 from ndparallel.train.job_config import DataConfig, LoopConfig, TrainConfig
 

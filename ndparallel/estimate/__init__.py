@@ -1,7 +1,8 @@
 """Analytic memory / communication / step-time model of ndparallel training, and the mesh search behind
 ``ndparallel plan``.
 
-Modules: ``spec`` (model, cluster, training and mesh descriptions), ``hardware`` (the one table of per-GPU
+Modules: the inputs ``units`` (sizes, bandwidths, counts), ``model``, ``cluster``, ``training`` and ``mesh`` (a
+view of a resolved ``ParallelismConfig`` whose rules are the config's), ``hardware`` (the one table of per-GPU
 constants, with sources), ``memory``, ``comm``, the time model from its parts: ``kernels`` (a matmul by shape,
 attention, a memory-bound pass), ``memory_ops`` (bytes of the memory-bound ops, eager or compiled),
 ``checkpointing`` (what each policy recomputes), ``compute`` (one rank's compute by kind), ``timing`` (overlap,
@@ -23,6 +24,7 @@ Formulas and validation: docs/planning.md.
 """
 
 from ndparallel.distributed.counter import CommCounter
+from ndparallel.estimate.cluster import GPU_PRESETS, ClusterSpec
 from ndparallel.estimate.comm import Collective, collectives, group_link
 from ndparallel.estimate.compute import ComputeTime, compute_time
 from ndparallel.estimate.hardware import GPU_KINDS, LINKS, GpuKind
@@ -33,21 +35,13 @@ from ndparallel.estimate.memory import (
     params_per_rank,
     saved_activation_bytes,
 )
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec, model_spec
 from ndparallel.estimate.pipeline import RankShare, bubble_fraction, in_flight, rank_shares, stage_ranges
 from ndparallel.estimate.search import Estimate, Plan, estimate, mesh_shapes, plan, shape_problems
-from ndparallel.estimate.spec import (
-    GPU_PRESETS,
-    PRECISIONS,
-    ClusterSpec,
-    MeshShape,
-    ModelSpec,
-    TrainingSpec,
-    model_spec,
-    parse_bandwidth,
-    parse_bytes,
-    parse_count,
-)
 from ndparallel.estimate.timing import StepTime, estimate_step_time
+from ndparallel.estimate.training import PRECISIONS, TrainingSpec
+from ndparallel.estimate.units import parse_bandwidth, parse_bytes, parse_count
 
 __all__ = [
     "GPU_KINDS",

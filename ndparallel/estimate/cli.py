@@ -39,7 +39,8 @@ from ndparallel.estimate import (
     plan,
 )
 from ndparallel.estimate.explain import breakdown, format_explain
-from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, COMPILE_MODES, GiB
+from ndparallel.estimate.training import ACTIVATION_CHECKPOINTING, COMPILE_MODES
+from ndparallel.estimate.units import GiB
 
 PP_COMPARED = ("gpipe", "1f1b", "interleaved_1f1b")
 PINNED = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -287,7 +288,7 @@ def _non_negative(value: int, flag: str) -> int:
 def plan_to_json(result: Plan, top: int | None = None, rejected: int | None = None) -> dict[str, Any]:
     """The plan as JSON-ready data (all ranked and rejected shapes unless limited)."""
     return {
-        "model": {**vars(result.model), "num_params": result.model.num_params()},
+        "model": {**result.model.as_dict(), "num_params": result.model.num_params()},
         "cluster": vars(result.cluster),
         "training": vars(result.train),
         "ranked": [e.as_dict() for e in result.ranked[:top]],

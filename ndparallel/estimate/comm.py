@@ -17,8 +17,10 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from ndparallel.config.dims import FSDP_DIMS
 from ndparallel.distributed.ulysses import kv_heads_sent
 from ndparallel.estimate.checkpointing import per_op
+from ndparallel.estimate.cluster import ClusterSpec
 from ndparallel.estimate.experts import (
     gathered_expert_elements,
     gathered_router_elements,
@@ -35,8 +37,10 @@ from ndparallel.estimate.memory import (
     pipeline_train,
     residual_bytes,
 )
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
 from ndparallel.estimate.pipeline import RankShare, microbatches, p2p_sends, rank_shares
-from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
+from ndparallel.estimate.training import TrainingSpec
 
 __all__ = ["LATENCY_S", "Collective", "collectives", "group_link", "group_size"]
 
@@ -235,7 +239,7 @@ def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, shar
     block's unit excepted, not the experts'), and reduce-scatter on every micro-batch that syncs."""
     micro_steps = train.accumulation_steps(mesh) or 1
     rs_steps = train.reduce_scatter_steps(mesh)  # HSDP's all-reduce and replicate's: once per step
-    precision, fsdp = train.bytes, ("dp_shard", "cp")
+    precision, fsdp = train.bytes, FSDP_DIMS
     n_units = share.blocks + share.embedding + share.head
     gathered, experts = _fsdp_gathered(model, mesh, share)
     add("FSDP all-gather (forward)", "all_gather", fsdp, "fsdp_forward",
@@ -260,7 +264,7 @@ def _fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, shar
 def _pipeline_fsdp_rows(add, model: ModelSpec, train: TrainingSpec, mesh: MeshShape, share: RankShare) -> None:  # noqa: ANN001
     """FSDP2 under pp: the schedule keeps units gathered for the whole step and syncs gradients after the last
     micro-batch: one all-gather and one reduce-scatter per unit (the experts' own units over ep_fsdp)."""
-    precision, fsdp = train.bytes, ("dp_shard", "cp")
+    precision, fsdp = train.bytes, FSDP_DIMS
     n_units = share.blocks + share.embedding + share.head
     gathered, experts = _fsdp_gathered(model, mesh, share)
     add("FSDP all-gather (once per step)", "all_gather", fsdp, "fsdp_forward", n_units, gathered * precision.compute)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ndparallel.estimate.checkpointing import recomputed_linears
+from ndparallel.estimate.cluster import ClusterSpec
 from ndparallel.estimate.experts import expert_gemms, moe_forward_bytes
 from ndparallel.estimate.kernels import attention_s, matmul_s, memory_s
 from ndparallel.estimate.memory import checkpointed_blocks, gathered_params, params_per_rank, residual_bytes
@@ -26,8 +27,10 @@ from ndparallel.estimate.memory_ops import (
     optimizer_bytes,
     weight_cast_bytes,
 )
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
 from ndparallel.estimate.pipeline import RankShare, rank_shares
-from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
+from ndparallel.estimate.training import TrainingSpec
 
 __all__ = ["ATTENTION_BACKWARD", "ComputeTime", "block_linears", "compute_time"]
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import math
 
-from ndparallel.estimate.spec import MeshShape, ModelSpec, TrainingSpec
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
+from ndparallel.estimate.training import TrainingSpec
 
 __all__ = [
     "expert_elements",

@@ -27,8 +27,10 @@ from ndparallel.estimate.experts import (
     stored_expert_elements,
     stored_router_elements,
 )
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
 from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
-from ndparallel.estimate.spec import ACTIVATION_CHECKPOINTING, MeshShape, ModelSpec, TrainingSpec
+from ndparallel.estimate.training import ACTIVATION_CHECKPOINTING, TrainingSpec
 
 __all__ = [
     "MemoryEstimate",

@@ -12,7 +12,9 @@ gradients): ``BACKWARD_FACTOR``. Formulas and their terms: docs/planning.md ("Me
 
 from __future__ import annotations
 
-from ndparallel.estimate.spec import MeshShape, ModelSpec, TrainingSpec
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
+from ndparallel.estimate.training import TrainingSpec
 
 __all__ = [
     "ADAMW_BYTES_PER_PARAM",

@@ -20,7 +20,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ndparallel.estimate.spec import MeshShape, ModelSpec, TrainingSpec
+from ndparallel.config.pipeline import stages_fit_blocks
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
+from ndparallel.estimate.training import TrainingSpec
 from ndparallel.parallel.pipeline.placement import stage_ids
 from ndparallel.parallel.pipeline.split import balanced_split
 
@@ -79,7 +82,7 @@ def stage_ranges(model: ModelSpec, n_stages: int, split: list[list[int]] | None 
 @functools.lru_cache(maxsize=256)
 def _balanced_ranges(model: ModelSpec, n_stages: int) -> tuple[range, ...]:
     first, last = model.embedding_params, model.output_params + model.dim
-    if n_stages > model.n_layers:
+    if not stages_fit_blocks(n_stages, model.n_layers):
         return tuple(range(i, i + 1) for i in range(n_stages))  # invalid shape (refused by the planner)
     return tuple(balanced_split([model.block_params(i) for i in range(model.n_layers)], n_stages, first, last))
 
@@ -104,7 +107,7 @@ def _rank_shares(model: ModelSpec, mesh: MeshShape) -> tuple[RankShare, ...]:
 def _shares(model: ModelSpec, mesh: MeshShape, split: list[list[int]] | None) -> list[RankShare]:
     if mesh.pp == 1:
         return [RankShare.whole(model)]
-    n_stages = mesh.pp * mesh.stages_per_rank
+    n_stages = mesh.n_stages
     ranges = stage_ranges(model, n_stages, split)
     shares = []
     moe = set(model.moe_layers)
@@ -151,7 +154,7 @@ def bubble_fraction(mesh: MeshShape, m: int) -> float:
 def p2p_sends(mesh: MeshShape, m: int, share: RankShare) -> tuple[int, int]:
     """(activation sends, gradient sends) of one pp rank per step: each stage sends its output forward to
     the next stage and the gradient of its input back to the previous one, once per micro-batch."""
-    n_stages = mesh.pp * mesh.stages_per_rank
+    n_stages = mesh.n_stages
     forward = sum(m for sid in share.stage_ids if sid < n_stages - 1)
     backward = sum(m for sid in share.stage_ids if sid > 0)
     return forward, backward

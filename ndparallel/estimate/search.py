@@ -6,21 +6,22 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ndparallel.config.dims import divisors
+from ndparallel.config.pipeline import stages_fit_blocks
 from ndparallel.config.preflight import JobShape, job_problems
 from ndparallel.errors import ConfigError
+from ndparallel.estimate.cluster import ClusterSpec
 from ndparallel.estimate.comm import Collective, collectives
 from ndparallel.estimate.memory import MemoryEstimate, estimate_memory
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
 from ndparallel.estimate.pipeline import microbatches
-from ndparallel.estimate.spec import ClusterSpec, GiB, MeshShape, ModelSpec, TrainingSpec
 from ndparallel.estimate.timing import StepTime, estimate_step_time
+from ndparallel.estimate.training import TrainingSpec
+from ndparallel.estimate.units import GiB
 from ndparallel.parallel.compile import check_compile
 from ndparallel.parallel.moe_tensor_parallel import moe_tp_problem
 
 __all__ = ["MAX_SHAPES", "Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
-
-MOE_TP_FAMILIES = ("transformer",)
-"""Model families whose MoE blocks tensor parallelism splits (a ``MoETensorParallel`` table: the reference's
-``MOE_TENSOR_PARALLEL``); ``parallelize`` refuses tp > 1 on the others' MoE blocks."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,10 @@ def shape_problems(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> li
 
 
 def _moe_tp_problems(model: ModelSpec, mesh: MeshShape) -> list[str]:
-    """``parallelize``'s refusal of tp on MoE blocks its family cannot split (Hugging Face's), in its own words:
-    :func:`~ndparallel.parallel.moe_tensor_parallel.moe_tp_problem` with no split table (it reads no layer then)."""
-    if not model.is_moe or model.family in MOE_TP_FAMILIES:
+    """``parallelize``'s refusal of tp on MoE blocks its family cannot split (``ModelSpec.moe_tp`` False), in its
+    own words: :func:`~ndparallel.parallel.moe_tensor_parallel.moe_tp_problem` with no split table (it reads no
+    layer then)."""
+    if not model.is_moe or model.moe_tp:
         return []
     problem = moe_tp_problem((None,), None, mesh.tp, model.family)  # type: ignore[arg-type]  # a stand-in layer
     return [problem] if problem else []
@@ -211,10 +213,11 @@ def _searched_shapes(
     model: ModelSpec, world_size: int, fixed: dict[str, int], pp_schedules: tuple[str, ...], **pp_knobs: int
 ) -> list[MeshShape]:
     """The shapes :func:`plan` estimates: those whose pipeline has no more stages than the model has blocks (the
-    others are refused by the pre-flight, and one costs O(pp**2) to estimate), at most :data:`MAX_SHAPES`."""
+    config's :func:`~ndparallel.config.pipeline.stages_fit_blocks`: the others are refused by the pre-flight, and
+    one costs O(pp**2) to estimate), at most :data:`MAX_SHAPES`."""
     shapes, dropped = [], None
     for shape in _iter_mesh_shapes(world_size, fixed, pp_schedules, model.n_layers, pp_knobs, model.is_moe):
-        if shape.pp * shape.stages_per_rank > model.n_layers:
+        if not stages_fit_blocks(shape.n_stages, model.n_layers):
             dropped = dropped or shape
             continue
         if len(shapes) == MAX_SHAPES:

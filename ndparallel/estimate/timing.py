@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ndparallel.estimate.cluster import ClusterSpec
 from ndparallel.estimate.comm import Collective
 from ndparallel.estimate.compute import compute_time
 from ndparallel.estimate.memory import checkpointed_blocks, pipeline_train
+from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.model import ModelSpec
 from ndparallel.estimate.pipeline import bubble_fraction, microbatches, rank_shares
-from ndparallel.estimate.spec import ClusterSpec, MeshShape, ModelSpec, TrainingSpec
+from ndparallel.estimate.training import TrainingSpec
 
 __all__ = ["StepTime", "estimate_step_time"]
 

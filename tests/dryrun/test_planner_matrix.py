@@ -20,7 +20,7 @@ import pytest
 from ndparallel.dryrun.planner import compare, job_of
 from ndparallel.dryrun.run import dry_run
 from ndparallel.estimate import ClusterSpec, TrainingSpec, estimate, model_spec
-from ndparallel.estimate.spec import MeshShape
+from ndparallel.estimate.mesh import MeshShape
 from ndparallel.models import TransformerConfig
 
 MODELS: dict[str, dict[str, Any]] = {

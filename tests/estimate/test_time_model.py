@@ -20,7 +20,7 @@ from ndparallel.estimate.explain import breakdown
 from ndparallel.estimate.hardware import GPU_KINDS
 from ndparallel.estimate.kernels import gemm_efficiency
 from ndparallel.estimate.memory_ops import block_forward_bytes, head_bytes
-from ndparallel.estimate.spec import GiB
+from ndparallel.estimate.units import GiB
 
 ROWS = json.loads((Path(__file__).parents[1] / "fixtures" / "published_throughput.json").read_text())["rows"]
 
