@@ -22,6 +22,7 @@ __all__ = [
     "check_microbatches",
     "check_pipeline_fields",
     "check_pp_split",
+    "check_stages_per_rank",
     "schedule_spec",
     "stages_fit_blocks",
     "stages_per_pp_rank",
@@ -108,7 +109,9 @@ def stages_problem(pp_size: int, per_rank: int, n_blocks: int, blocks_field: str
     )
 
 
-def _check_stages_per_rank(schedule: str, spec: ScheduleSpec, per_rank: int) -> None:
+def check_stages_per_rank(schedule: str, per_rank: int) -> None:
+    """Refuse a ``pp_stages_per_rank`` the schedule cannot run (V: exactly 2; looped: >= 2; single-stage: 1)."""
+    spec = schedule_spec(schedule)
     if spec.style == "v" and per_rank != 2:
         raise ConfigError(
             f"pp_stages_per_rank={per_rank} does not fit pp_schedule={schedule!r}: V schedules place exactly 2 "
@@ -226,7 +229,7 @@ def check_pipeline_fields(cfg: Any) -> None:
             "compiled stage backward fails); set compile=none, or upgrade torch"
         )
     per_rank = stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank)
-    _check_stages_per_rank(cfg.pp_schedule, spec, per_rank)
+    check_stages_per_rank(cfg.pp_schedule, per_rank)
     unsupported = _unsupported(cfg)
     if unsupported:
         raise ConfigError(

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ndparallel.config.dims import divisors
-from ndparallel.config.pipeline import stages_fit_blocks
+from ndparallel.config.pipeline import check_stages_per_rank, stages_fit_blocks
 from ndparallel.config.preflight import JobShape, job_problems
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.cluster import ClusterSpec
@@ -261,6 +261,9 @@ def plan(
     (or a pinned ``pp``): pipeline shapes too, once per schedule in ``pp_schedules``. A mixture of experts is
     searched over ``ep`` too (every divisor of dp_shard x cp; ``fixed`` may pin it)."""
     with_pp = search_pp or dict(fixed or {}).get("pp", 1) > 1
+    if with_pp and pp_knobs.get("pp_stages_per_rank"):  # the config's refusal, before any shape is estimated
+        for schedule in pp_schedules:
+            check_stages_per_rank(schedule, pp_knobs["pp_stages_per_rank"])
     shapes = _searched_shapes(model, cluster.num_gpus, dict(fixed or {}), pp_schedules if with_pp else (), **pp_knobs)
     if not shapes:
         pinned = " x ".join(f"{k}={v}" for k, v in dict(fixed or {}).items())

@@ -22,3 +22,11 @@ def test_no_shape_fits_leads_with_the_rule_when_none_failed_for_memory(capsys):
     out = capsys.readouterr().out
     assert "no mesh shape fits: each is refused, none for memory; most often: ep_size=2 does not divide" in out
     assert "--ac full" not in out
+
+
+def test_stages_per_rank_the_schedule_cannot_run_is_the_configs_refusal(capsys):
+    """``--pp-stages-per-rank 2`` with 1f1b crashed in the activation model (a ValueError from zip)."""
+    argv = ["plan", "--model", "8b", "--gpus", "8", "--pp", "2", "--pp-schedule", "1f1b", "--pp-stages-per-rank", "2"]
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ndparallel plan: error: pp_stages_per_rank=2 does not fit pp_schedule='1f1b'"), err
