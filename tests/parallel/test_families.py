@@ -100,7 +100,7 @@ def _recording_family():
 
 
 def test_family_for_picks_registered_then_hugging_face_then_the_reference_default() -> None:
-    from ndparallel.parallel.family import _REGISTERED, family_for, register_family
+    from ndparallel.parallel.protocol import _REGISTERED, family_for, register_family
 
     with torch.device("meta"):
         reference = Transformer(TransformerConfig.from_preset("tiny"))
@@ -117,7 +117,7 @@ def test_family_for_picks_registered_then_hugging_face_then_the_reference_defaul
 
 def _parallelize_with_a_registered_family() -> dict:
     import ndparallel as ndp
-    from ndparallel.parallel.family import _REGISTERED, register_family
+    from ndparallel.parallel.protocol import _REGISTERED, register_family
 
     family = register_family(_recording_family())
     try:
@@ -146,3 +146,4 @@ def test_parallelize_asks_the_registered_family_and_explicit_arguments_override_
         "apply_attention",
     ]  # blocks= given the second time: the family is not asked for them
     assert out["checkpointed"] == [[True, True], [False, True]]
+
