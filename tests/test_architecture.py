@@ -1,11 +1,13 @@
 """The package's floors hold (tests/floors.py): no import points up or sideways, every package has a floor,
 the root holds only the modules the floor table names, ``parallel/__init__`` names every module of its package,
-and docs/architecture.md shows the table the guard uses. No module is over 450 lines, and ``distributed/``'s
-modules import one way (no circle, lazy imports included)."""
+and docs/architecture.md shows the table the guard uses. No module is over 450 lines, ``distributed/``'s
+modules import one way (no circle, lazy imports included), and the jobs know no particular model family."""
 
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 from tests.floors import (
     FLOORS,
@@ -15,6 +17,7 @@ from tests.floors import (
     floor_of,
     imports_of,
     judge,
+    module_name,
     render_table,
     units_on_disk,
     violations,
@@ -122,3 +125,54 @@ def test_the_distributed_modules_import_one_way():
         assert leaves, f"an import circle among {sorted(graph)}"
         order += leaves
         graph = {m: deps for m, deps in graph.items() if m not in leaves}
+
+
+# The jobs (train/, accelerator/) ask the model's family (ndparallel.parallel.protocol.family_for) for what differs by
+# model: router statistics and bias updates, loss_in_forward, what prepare adds (save_pretrained), the folder format.
+# The only names they may import from ndparallel.models build the reference Transformer from a job's YAML
+# (`ndparallel train`'s model: section): constructing a model is not knowing a family's behaviour.
+JOB_PACKAGES = ("train", "accelerator")
+MODEL_CONSTRUCTION = {
+    ("ndparallel.train.loop", "ndparallel.models", "Transformer"),
+    ("ndparallel.train.job_config", "ndparallel.models", "TransformerConfig"),
+}
+
+
+def model_imports(package_root: Path, root: Path) -> set[tuple[str, str, str]]:
+    """``(importer, module, name)`` for every name a job module imports from ``ndparallel.models`` or below
+    (lazy imports included; ``from ndparallel import models`` counts as the name ``models``)."""
+    found = set()
+    for package in JOB_PACKAGES:
+        for path in sorted((package_root / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            names = {
+                n.lineno: [a.name for a in n.names]
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Import | ast.ImportFrom)
+            }
+            for imp in imports_of(path, root):
+                if imp.imported == "ndparallel.models" or imp.imported.startswith("ndparallel.models."):
+                    found |= {(module_name(path, root), imp.imported, name) for name in names[imp.line]}
+    return found
+
+
+def test_jobs_import_no_model_family_only_the_reference_transformer_to_build():
+    from tests.floors import PACKAGE, ROOT
+
+    assert model_imports(PACKAGE, ROOT) - MODEL_CONSTRUCTION == set(), "ask family_for(model) instead"
+
+
+def test_the_job_guard_flags_what_the_jobs_imported_before_issue_47(tmp_path):
+    package = tmp_path / "ndparallel"
+    for folder in JOB_PACKAGES:
+        (package / folder).mkdir(parents=True)
+    (package / "train" / "loop.py").write_text("from ndparallel.models import Transformer\n")
+    (package / "train" / "step.py").write_text("from ndparallel.models.transformer.moe import router_loads\n")
+    (package / "accelerator" / "trainer.py").write_text(
+        "def _save():\n    from ndparallel.models.hf.pretrained import save_pretrained\nfrom ndparallel import models\n"
+    )
+    assert model_imports(package, tmp_path) - MODEL_CONSTRUCTION == {
+        ("ndparallel.train.step", "ndparallel.models.transformer.moe", "router_loads"),
+        ("ndparallel.accelerator.trainer", "ndparallel.models.hf.pretrained", "save_pretrained"),
+        ("ndparallel.accelerator.trainer", "ndparallel.models", "models"),
+    }

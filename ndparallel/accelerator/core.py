@@ -54,11 +54,11 @@ from ndparallel.config.precision import forward_autocast_dtype, parallelize_conf
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import destroy_distributed, init_distributed
 from ndparallel.errors import ConfigError
-from ndparallel.models.hf.tp_plan import is_hf_model
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
 from ndparallel.parallel.grad_sync import micro_batch_sync, no_sync
 from ndparallel.parallel.parallelize import find_blocks, parallelize
+from ndparallel.parallel.protocol import family_for
 
 __all__ = ["Accelerator"]
 
@@ -308,8 +308,7 @@ class Accelerator(ProcessNames, MetricNames, CheckpointNames, trackers.TrackerNa
             broadcast_buffers_each_forward(model, self.mesh["dp_replicate"].get_group())
         if self._autocast is not None:
             precision.wrap_autocast(model, self.device.type, self._autocast)
-        if is_hf_model(model):
-            saving.install_save_pretrained(model)
+        family_for(model).on_prepared(model)  # a Hugging Face model's save_pretrained gathers its shards
         return model
 
     def _blocks(self, model: nn.Module) -> list | None:

@@ -29,7 +29,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.agree import agree, gather_text
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
-from ndparallel.models.hf.loss import token_loss_sum
+from ndparallel.parallel.loss import token_loss_sum
 from ndparallel.parallel.masks import hf_document_mask
 from ndparallel.parallel.pipeline import Pipeline, build_pipeline
 from ndparallel.parallel.pipeline.tied import one_process_parameters

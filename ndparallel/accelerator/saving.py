@@ -1,5 +1,6 @@
-"""Full (unsharded) weights of a prepared model: ``get_state_dict``, ``save_model`` and the prepared Hugging
-Face model's ``save_pretrained``. Every rank calls them (one gather per sharded tensor); rank 0 writes."""
+"""Full (unsharded) weights of a prepared model: ``get_state_dict`` and ``save_model`` (a prepared Hugging Face
+model's ``save_pretrained`` is its family's: ``on_prepared``). Every rank calls them (one gather per sharded
+tensor); rank 0 writes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from ndparallel.accelerator.pipeline import PipelineModel
 from ndparallel.distributed.agree import agree
 from ndparallel.errors import ConfigError
 
-__all__ = ["full_state_dict", "install_save_pretrained", "parse_size", "save_model", "take_rank0_weights"]
+__all__ = ["full_state_dict", "parse_size", "save_model", "take_rank0_weights"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -115,25 +115,6 @@ def save_model(
     # Every rank raises rank 0's failure (text in tensors, nothing pickled); also the barrier: rank 0 has
     # finished writing when the others return.
     agree(failure, f"save_model could not write {str(save_directory)!r}", error_type=ConfigError)
-
-
-def install_save_pretrained(model: nn.Module) -> None:
-    """Give a prepared Hugging Face model a ``save_pretrained`` that gathers its shards
-    (:func:`ndparallel.hf.save_pretrained`); transformers' own cannot read sharded DTensor storage."""
-
-    def save_pretrained(save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs: Any):
-        """Every rank calls it; rank 0 writes ``model.safetensors`` and ``config.json``."""
-        extra = {k: v for k, v in kwargs.items() if not (k == "safe_serialization" and v is True)}
-        if extra:
-            raise ConfigError(
-                f"save_pretrained({', '.join(sorted(extra))}=...) is not supported on a model prepared by ndparallel: "
-                "call model.save_pretrained(dir) on every rank, or ndparallel.hf.save_pretrained(model, dir)"
-            )
-        from ndparallel.models.hf.pretrained import save_pretrained as gather_and_save
-
-        return gather_and_save(model, save_directory)
-
-    model.save_pretrained = save_pretrained
 
 
 def take_rank0_weights(model: nn.Module, device: torch.device) -> nn.Module:

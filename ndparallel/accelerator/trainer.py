@@ -9,7 +9,7 @@ Trainer's own. What the engine changes, the mixin says here:
 * **the loss**: each rank's ``sum / num_items_in_batch`` (the global batch's token count), as transformers
   computes it; the Trainer multiplies it by the ``dp x cp`` ranks holding different tokens, and FSDP averages
   the gradients over them: one process's gradient. Under cp ndparallel's HF loss runs in that convention
-  (``scaled_by_caller``, ``ndparallel/models/hf/loss.py``), and TRL's fused LM head computes it the same way
+  (``scaled_by_caller``, ``ndparallel/parallel/loss.py``), and TRL's fused LM head computes it the same way
   (``trl_adapter.py``); per-rank metric sums are gathered over ``dp_cp``;
 * **clipping**: ndparallel's exact global norm (the Trainer's own skips what it calls mixed meshes);
 * **saving**: ``save_model`` gathers full tensors on every rank (collective) and rank 0 writes transformers'
@@ -55,7 +55,8 @@ from ndparallel.checkpoint import load as load_checkpoint
 from ndparallel.checkpoint import save as save_checkpoint
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.errors import ConfigError
-from ndparallel.models.hf.loss import scaled_by_caller
+from ndparallel.parallel.loss import scaled_by_caller
+from ndparallel.parallel.protocol import family_for
 
 __all__ = ["STATE_FOLDER", "NDParallelTrainerMixin", "TrainerAccelerator", "trainer_class"]
 
@@ -255,15 +256,13 @@ class NDParallelTrainerMixin:
         """Every rank (full tensors are gathered); rank 0 writes transformers' layout, tokenizer and arguments."""
         from transformers.trainer import TRAINING_ARGS_NAME
 
-        from ndparallel.models.hf.pretrained import save_pretrained
-
         output_dir = output_dir or self.args.output_dir
         if is_pipeline(self.model_wrapped):  # every stage's full tensors, gathered to rank 0
             save_model(self.model_wrapped, output_dir)
             if self.args.should_save:
                 self.model.config.save_pretrained(output_dir)
         else:
-            save_pretrained(self.model, output_dir)
+            family_for(self.model).save_pretrained(self.model, output_dir)  # Hugging Face's: gathered, rank 0 writes
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -280,9 +279,7 @@ class NDParallelTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """The weights come from ``ndp_state/`` with the optimizer (below); an unreadable ``model.safetensors``
         (truncated) is named and skipped for it, instead of safetensors' bare error (docs/troubleshooting.md)."""
-        from ndparallel.models.hf.pretrained import unreadable_weights
-
-        problem = unreadable_weights(resume_from_checkpoint)
+        problem = family_for(self.model).unreadable_weights(resume_from_checkpoint)
         if problem is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         if not os.path.isdir(os.path.join(resume_from_checkpoint, STATE_FOLDER)):

@@ -17,8 +17,8 @@ from typing import Any
 
 from ndparallel.config.preflight import ModelShape, moe_problem
 from ndparallel.errors import ConfigError
+from ndparallel.models.hf.detect import expert_count
 from ndparallel.models.hf.family import FAMILY as HF_FAMILY
-from ndparallel.models.hf.tp_plan import expert_count
 from ndparallel.models.transformer.family import FAMILY as TRANSFORMER_FAMILY
 from ndparallel.models.transformer.presets import PRESETS, TP_SPLIT_FIELDS, TransformerConfig
 
@@ -247,7 +247,7 @@ class ModelSpec:
 
 def hf_moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """The :class:`ModelSpec` MoE fields of a Hugging Face ``config.json`` ({} for a dense model): the routed experts
-    (:func:`ndparallel.models.hf.tp_plan.expert_count`, the runtime's own reader), ``num_experts_per_tok``, the
+    (:func:`ndparallel.models.hf.detect.expert_count`, the runtime's own reader), ``num_experts_per_tok``, the
     expert width (``moe_intermediate_size``, else ``intermediate_size``), the shared experts
     (``shared_expert_intermediate_size``, else ``n_shared_experts`` experts) and which blocks are MoE, by each
     family's own rule: an explicit ``moe_layers`` list (Llama 4), DeepSeek's ``first_k_dense_replace`` dense blocks

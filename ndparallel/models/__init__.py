@@ -7,7 +7,7 @@ Adding a family: docs/architecture.md ("Adding a model family").
 from ndparallel.models.hf.family import FAMILY as _HF_FAMILY
 from ndparallel.models.transformer import PRESETS, CoreAttention, Transformer, TransformerConfig
 from ndparallel.models.transformer.family import FAMILY as _TRANSFORMER_FAMILY
-from ndparallel.parallel.family import register_builtin_family
+from ndparallel.parallel.protocol import register_builtin_family
 
 register_builtin_family(_HF_FAMILY)
 register_builtin_family(_TRANSFORMER_FAMILY, default=True)  # a model no family claims gets the reference answers

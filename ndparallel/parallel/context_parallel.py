@@ -10,12 +10,11 @@ Two pieces, used together::
 
 ``context_parallel`` shards the buffers in place (head-tail order when ``cfg.cp_load_balance``) and
 restores them on exit; a tensor listed twice is sharded once. The model must index its position
-encodings by the rank's global positions: without them every rank would number its shard 0..seq/cp-1.
-A model whose ``forward`` takes ``positions`` (the reference Transformer) and is called without them
-gets them filled inside ``context_parallel`` (a forward pre-hook that ``apply_context_parallel``
-installs), and raises a ConfigError naming ``positions`` outside it. The loss is the mean over the rank's
-local tokens; FSDP over ``dp_shard_cp`` averages gradients over the cp ranks, and averaging the
-loss over ``mesh["dp_cp"]`` gives the global loss.
+encodings by the rank's global positions (else every rank numbers its shard 0..seq/cp-1): a ``forward``
+taking ``positions`` (the reference Transformer) called without them gets them filled inside
+``context_parallel`` (a pre-hook ``apply_context_parallel`` installs), and raises a ConfigError outside it.
+The loss is the mean over the rank's local tokens; FSDP over ``dp_shard_cp`` averages gradients over the
+cp ranks, and averaging the loss over ``mesh["dp_cp"]`` gives the global loss.
 
 ``cfg.cp_backend="torch"`` hands both pieces to torch's experimental ``context_parallel`` (CUDA only).
 """
@@ -39,11 +38,13 @@ from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.ring import ROTATE_METHODS, ring_attention
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.fqn import fqn_matches
+from ndparallel.parallel.protocol import family_for
 
 __all__ = [
     "MASKS",
     "RingAttention",
     "apply_context_parallel",
+    "apply_ring_attention",
     "context_parallel",
     "gather_sequence",
     "make_positions",
@@ -59,8 +60,7 @@ MASKS = ("causal", "none")
 
 
 def validate_sequence_length(seq_len: int, cp_size: int, load_balance: bool, what: str = "sequence length") -> None:
-    """Raise ConfigError unless ``seq_len`` splits over ``cp_size`` ranks (the one rule:
-    :mod:`ndparallel.config.sequence`)."""
+    """Raise ConfigError unless ``seq_len`` splits over ``cp_size`` ranks (:mod:`ndparallel.config.sequence`)."""
     check_sequence_length(seq_len, cp_size, 1, load_balance, what)
 
 
@@ -313,30 +313,37 @@ def apply_context_parallel(
     mask: str = "causal",
     positions_arg: str = "positions",
 ) -> nn.Module:
-    """Replace every module the model's family names in ``cp_attention`` (the reference Transformer's
-    ``CoreAttention``), and every module matching ``targets`` (classes, or FQN patterns such as
-    ``"layers.*.attn.core"``, ``*`` inside one atom: :mod:`ndparallel.parallel.fqn`), with a ``RingAttention``
-    on ``mesh["cp"]``; returns ``model``.
+    """Replace every module the model's family names in ``cp_attention`` (the reference ``CoreAttention``), and
+    every one matching ``targets`` (classes, or FQN patterns such as ``"layers.*.attn.core"``: :mod:`.fqn`),
+    with a ``RingAttention`` on ``mesh["cp"]``; returns ``model``.
 
     Targets must take ``forward(q, k, v)`` on ``[batch, seq, heads, head_dim]``. The outermost module
     whose ``forward`` takes ``positions_arg`` gets it filled with the rank's global positions when called
     without it inside :func:`context_parallel`. No-op when cp is 1, and with ``cp_backend="torch"``
     (torch's SDPA dispatch does the ring inside ``context_parallel``).
     """
+    return apply_ring_attention(model, mesh, cfg, (*family_for(model).cp_attention, *targets), mask, positions_arg)
+
+
+def apply_ring_attention(
+    model: nn.Module,
+    mesh: Mesh | DeviceMesh,
+    cfg: ParallelismConfig | None,
+    targets: Iterable[type | str],
+    mask: str = "causal",
+    positions_arg: str = "positions",
+) -> nn.Module:
+    """:func:`apply_context_parallel` with exactly ``targets`` (a family's default ``apply_attention``: its own)."""
     cp_mesh, cfg = _cp_parts(mesh, cfg)
     if cp_mesh.size() == 1:
         return model
     if cfg.cp_backend == "torch":
         _check_torch_backend(cp_mesh.device_type)
         return model
-    # Imported here: the family protocol's default apply_attention calls this planner.
-    from ndparallel.parallel.family import family_for
-
-    all_targets = tuple(dict.fromkeys((*family_for(model).cp_attention, *targets)))
+    all_targets = tuple(dict.fromkeys(targets))
     found: list[str] = []
-    for name, mod in model.named_modules():
-        inside_found = any(name.startswith(f"{outer}.") for outer in found)
-        if name and not inside_found and _is_target(name, mod, all_targets):
+    for name, mod in model.named_modules():  # the outermost match: nothing inside a swapped module
+        if name and not any(name.startswith(f"{o}.") for o in found) and _is_target(name, mod, all_targets):
             found.append(name)
     if not found:
         raise ConfigError(

@@ -1,131 +1,53 @@
-"""Model families: what :func:`ndparallel.parallelize` needs to know about one kind of model.
+"""``ModelFamily``: the class a model family subclasses, the protocol with the planners' default behaviours.
 
-A family is a :class:`ModelFamily`: a few declarative fields and methods that ``parallelize`` asks, in
-this order, and never anything else about the model (it has no branch on a family)::
+:class:`~ndparallel.parallel.protocol.FamilyProtocol` (``protocol.py``) holds the fields, every answer that needs no
+planner, and the registry. Two answers do call planners, and their defaults live here, above those planners::
 
-    matches(model)                     does this family claim the model?
-    blocks(model)                      the transformer blocks: FSDP units, activation checkpointing, compile
-    tp_plan(model)                     the TP + SP table {fqn_pattern: ParallelStyle}, when tp > 1
-    check(model, cfg, mesh)            pre-flight refusals, raised before the model is touched
-    moe_modules / moe_layers(model)    mixture-of-experts modules: global router statistics, expert parallel
-    expert_count(layer)                (field, routed experts) of one MoE module: ep must divide it
-    split_fields, heads_field          model.config fields tp must divide; the query heads Ulysses splits over cp
-    fsdp_groups(model)                 FSDP units besides the blocks, as lists of FQNs
-    apply_attention(model, mesh, cfg)  after TP: how tp/cp reach the attention (by default: cp swaps the
-                                       modules in cp_attention for ring attention, and fills the forward
-                                       argument positions_arg with each rank's global positions)
-    moe_tensor_parallel(model)         tp > 1 on an MoE: how tp splits its router, experts and shared experts
-    apply_moe(model, layers, mesh)     after the attention: router statistics over dp x cp, experts over ep
-                                       (and tp)
-    pipeline_stage(model, ids, f, l)   pp > 1: a module holding blocks ``ids`` under the unsplit FQNs (plus the
-                                       embedding when ``f``, the head when ``l``); stage_blocks(stage) its blocks
-    compile_loss_head(model)           compile: blocks: compile the loss head too, if the family has one
+    apply_attention(model, mesh, cfg)  under cp: the modules in ``cp_attention`` swapped for ring attention, and
+                                       the forward argument ``positions_arg`` filled with each rank's global
+                                       positions (:func:`ndparallel.parallel.context_parallel.apply_ring_attention`)
+    apply_moe(model, layers, mesh)     router statistics over dp x cp, experts over ep
+                                       (:mod:`ndparallel.parallel.expert_parallel`) and, under tp, each MoE module
+                                       split by the family's ``moe_tensor_parallel``
 
-:func:`family_for` picks the family: the ones given to :func:`register_family` (newest first), then
-the built-in Hugging Face family (``ndparallel/models/hf/family.py``), and otherwise the reference
-Transformer's (``ndparallel/models/transformer/family.py``), which is also the default for a model no family claims:
-its table fits Llama-shaped models named like ours, and anything else passes ``tp_plan=``, ``blocks=`` and
-``fsdp_groups=`` to ``parallelize`` (each overrides the family's answer) or registers a family of its own.
-Floor: a family definition may use torch's ParallelStyle classes and ndparallel's planners, so it sits
-on the planners' floor, beside them; a model never imports its family (docs/parallelize.md#model-families).
+The reference Transformer's family (``ndparallel/models/transformer/family.py``) is also the default for a model no
+family claims: its table fits Llama-shaped models named like ours, and anything else passes ``tp_plan=``,
+``blocks=`` and ``fsdp_groups=`` to ``parallelize`` (each overrides the family's answer) or registers a family of
+its own with :func:`register_family`. Floor: a family definition may use torch's ParallelStyle classes and
+ndparallel's planners, so it sits on the planners' floor, beside them; a model never imports its family
+(docs/parallelize.md#model-families).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
-from ndparallel.errors import ConfigError
-from ndparallel.parallel.context_parallel import apply_context_parallel
+from ndparallel.parallel.context_parallel import apply_ring_attention
 from ndparallel.parallel.expert_parallel import apply_expert_parallel, apply_router_statistics
-from ndparallel.parallel.fqn import fqn_matches
-from ndparallel.parallel.moe_tensor_parallel import MoETensorParallel, apply_moe_tensor_parallel
+from ndparallel.parallel.moe_tensor_parallel import apply_moe_tensor_parallel
+from ndparallel.parallel.protocol import FamilyProtocol, family_for, register_family
 
-__all__ = [
-    "ModelFamily",
-    "block_list",
-    "config_sizes",
-    "family_for",
-    "register_family",
-    "register_builtin_family",
-    "registered_families",
-]
-
-# The built-in families (registered by ndparallel.models when it is imported, as `import ndparallel` does) are
-# asked after the user's. The default answers for every model that no family claims.
-_REGISTERED: list[ModelFamily] = []
-_BUILT_IN: list[ModelFamily] = []
-_DEFAULT: list[ModelFamily] = []
+# family_for and register_family are documented under this module (docs/parallelize.md); both are defined in
+# protocol.py, where planners and jobs import them.
+__all__ = ["ModelFamily", "family_for", "register_family"]
 
 
-def block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The first ``nn.ModuleList`` of ``model`` and its FQN (the reference ``layers``, an HF ``model.layers``)."""
-    return next(((name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)), None)
+class ModelFamily(FamilyProtocol):
+    """What ``parallelize`` and the jobs need to know about one kind of model. Subclass it, override what differs.
 
-
-class ModelFamily:
-    """What ``parallelize`` needs to know about one kind of model. Subclass it, override what differs.
-
-    The defaults describe a generic decoder: blocks are the children of the first ``nn.ModuleList``, no TP
-    table (``parallelize`` then needs ``tp_plan=``), no FSDP units besides the blocks and the root, and under
+    The defaults describe a generic decoder (:class:`~ndparallel.parallel.protocol.FamilyProtocol`), and under
     cp the modules in ``cp_attention`` swapped for ring attention.
     """
 
-    name: str = "model"
-    split_fields: tuple[str, ...] = ()  # model.config fields tp must divide (heads, kv heads, FFN width, vocab)
-    heads_field: str | None = None  # model.config field with the query heads (Ulysses splits them over cp)
-    cp_attention: tuple[type | str, ...] = ()  # classes or FQN patterns that cp replaces by ring attention
-    # Mixture-of-experts modules (classes or FQN patterns) following the contract of ndparallel/parallel/
-    # expert_parallel.py: router statistics over dp x cp, experts sharded over ep
-    moe_modules: tuple[type | str, ...] = ()
-    positions_arg: str = "positions"  # the forward argument that takes each token's global position
-    pipeline_cp: bool = True  # whether pipeline stages of this family run context parallel (tested)
-    # ParallelismConfig fields this family's pipeline stages are untested with under pp_size > 1:
-    # build_pipeline refuses any set away from its default (a cp_* field only when cp_size > 1)
-    pipeline_untested: tuple[str, ...] = ()
-    label: str = "model"  # how refusals name a model of this family
-
-    def matches(self, model: nn.Module) -> bool:
-        """Whether this family describes ``model``."""
-        return False
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The transformer blocks, in order."""
-        found = block_list(model)
-        if found is None:
-            raise ConfigError(
-                f"{type(model).__name__} has no nn.ModuleList of blocks; pass blocks=[fqn, ...] or a predicate"
-            )
-        return list(found[1])
-
-    def tp_plan(self, model: nn.Module) -> Mapping[str, ParallelStyle] | None:
-        """The tensor + sequence parallel table (asked only when tp > 1); None: the caller must pass ``tp_plan=``."""
-        return None
-
-    def check(self, model: nn.Module, cfg: ParallelismConfig, mesh: Mesh) -> None:
-        """Raise :class:`ConfigError` for what this family cannot do on ``mesh``, before the model is touched."""
-
-    def moe_layers(self, model: nn.Module) -> list[nn.Module]:
-        """The modules of ``model`` that ``moe_modules`` names, in ``named_modules`` order."""
-        return [
-            module
-            for name, module in model.named_modules()
-            if name
-            and any(isinstance(module, t) if isinstance(t, type) else fqn_matches(name, t) for t in self.moe_modules)
-        ]
-
-    def expert_count(self, layer: nn.Module) -> tuple[str, int]:
-        """The field that names one MoE module's routed experts, and their number (ep must divide it)."""
-        return "n_experts", layer.experts.n_experts
-
-    def moe_tensor_parallel(self, model: nn.Module) -> MoETensorParallel | None:
-        """How tp splits this family's MoE modules (:mod:`ndparallel.parallel.moe_tensor_parallel`); None: tp > 1
-        on its MoE models is refused by name."""
-        return None
+    def apply_attention(self, model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> nn.Module:
+        """After TP, before activation checkpointing: route the attention through tp/cp; returns the model."""
+        if mesh.size("cp") == 1:
+            return model
+        return apply_ring_attention(model, mesh, cfg, targets=self.cp_attention, positions_arg=self.positions_arg)
 
     def apply_moe(self, model: nn.Module, moe_layers: Sequence[nn.Module], mesh: Mesh) -> None:
         """After the attention: count the routers' tokens over ``mesh["dp_cp"]`` (the global batch's balancing
@@ -136,77 +58,3 @@ class ModelFamily:
         apply_expert_parallel(moe_layers, mesh, spec.expert_hidden_dims if spec else None)
         if spec is not None:
             apply_moe_tensor_parallel(moe_layers, mesh["tp"], spec)
-
-    def fsdp_groups(self, model: nn.Module) -> list[list[str]]:
-        """FSDP units besides the blocks, as lists of FQNs (each list is one unit; the rest is the root unit)."""
-        return []
-
-    def apply_attention(self, model: nn.Module, mesh: Mesh, cfg: ParallelismConfig) -> nn.Module:
-        """After TP, before activation checkpointing: route the attention through tp/cp; returns the model."""
-        if mesh.size("cp") == 1:
-            return model
-        return apply_context_parallel(model, mesh, cfg, targets=self.cp_attention, positions_arg=self.positions_arg)
-
-    def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
-        """One pipeline stage of ``model``: blocks ``block_ids`` (an ``nn.ModuleDict`` keyed by the original
-        index, so FQNs are the unsplit model's), the embedding when ``first``, the head when ``last``; its
-        ``forward(x, <positions>)`` takes tokens on the first stage, hidden states elsewhere. Default: refused."""
-        raise ConfigError(
-            f"{type(model).__name__} (model family {self.name!r}) cannot be split into pipeline stages: the family "
-            "has no pipeline_stage; use pp_size=1, or register a family that defines pipeline_stage"
-        )
-
-    def stage_blocks(self, stage: nn.Module) -> list[str]:
-        """FQNs of the blocks of a stage from :meth:`pipeline_stage`: the children of its first ``nn.ModuleDict``."""
-        name, blocks = next((n, m) for n, m in stage.named_modules() if isinstance(m, nn.ModuleDict))
-        return [f"{name}.{key}" for key in blocks]
-
-    def compile_loss_head(self, model: nn.Module) -> None:
-        """Under ``compile: blocks``, after the blocks: compile the head that computes the loss (projection and
-        cross entropy in one graph) when the model computes its loss in ``forward(..., labels)``.
-        Default: nothing (the loss stays eager, on the logits)."""
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r}>"
-
-
-def register_family(family: ModelFamily) -> ModelFamily:
-    """Make ``parallelize`` use ``family`` for every model its ``matches`` accepts; asked before the built-in
-    families, the last registered first. Registering the same object again moves it to the front."""
-    if not isinstance(family, ModelFamily):
-        raise ConfigError(f"register_family needs a ModelFamily instance, got {type(family).__name__}")
-    if family in _REGISTERED:
-        _REGISTERED.remove(family)
-    _REGISTERED.append(family)
-    return family
-
-
-def register_builtin_family(family: ModelFamily, *, default: bool = False) -> None:
-    """How a family folder under ``ndparallel/models/`` joins the lookup: asked after every family a user
-    registered; ``default=True`` makes it the answer for a model no family claims. Families sit above the
-    planners, so the planners never import one: the models package calls this when it is imported."""
-    if default:
-        _DEFAULT[:] = [family]
-    elif family not in _BUILT_IN:
-        _BUILT_IN.append(family)
-
-
-def registered_families() -> list[ModelFamily]:
-    """Every family in the order :func:`family_for` asks them; the last is the default."""
-    return [*reversed(_REGISTERED), *_BUILT_IN, *(_DEFAULT or [ModelFamily()])]
-
-
-def family_for(model: nn.Module) -> ModelFamily:
-    """The family that describes ``model``: the first that matches, else the default (the reference Transformer's)."""
-    families = registered_families()
-    return next((family for family in families[:-1] if family.matches(model)), families[-1])
-
-
-def _field(model: nn.Module, name: str | None) -> int | None:
-    value = getattr(getattr(model, "config", None), name, None) if name else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def config_sizes(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
-    """The integer ``model.config`` fields among ``names`` that the model has."""
-    return {name: value for name in names if (value := _field(model, name)) is not None}

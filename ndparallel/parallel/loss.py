@@ -4,17 +4,51 @@ Under tensor parallelism the reference plan (and the Hugging Face one) leaves th
 sharded on the vocabulary. :func:`cross_entropy_loss` then all-reduces the row max, the sum of
 exponentials and the target logit over the tp group instead of gathering the vocabulary; forward and
 backward need no context manager. Plain logits go to ``F.cross_entropy``. Both compute in fp32 or wider.
-Also importable as ``ndparallel.cross_entropy_loss``.
+Also importable as ``ndparallel.cross_entropy_loss``. Beside it: the auxiliary losses a forward left
+(:func:`auxiliary_loss`), a token sum (:func:`token_loss_sum`, the pipeline's per-micro-batch loss) and the
+Trainer's convention that the caller scales each rank's loss (:func:`scaled_by_caller`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["auxiliary_loss", "cross_entropy_loss"]
+__all__ = ["auxiliary_loss", "caller_scales", "cross_entropy_loss", "scaled_by_caller", "token_loss_sum"]
+
+_CALLER_SCALES = ContextVar("ndparallel_loss_caller_scales", default=False)
+
+
+@contextmanager
+def scaled_by_caller() -> Iterator[None]:
+    """Inside, a loss given ``num_items_in_batch`` is ``sum / num_items_in_batch`` without the cp factor: the
+    caller (transformers' Trainer) multiplies each rank's loss by ``dp x cp`` itself. A convention between the
+    caller and whichever loss honours it (Hugging Face's ``outputs.loss``), so the caller asks no model family."""
+    token = _CALLER_SCALES.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_SCALES.reset(token)
+
+
+def caller_scales() -> bool:
+    """Whether this code runs inside :func:`scaled_by_caller`."""
+    return _CALLER_SCALES.get()
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Sum of the token cross entropies (0 when every target is ignored, with zero gradients)."""
+    if isinstance(logits, DTensor):  # vocabulary-parallel: its mean divides by the count clamped to >= 1
+        return cross_entropy_loss(logits, targets, ignore_index=ignore_index) * (targets != ignore_index).sum()
+    flat = logits.flatten(0, -2)
+    flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+    return F.cross_entropy(flat, targets.flatten(), ignore_index=ignore_index, reduction="sum")
 
 
 def auxiliary_loss(model: torch.nn.Module) -> torch.Tensor | None:

@@ -36,10 +36,10 @@ from ndparallel.errors import ConfigError
 from ndparallel.parallel.activation_checkpoint import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile, check_compile
 from ndparallel.parallel.expert_parallel import expert_modules
-from ndparallel.parallel.family import ModelFamily, config_sizes, family_for
 from ndparallel.parallel.fully_shard import apply_fully_shard, fsdp_mesh
 from ndparallel.parallel.master_weights import apply_master_weights
 from ndparallel.parallel.moe_tensor_parallel import moe_tp_problem
+from ndparallel.parallel.protocol import FamilyProtocol, config_sizes, family_for
 from ndparallel.parallel.tensor_parallel import TPTable, apply_tensor_parallel, check_tp_divisibility
 
 __all__ = ["find_blocks", "parallelize"]
@@ -93,13 +93,13 @@ def _resolve(cfg: ParallelismConfig | None, mesh: Mesh | None) -> tuple[Parallel
     return resolved, mesh
 
 
-def _check_alltoall_heads(model: nn.Module, family: ModelFamily, tp: int, cp: int) -> None:
+def _check_alltoall_heads(model: nn.Module, family: FamilyProtocol, tp: int, cp: int) -> None:
     """Ulysses splits each tp rank's query heads over cp: refuse a model config whose heads do not divide."""
     for name, heads in config_sizes(model, [family.heads_field] if family.heads_field else []).items():
         check_alltoall_heads(heads, tp, cp, what=name)
 
 
-def _tp_table(model: nn.Module, family: ModelFamily, tp_plan: TPTable | None) -> TPTable:
+def _tp_table(model: nn.Module, family: FamilyProtocol, tp_plan: TPTable | None) -> TPTable:
     """The caller's ``plan``, else the family's table."""
     if tp_plan is not None:
         return tp_plan
@@ -129,7 +129,7 @@ def parallelize(
             from it with :func:`ndparallel.init_distributed`.
         mesh: the :class:`ndparallel.Mesh` to use.
         plan: tensor-parallel table ``{fqn_pattern: ParallelStyle}``; default the model family's
-            (:func:`ndparallel.parallel.family.family_for`; the reference Transformer's is
+            (:func:`ndparallel.parallel.protocol.family_for`; the reference Transformer's is
             :func:`ndparallel.models.transformer.family.transformer_tp_plan`).
         blocks: which modules are transformer blocks (see :func:`find_blocks`); default the family's.
         fsdp_groups: extra FSDP units as lists of FQNs; default the family's (the reference Transformer's:

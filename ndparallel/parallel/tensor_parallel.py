@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from ndparallel.config.preflight import check_tp_fields
 from ndparallel.errors import ConfigError
-from ndparallel.parallel.family import config_sizes
 from ndparallel.parallel.fqn import first_match, matching_modules
+from ndparallel.parallel.protocol import config_sizes
 
 __all__ = ["TPTable", "apply_tensor_parallel", "check_tp_divisibility"]
 

@@ -7,7 +7,8 @@ count, backward with the gradient communication :func:`ndparallel.parallel.grad_
 decides; then clip the global gradient norm, let every rank agree the loss and norm are finite
 (:class:`~ndparallel.train.nonfinite.NonFiniteGuard`), and step the optimizer only if they are. After it, an
 MoE model's routers report the step's global tokens per expert, and a sigmoid router's balancing bias moves
-by ``router_bias_rate`` (:func:`ndparallel.models.transformer.moe.update_router_biases`).
+by ``router_bias_rate``. What differs by model (router statistics, the bias update, whether the forward computes
+the loss) the step asks the model's family (:func:`ndparallel.parallel.protocol.family_for`).
 
 Mixed precision follows :mod:`ndparallel.config.precision`: with FSDP its policy casts; without
 FSDP the forward runs under ``torch.autocast(bf16)``. The loss is computed in fp32, or float64 for a float64
@@ -28,12 +29,12 @@ from ndparallel.config.precision import forward_autocast_dtype
 from ndparallel.distributed.agree import gather_vectors
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
-from ndparallel.models.transformer.moe import nonfinite_routers, router_loads, update_router_biases
 from ndparallel.parallel.clip import clip_grad_norm_
 from ndparallel.parallel.context_parallel import context_parallel
 from ndparallel.parallel.grad_sync import micro_batch_sync
 from ndparallel.parallel.loss import auxiliary_loss, cross_entropy_loss
 from ndparallel.parallel.pipeline import Pipeline
+from ndparallel.parallel.protocol import family_for
 from ndparallel.train.nonfinite import NonFiniteGuard
 
 __all__ = ["StepResult", "TrainStep"]
@@ -132,7 +133,7 @@ class TrainStep:
             masks = {"positions": positions, "document_ids": document_ids}
             return self._pipeline_step(inputs, labels, step, {k: v for k, v in masks.items() if v is not None})
         loss_sum = torch.zeros((), device=self.device)
-        fused_head = getattr(self.model, "loss_in_forward", False)  # ndparallel.models.Transformer's
+        fused_head = family_for(self.model).loss_in_forward(self.model)  # compile: blocks compiled the loss head
         micro_batches = list(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True))
         rows = [(None, None)] * accumulation
         if document_ids is not None:
@@ -191,7 +192,7 @@ class TrainStep:
         """Which MoE routers' logits held a NaN/inf in this step's forwards on this rank (the first sign of a
         diverging MoE), for the non-finite guard's message; empty if none did."""
         modules = self.model.stages if isinstance(self.model, Pipeline) else [self.model]
-        names = [name for module in modules for name in nonfinite_routers(module)]
+        names = [name for module in modules for name in family_for(module).nonfinite_routers(module)]
         if names:
             return f"NaN/inf router logits in {', '.join(names)}"
         return self._overflowing_router_losses()
@@ -218,9 +219,9 @@ class TrainStep:
         rank); then move the balancing biases (an applied step only) and reset the counts for the next."""
         pipeline = isinstance(self.model, Pipeline)
         modules = self.model.stages if pipeline else [self.model]
-        loads = [router_loads(module) for module in modules]
+        loads = [family_for(module).router_loads(module) for module in modules]
         for module in modules:
-            update_router_biases(module, self.router_bias_rate if applied else 0.0)
+            family_for(module).update_router_biases(module, self.router_bias_rate if applied else 0.0)
         if not pipeline or self.model.aux_losses is None:
             return [load for per_module in loads for load in per_module]
         mine = [(sid, per) for sid, per in zip(self.model.stage_ids, loads, strict=True)]

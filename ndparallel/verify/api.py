@@ -137,7 +137,7 @@ def reshard_divergence(a: Layout, on_a: dict, b: Layout, on_b: dict) -> dict:
 
 def _has_experts(spec: ModelSpec) -> bool:
     """Whether the model has mixture-of-experts modules its family can spread over ep (``auto`` then adds ep)."""
-    from ndparallel.parallel.family import family_for
+    from ndparallel.parallel.protocol import family_for
 
     model = spec.build()
     return bool(family_for(model).moe_layers(model))

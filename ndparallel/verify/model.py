@@ -22,7 +22,7 @@ from torch import nn
 
 from ndparallel.distributed.memory import check_fits_in_memory as fits_in_memory
 from ndparallel.errors import ConfigError
-from ndparallel.parallel.family import block_list
+from ndparallel.parallel.protocol import block_list
 
 __all__ = ["DTYPES", "ModelSpec", "check_fits_in_memory", "model_spec", "vocab_size"]
 

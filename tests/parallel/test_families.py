@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ndparallel.errors import ConfigError
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.parallel.fqn import first_match, fqn_matches, matching_modules
 
@@ -100,7 +101,7 @@ def _recording_family():
 
 
 def test_family_for_picks_registered_then_hugging_face_then_the_reference_default() -> None:
-    from ndparallel.parallel.family import _REGISTERED, family_for, register_family
+    from ndparallel.parallel.protocol import _REGISTERED, family_for, register_family
 
     with torch.device("meta"):
         reference = Transformer(TransformerConfig.from_preset("tiny"))
@@ -117,7 +118,7 @@ def test_family_for_picks_registered_then_hugging_face_then_the_reference_defaul
 
 def _parallelize_with_a_registered_family() -> dict:
     import ndparallel as ndp
-    from ndparallel.parallel.family import _REGISTERED, register_family
+    from ndparallel.parallel.protocol import _REGISTERED, register_family
 
     family = register_family(_recording_family())
     try:
@@ -146,3 +147,35 @@ def test_parallelize_asks_the_registered_family_and_explicit_arguments_override_
         "apply_attention",
     ]  # blocks= given the second time: the family is not asked for them
     assert out["checkpointed"] == [[True, True], [False, True]]
+
+
+# ------------------------------------------------------------------------------------ what the jobs ask
+
+
+def test_the_jobs_ask_the_family_for_router_statistics_the_fused_loss_and_prepare() -> None:
+    """TrainStep and the Accelerator ask family_for(model) (docs/parallelize.md#model-families): the reference
+    family walks its Routers, Hugging Face's routers keep no counts and its prepared models get save_pretrained."""
+    from ndparallel.parallel.protocol import FamilyProtocol, family_for
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig.from_preset("tiny-moe", router="sigmoid", dtype="float64"))
+    family = family_for(model)
+    model(torch.randint(0, 256, (2, 8)))
+    loads = family.router_loads(model)
+    assert len(loads) == model.config.n_layers and all(float(load.sum()) == 2 * 8 * 2 for load in loads)
+    assert family.nonfinite_routers(model) == [] and family.loss_in_forward(model) is False
+    family.update_router_biases(model, 0.1)
+    router = model.layers[0].feed_forward.router
+    torch.testing.assert_close(router.expert_bias, 0.1 * torch.sign(loads[0].mean() - loads[0]))
+    assert all(float(load.sum()) == 0 for load in family.router_loads(model)), "the counts are reset"
+
+    hf = family_for(_DuckHFModel())
+    assert hf.router_loads(model) == [] and hf.nonfinite_routers(model) == []
+    duck = _DuckHFModel()
+    hf.on_prepared(duck)
+    assert callable(duck.save_pretrained), "a prepared Hugging Face model saves through ndparallel.hf.save_pretrained"
+    generic = FamilyProtocol()
+    generic.on_prepared(model)
+    assert not hasattr(model, "save_pretrained") and generic.unreadable_weights("/nonexistent") is None
+    with pytest.raises(ConfigError, match="no pretrained folder format"):
+        generic.save_pretrained(model, "/nonexistent")

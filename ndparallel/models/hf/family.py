@@ -5,11 +5,14 @@ entries translated in :mod:`ndparallel.models.hf.tp_translate`; lookups such as 
 :mod:`ndparallel.models.hf.detect`), the attention seam, position handling and input checks in
 :mod:`ndparallel.models.hf.attention` / :mod:`ndparallel.models.hf.inputs`, ``outputs.loss`` in
 :mod:`ndparallel.models.hf.loss`. Models are recognised by ``config.model_type`` without importing ``transformers``.
-Decoder layers are the first ``nn.ModuleList``.
+Decoder layers are the first ``nn.ModuleList``. For the jobs: a prepared model's ``save_pretrained`` gathers its
+shards, and the Trainer saves and checks ``model.safetensors`` folders through :mod:`ndparallel.models.hf.pretrained`;
+routers keep no counts.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,9 +21,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
+from ndparallel.errors import ConfigError
 from ndparallel.models.hf.attention import apply_hf_attention, check_attention, route_hf_attention
 from ndparallel.models.hf.detect import is_hf_model
 from ndparallel.models.hf.moe import adapt_experts, hf_moe_layers, install_global_router_loss
+from ndparallel.models.hf.pretrained import save_pretrained as gather_and_save
+from ndparallel.models.hf.pretrained import unreadable_weights
 from ndparallel.models.hf.stage import HFCausalLMStage
 from ndparallel.models.hf.tp_plan import hf_fsdp_groups, hf_tp_plan
 from ndparallel.parallel.expert_parallel import apply_expert_parallel
@@ -76,8 +82,36 @@ class HuggingFaceFamily(ModelFamily):
     def pipeline_stage(self, model: nn.Module, block_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
         return HFCausalLMStage(model, block_ids, first, last)
 
+    def on_prepared(self, model: nn.Module) -> None:
+        """A prepared model's ``save_pretrained`` gathers its shards (:func:`ndparallel.hf.save_pretrained`):
+        transformers' own cannot read sharded DTensor storage."""
+        if is_hf_model(model):  # not a pipeline stage: the Accelerator saves a pipeline with save_model
+            _install_save_pretrained(model)
+
+    def save_pretrained(self, model: nn.Module, folder: str | os.PathLike) -> str | None:
+        return gather_and_save(model, folder)  # model.safetensors + config.json, full tensors, rank 0 writes
+
+    def unreadable_weights(self, folder: str | os.PathLike) -> str | None:
+        return unreadable_weights(folder)  # a truncated or corrupt model.safetensors, named
+
 
 FAMILY = HuggingFaceFamily()
+
+
+def _install_save_pretrained(model: nn.Module) -> None:
+    """Give a prepared Hugging Face model a ``save_pretrained`` that gathers its shards."""
+
+    def save_pretrained(save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs: Any):
+        """Every rank calls it; rank 0 writes ``model.safetensors`` and ``config.json``."""
+        extra = {k: v for k, v in kwargs.items() if not (k == "safe_serialization" and v is True)}
+        if extra:
+            raise ConfigError(
+                f"save_pretrained({', '.join(sorted(extra))}=...) is not supported on a model prepared by ndparallel: "
+                "call model.save_pretrained(dir) on every rank, or ndparallel.hf.save_pretrained(model, dir)"
+            )
+        return gather_and_save(model, save_directory)
+
+    model.save_pretrained = save_pretrained
 
 
 def hf_parallelize_kwargs(

@@ -23,34 +23,19 @@ installed on the model (``model.loss_function``) keeps the same arguments and me
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ndparallel.parallel.context_parallel import gather_sequence, sequence_indices
-from ndparallel.parallel.loss import cross_entropy_loss
+from ndparallel.parallel.loss import caller_scales, cross_entropy_loss, scaled_by_caller, token_loss_sum
 
+# scaled_by_caller and token_loss_sum live in ndparallel/parallel/loss.py (the Trainer and the pipeline use them for
+# any model); still importable from here.
 __all__ = ["install_causal_lm_loss", "labels_problem", "scaled_by_caller", "token_loss_sum"]
-
-_CALLER_SCALES = ContextVar("ndparallel_hf_loss_caller_scales", default=False)
-
-
-@contextmanager
-def scaled_by_caller() -> Iterator[None]:
-    """Inside, a loss given ``num_items_in_batch`` is ``sum / num_items_in_batch`` without the cp factor: the
-    caller (transformers' Trainer) multiplies each rank's loss by ``dp x cp`` itself."""
-    token = _CALLER_SCALES.set(True)
-    try:
-        yield
-    finally:
-        _CALLER_SCALES.reset(token)
 
 
 def labels_problem(kwargs: dict[str, Any], local: int, cp_size: int) -> str | None:
@@ -90,15 +75,6 @@ def _local_positions(full: torch.Tensor, local: int, cp: tuple) -> torch.Tensor:
     return full.index_select(1, sequence_indices(full.shape[1], cp_size, cp_rank, load_balance, device=full.device))
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Sum of the token cross entropies (0 when every target is ignored, with zero gradients)."""
-    if isinstance(logits, DTensor):  # vocabulary-parallel: its mean divides by the count clamped to >= 1
-        return cross_entropy_loss(logits, targets, ignore_index=ignore_index) * (targets != ignore_index).sum()
-    flat = logits.flatten(0, -2)
-    flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-    return F.cross_entropy(flat, targets.flatten(), ignore_index=ignore_index, reduction="sum")
-
-
 def _causal_lm_loss(cp: tuple[dist.ProcessGroup | None, int, int, bool]):
     group, cp_size = cp[0], cp[1]
 
@@ -125,7 +101,7 @@ def _causal_lm_loss(cp: tuple[dist.ProcessGroup | None, int, int, bool]):
             dist.all_reduce(denominator, group=group)  # the valid tokens of these sequences, over the cp ranks
         else:
             denominator = torch.as_tensor(num_items_in_batch, device=total.device)
-        share = 1 if num_items_in_batch is not None and _CALLER_SCALES.get() else cp_size
+        share = 1 if num_items_in_batch is not None and caller_scales() else cp_size
         return total * share / denominator.clamp(min=1).to(total.dtype)
 
     return loss_function

@@ -37,10 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ndparallel.errors import ConfigError
-
-# is_hf_model and expert_count live in detect.py; importers (the Accelerator, the cost model, the families) keep
-# reading them from here
-from ndparallel.models.hf.detect import expert_count, is_hf_model, is_norm, module_fqn, packed_experts
+from ndparallel.models.hf.detect import is_hf_model, is_norm, module_fqn, packed_experts
 from ndparallel.models.hf.styles import GatherSequence, TiedColwiseParallel
 from ndparallel.models.hf.tp_translate import (
     REFUSED,
@@ -50,10 +47,10 @@ from ndparallel.models.hf.tp_translate import (
     prefixed_plan,
     unplaceable,
 )
-from ndparallel.parallel.family import block_list
 from ndparallel.parallel.fqn import fqn_matches
+from ndparallel.parallel.protocol import block_list
 
-__all__ = ["expert_count", "hf_fsdp_groups", "hf_tp_plan", "is_hf_model"]
+__all__ = ["hf_fsdp_groups", "hf_tp_plan"]
 
 # model types whose attention splits q/k/v by the config's global head count (``view(..., num_heads, head_dim)``,
 # CodeGen's 4-way packed qkv_proj) instead of ``-1``: measured, a raw shape error on tp 2. Refused by name.

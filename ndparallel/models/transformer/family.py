@@ -26,13 +26,16 @@ reduce-scatters its output (:mod:`ndparallel.parallel.moe_tensor_parallel`).
 
 Blocks are ``layers`` (the first ``nn.ModuleList``); FSDP units besides them are ``[tok_embeddings]`` and
 ``[norm, output]``; under cp, ``CoreAttention`` (the one attention seam) becomes ring attention and the
-``positions`` argument of ``forward`` gets each rank's global positions.
+``positions`` argument of ``forward`` gets each rank's global positions. For the training step: the routers'
+counts, non-finite flags and balancing biases (:mod:`ndparallel.models.transformer.moe`), and ``loss_in_forward``
+(the model's own flag, set by :meth:`TransformerFamily.compile_loss_head`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -45,7 +48,7 @@ from torch.distributed.tensor.parallel import (
 
 from ndparallel.errors import ConfigError
 from ndparallel.models.transformer.model import CoreAttention, Transformer
-from ndparallel.models.transformer.moe import MoE
+from ndparallel.models.transformer.moe import MoE, nonfinite_routers, router_loads, update_router_biases
 from ndparallel.models.transformer.presets import TP_SPLIT_FIELDS
 from ndparallel.models.transformer.stage import TransformerStage
 from ndparallel.parallel.family import ModelFamily
@@ -135,6 +138,18 @@ class TransformerFamily(ModelFamily):
                 "pipeline_stage for another model, or use pp_size=1"
             )
         return TransformerStage(model, block_ids, first, last)
+
+    # What the training step asks after each step (ndparallel/models/transformer/moe.py): every Router under
+    # ``model``, a Transformer, one of its pipeline stages or any model whose routers are the reference Router.
+
+    def router_loads(self, model: nn.Module) -> list[torch.Tensor]:
+        return router_loads(model)
+
+    def nonfinite_routers(self, model: nn.Module) -> list[str]:
+        return nonfinite_routers(model)
+
+    def update_router_biases(self, model: nn.Module, rate: float) -> None:
+        update_router_biases(model, rate)
 
 
 FAMILY = TransformerFamily()

@@ -14,7 +14,6 @@ from ndparallel.config.precision import forward_autocast_dtype, parallelize_conf
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.errors import ConfigError
-from ndparallel.parallel.family import ModelFamily, family_for
 from ndparallel.parallel.loss import cross_entropy_loss
 from ndparallel.parallel.pipeline.aux_loss import AuxLossRecord, attach_auxiliary_losses
 from ndparallel.parallel.pipeline.placement import last_stage_rank, stage_ids
@@ -23,6 +22,7 @@ from ndparallel.parallel.pipeline.split import stage_ranges
 from ndparallel.parallel.pipeline.stages import build_stage_modules
 from ndparallel.parallel.pipeline.tied import tied_copies
 from ndparallel.parallel.pipeline.torch_api import make_schedule, make_stage
+from ndparallel.parallel.protocol import FamilyProtocol, family_for
 
 __all__ = ["build_pipeline"]
 
@@ -38,7 +38,7 @@ def _ranges(model, family, n_stages: int, explicit, first_part: nn.Module, last_
     return stage_ranges([_numel(b) for b in blocks], n_stages, explicit, _numel(first_part), _numel(last_part))
 
 
-def _check_untested(family: ModelFamily, cfg: ParallelismConfig) -> None:
+def _check_untested(family: FamilyProtocol, cfg: ParallelismConfig) -> None:
     """Refuse a ``family.pipeline_untested`` field set away from its default (a ``cp_*`` field counts only
     when cp_size > 1): its stages were never proved against one process with it."""
     for field in family.pipeline_untested:

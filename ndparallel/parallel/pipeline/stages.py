@@ -19,9 +19,9 @@ from torch import nn
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
-from ndparallel.parallel.family import ModelFamily
 from ndparallel.parallel.fqn import matching_modules
 from ndparallel.parallel.parallelize import parallelize
+from ndparallel.parallel.protocol import FamilyProtocol
 
 __all__ = ["build_stage_modules", "stage_config", "stage_fsdp_groups", "stage_tp_plan"]
 
@@ -64,7 +64,7 @@ def _materialise(stage: nn.Module, on_meta: bool, device: torch.device, seed: in
 
 def build_stage_modules(
     model: nn.Module,
-    family: ModelFamily,
+    family: FamilyProtocol,
     ranges: Sequence[range],
     ids: Sequence[int],
     cfg: ParallelismConfig,
