@@ -38,13 +38,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _model(kind: str):
     if kind == "hf":
-        from tests.parallel.test_pipeline_parity import _tiny_llama
+        from tests.parallel.pipeline.test_parity import _tiny_llama
 
         return _tiny_llama()
     if kind == "hf-tied":  # the embedding and lm_head one tensor: under pp a copy on each end stage
         from transformers import LlamaForCausalLM
 
-        from tests.parallel.test_pipeline_parity import _tiny_llama_config
+        from tests.parallel.pipeline.test_parity import _tiny_llama_config
 
         torch.manual_seed(0)
         return LlamaForCausalLM(_tiny_llama_config(tie_word_embeddings=True)).double()

@@ -60,6 +60,6 @@ def test_a_pp_case_is_measured_on_real_ranks_and_trains_like_one_rank():
     config["defaults"].update(steps=2, compute_twin=False)
     single, pipe = run_cases(cases_from_config(config), peak_flops=1e12, verbose=False)
     assert not pipe.error and len(pipe.losses) == 2, pipe.error
-    assert pipe.losses == pytest.approx(single.losses, abs=1e-5)  # fp32; float64 parity: test_pipeline_parity
+    assert pipe.losses == pytest.approx(single.losses, abs=1e-5)  # fp32; float64: pipeline/test_parity.py
     assert pipe.pipeline["schedule"] == "gpipe" and pipe.pipeline["microbatches"] == 4
     assert "pp2 gpipe m4" in format_table([single, pipe])

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests.checkpoint.test_checkpoint_ep import _full, errors
-from tests.parallel.test_moe_pipeline import BATCH, BIAS_RATE, MAX_NORM, MICRO, MOE, TOL, _batches
+from tests.parallel.pipeline.test_aux_loss import BATCH, BIAS_RATE, MAX_NORM, MICRO, MOE, TOL, _batches
 
 SAVED_AT, STEPS = 2, 4
 PP2 = {"pp_size": 2, "dp_shard_size": 2}

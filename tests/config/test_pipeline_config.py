@@ -88,7 +88,7 @@ def test_pp_rules_only_apply_with_pp(monkeypatch):
     ],
 )
 def test_pp_composes_with_what_a_parity_test_covers(fields, monkeypatch):
-    # tests/parallel/test_pipeline_compose.py proves each exact in float64 (compile on torch >= 2.12: tested below)
+    # tests/parallel/pipeline/test_compose.py proves each exact in float64 (compile on torch >= 2.12: tested below)
     monkeypatch.setattr(torch, "__version__", "2.13.0")
     assert ParallelismConfig(pp_size=2, **fields).pp_size == 2
 
