@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.checkpoint.test_checkpoint_ep import _full, errors
+from tests.checkpoint.test_resharding import _full, errors
 from tests.parallel.pipeline.test_aux_loss import BATCH, BIAS_RATE, MAX_NORM, MICRO, MOE, TOL, _batches
 
 SAVED_AT, STEPS = 2, 4
