@@ -2,13 +2,15 @@
 
 The multi-rank check runs the ``bench`` command itself (two cases: one rank, FSDP over two ranks) and
 reads everything back from its JSON, so CLI, harness, counter, memory tracker and report are covered
-by one spawned job per world size.
+by one spawned job per world size. The sweep config's refusals are one parametrised test over the layouts
+(dense and pipeline); one pp case and one ep case are measured on real ranks.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import yaml
 from ndparallel.bench.cli import apply_defaults_overrides
 from ndparallel.bench.memory import LiveMemory, state_bytes
 from ndparallel.bench.report import SCHEMA
-from ndparallel.bench.sweep import cases_from_config
+from ndparallel.bench.sweep import cases_from_config, load_cases
 from ndparallel.errors import ConfigError
 from ndparallel.launch.cli import main
 from ndparallel.models import TransformerConfig
@@ -35,6 +37,14 @@ BENCH_YAML = {
 def _block_params(cfg: TransformerConfig) -> int:
     kv = cfg.n_kv_heads * cfg.head_dim
     return 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
+
+
+def _pipe_config(*shapes: dict, **defaults) -> dict:
+    """A pipeline sweep of ``shapes`` (global batch 8); ``defaults`` go beside the model, seq_len and steps."""
+    return {
+        "defaults": {"model": {"preset": "tiny"}, "seq_len": 16, "warmup": 0, "steps": 1, **defaults},
+        "sweeps": [{"name": "pipe", "global_batch": 8, "shapes": list(shapes)}],
+    }
 
 
 def test_bench_command_two_ranks(tmp_path, capsys):
@@ -139,21 +149,42 @@ def test_sweep_config_strong_and_weak_batches():
     assert cases_from_config(data)[0].model == {"preset": "tiny", "n_layers": 1}
 
 
+def _dense(**sweep) -> dict:
+    """A one-sweep config on the tiny model (the dense layouts)."""
+    return {"defaults": {"model": "tiny"}, "sweeps": [{"name": "s", **sweep}]}
+
+
 @pytest.mark.parametrize(
-    "sweep, message",
+    "config, message",
     [
-        ({"name": "s", "global_batch": 6, "shapes": [{"dp_shard_size": 4}]}, "global_batch=6 is not divisible"),
-        ({"name": "s", "global_batch": 4, "batch_per_dp_rank": 1, "shapes": [{}]}, "exactly one of global_batch"),
-        ({"name": "s", "global_batch": 4, "shapes": [{"tp_size": 3}]}, "tp_size=3"),
-        ({"name": "s", "global_batch": 4, "shapes": [{"dp_shard_size": -1}]}, "no -1"),
-        ({"name": "s", "global_batch": 4, "shapes": [{"cp_size": 2}], "seq_len": 30}, "not divisible by 2 x cp_size"),
-        ({"name": "s", "global_batch": 4, "shapes": [{}], "seq_len": 4096}, "max_seq_len"),
-        ({"name": "s", "global_batch": 4, "shapes": [{}], "stepz": 3}, "unknown key"),
+        (_dense(global_batch=6, shapes=[{"dp_shard_size": 4}]), "global_batch=6 is not divisible"),
+        (_dense(global_batch=4, batch_per_dp_rank=1, shapes=[{}]), "exactly one of global_batch"),
+        (_dense(global_batch=4, shapes=[{"tp_size": 3}]), "tp_size=3"),
+        (_dense(global_batch=4, shapes=[{"dp_shard_size": -1}]), "no -1"),
+        (_dense(global_batch=4, shapes=[{"cp_size": 2}], seq_len=30), "not divisible by 2 x cp_size"),
+        (_dense(global_batch=4, shapes=[{}], seq_len=4096), "max_seq_len"),
+        (_dense(global_batch=4, shapes=[{}], stepz=3), "unknown key"),
+        # pipeline cases the trainer would refuse are refused early
+        (_pipe_config({"pp_size": 2, "pp_schedule": "1f1b", "pp_microbatches": 3}),
+         re.escape("pp_microbatches=3 does not divide the per-rank batch 8")),
+        (_pipe_config({"pp_size": 4, "pp_schedule": "1f1b", "pp_microbatches": 2}),
+         re.escape("pp_microbatches=2 is fewer than the 4")),
+        (_pipe_config({"pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 4, "pp_microbatches": 4}),
+         re.escape("pp_size=2 x pp_stages_per_rank=4 = 8 pipeline stages but model.n_layers=2")),
+        (_pipe_config({"pp_size": 2, "pp_schedule": "1f1b", "micro_batch": 8}),
+         re.escape("(set pp_microbatches, or a smaller train.micro_batch)")),
+        # torch's stage always defers the gradient sync under FSDP: false is not honoured
+        (_pipe_config({"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "1f1b", "pp_microbatches": 2},
+                      defer_grad_sync=False),
+         re.escape("defer_grad_sync=false cannot be honoured with pp_size=2")),
     ],
-)
-def test_sweep_config_errors_name_the_field(sweep, message):
+    ids=["dense-batch", "dense-batch-fields", "dense-tp", "dense-minus-one", "dense-cp-seq", "dense-max-seq",
+         "dense-unknown-key", "pp-microbatches", "pp-fewer-microbatches", "pp-stages", "pp-micro-batch",
+         "pp-defer-grad-sync"],
+)  # fmt: skip
+def test_sweep_config_errors_name_the_field(config, message):
     with pytest.raises(ConfigError, match=message):
-        cases_from_config({"defaults": {"model": "tiny"}, "sweeps": [sweep]})
+        cases_from_config(config)
 
 
 def test_default_config_parses_and_gpu_script_dry_run(tmp_path, monkeypatch):
@@ -171,6 +202,30 @@ def test_default_config_parses_and_gpu_script_dry_run(tmp_path, monkeypatch):
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"]) for r in doc["results"])
     assert doc["correctness"]["fsdp"]["ok"] and doc["correctness"]["fsdp_tp"]["ok"]
     sys.modules.pop("gpu", None)
+
+
+def test_scaling_yaml_compares_schedules_side_by_side():
+    cases = load_cases(ROOT / "benchmarks" / "scaling.yaml", only=["pipeline"])
+    labels = [c.label for c in cases]
+    assert labels[:4] == ["single", "pp2_gpipe_m4", "pp2_1f1b_m4", "pp2_interleaved_1f1b_m4"]
+    assert [c.world_size for c in cases] == [1, 2, 2, 2, 4, 4]  # pp ranks count in the world size
+    gpipe = cases[1]
+    assert gpipe.pipeline_shape().pp == 2 and gpipe.pipeline_shape().pp_schedule == "gpipe"
+
+
+def test_a_pp_case_is_measured_on_real_ranks_and_trains_like_one_rank():
+    """The bench runs a pp case through ndparallel.parallel.pipeline and TrainStep: same losses as one rank (fp32, same
+    seed and global batch), and the table shows the schedule."""
+    from ndparallel.bench.harness import run_cases
+    from ndparallel.bench.report import format_table
+
+    config = _pipe_config({"label": "single"}, {"pp_size": 2, "pp_schedule": "gpipe", "pp_microbatches": 4})
+    config["defaults"].update(steps=2, compute_twin=False)
+    single, pipe = run_cases(cases_from_config(config), peak_flops=1e12, verbose=False)
+    assert not pipe.error and len(pipe.losses) == 2, pipe.error
+    assert pipe.losses == pytest.approx(single.losses, abs=1e-5)  # fp32; float64: pipeline/test_parity.py
+    assert pipe.pipeline["schedule"] == "gpipe" and pipe.pipeline["microbatches"] == 4
+    assert "pp2 gpipe m4" in format_table([single, pipe])
 
 
 def test_an_moe_case_reports_router_health_and_its_all_to_all_bytes():

@@ -1,6 +1,7 @@
 """Checkpoints: resharding (FSDP2 x4 -> dp_shard 2 x tp 2 -> one process), exact resume, async save,
 atomic commit under a crash, corrupt-checkpoint detection, keep-last-k and commit order after a
-rollback, rank-local failures agreed by every rank (no hang), safetensors export/import.
+rollback, rank-local failures agreed by every rank (no hang), safetensors export/import, and a checkpoint of
+format version 2 still loads. Several stages per rank: test_rank_state.py; MoE layouts: test_resharding.py.
 
 Every multi-rank check runs on real gloo ranks and writes real DCP directories under ``tmp_path``.
 The three 4-rank jobs (save, resume on the same mesh, resume on another mesh) form one test so the
@@ -9,6 +10,7 @@ saved checkpoint is shared; the single-process reference runs in the pytest proc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -16,6 +18,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import ndparallel as ndp
@@ -41,6 +45,21 @@ FSDP2_TP2 = {"dp_shard_size": 2, "tp_size": 2}
 
 
 # ----------------------------------------------------------------------------- training helpers (run in ranks)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One torch thread: this tiny model runs ~10x faster so on two busy cores; the previous setting is restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _setup(parallel: dict | None, seed: int = 0):
@@ -837,3 +856,70 @@ def test_a_non_finite_state_is_never_committed_nor_prunes_a_finite_one(tmp_path)
     assert _names(tmp_path) == ["step-1", "step-2"]
     ckpt.save(tmp_path / "inspect", net, opt, allow_nonfinite=True)  # on purpose, e.g. to debug a divergence
     assert ckpt.latest(tmp_path) == str(tmp_path / "inspect")
+
+
+# ----------------------------------------------------------------------------- format version 2 still loads
+
+V2_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v2"
+"""Written by ndparallel at b7fe050 (format version 2: nested optimizer section, one rank's keys) with
+``make_v2_fixture(V2_FIXTURE)`` below, run against that commit's code. Tiny (a 3-4-2 MLP): a few KB."""
+
+
+def _v2_setup(shift: float = 0.0, lr: float | None = None):
+    """A float64 MLP with weights from linspace (no RNG), AdamW with two param groups, a LinearLR schedule."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.linspace(-1, 1, p.numel(), dtype=torch.float64).reshape(p.shape) * (i + 1) + shift)
+    groups = [
+        {"params": model[0].parameters(), "lr": lr or 1e-2},
+        {"params": model[2].parameters(), "lr": lr or 5e-3, "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+
+
+def _v2_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
+    model(torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(5, 3)).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def make_v2_fixture(path: Path) -> None:
+    model, opt, sched = _v2_setup()
+    _v2_step(model, opt, sched)
+    ckpt.save(path, model, opt, step=1, scheduler=sched.state_dict(), save_rng=False)
+
+
+@_one_thread()
+def test_a_format_version_2_checkpoint_still_loads_and_continues():
+    assert json.loads((V2_FIXTURE / ckpt.MARKER).read_text())["format_version"] == 2
+    assert isinstance(json.loads((V2_FIXTURE / ckpt.STATE_FILE).read_text())["optimizer"]["param_groups"], list)
+    ref_model, ref_opt, ref_sched = _v2_setup()
+    _v2_step(ref_model, ref_opt, ref_sched)
+    model, opt, sched = _v2_setup(shift=0.3, lr=0.9)
+    extra = ckpt.load(V2_FIXTURE, model, opt)
+    sched.load_state_dict(extra["scheduler"])
+    assert extra["step"] == 1
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in ref_opt.param_groups
+    ]
+    # The fixture's step ran on another CPU: float64 kernels differ there by an ulp (8.9e-16 measured on an
+    # AVX-512 Xeon), so the reference step recomputed here is matched to 1e-12, the step counts exactly.
+    for name, state in ref_opt.state_dict()["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(
+                opt.state_dict()["state"][name][key], value, rtol=0, atol=1e-12, msg=str((name, key))
+            )
+    _v2_step(ref_model, ref_opt, ref_sched)
+    _v2_step(model, opt, sched)
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+
+    # The two saved groups (lr 1e-2 and 5e-3) regrouped into one live group: refused, model untouched.
+    one_group = torch.optim.AdamW(model.parameters(), lr=0.9, betas=(0.9, 0.95), weight_decay=0.1)
+    before = _params(model)
+    with pytest.raises(CheckpointError, match=r"one live parameter group \(that of '0.weight'\) different 'lr' values"):
+        ckpt.load(V2_FIXTURE, model, one_group)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -88,7 +88,7 @@ def test_pp_rules_only_apply_with_pp(monkeypatch):
     ],
 )
 def test_pp_composes_with_what_a_parity_test_covers(fields, monkeypatch):
-    # tests/parallel/test_pipeline_compose.py proves each exact in float64 (compile on torch >= 2.12: tested below)
+    # tests/parallel/pipeline/test_compose.py proves each exact in float64 (compile on torch >= 2.12: tested below)
     monkeypatch.setattr(torch, "__version__", "2.13.0")
     assert ParallelismConfig(pp_size=2, **fields).pp_size == 2
 
@@ -164,6 +164,6 @@ def test_train_config_pp_accumulation_is_the_micro_batching():
 def test_accelerator_refuses_pp_with_gradient_accumulation_by_name():
     from ndparallel import Accelerator
 
-    # pp itself runs (tests/accelerator/test_accelerator_pp.py); accumulation is the pipeline's micro-batching
+    # pp itself runs (tests/accelerator/test_pipeline.py); accumulation is the pipeline's micro-batching
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 with pp_size=2.*pp_microbatches"):
         Accelerator(ParallelismConfig(pp_size=2), gradient_accumulation_steps=4)

@@ -217,7 +217,7 @@ def local_aux_differs() -> float:
 RESUME_ON = {2: {"ep2 -> dp2": {"dp_shard_size": 2}}, 4: {"ep2 -> ep4": {"dp_shard_size": 4, "ep_size": 4}}}
 
 
-# Under pp (4 blocks, 2 micro-batches, tests/parallel/test_pipeline_parity.py's recipe: 5 AdamW steps clipped at
+# Under pp (4 blocks, 2 micro-batches, tests/parallel/pipeline/test_parity.py's recipe: 5 AdamW steps clipped at
 # 0.5) with output_router_logits=False: no stage holds every layer's router logits, so the balancing loss is
 # refused there (test_a_pipeline_of_a_model_with_its_router_logits_is_refused).
 PIPELINES = {2: {"pp2": {"pp_size": 2}}, 4: {"pp2 x ep2": {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}}}
@@ -241,7 +241,7 @@ def train_pipelines(world: int, refs: dict) -> dict:
     """Each PP_FAMILIES model on this world's pipeline layout: the worst differences from its one-process ``refs``."""
     import ndparallel as ndp
     from ndparallel.parallel.pipeline import build_pipeline
-    from tests.parallel.test_pipeline_parity import _train_pipeline
+    from tests.parallel.pipeline.test_parity import _train_pipeline
 
     out = {}
     for label, parallel in PIPELINES[world].items():
@@ -291,7 +291,7 @@ def root(tmp_path_factory):
 def pipeline_reference(model_type: str, halves: bool = False) -> dict:
     """One process, the whole model, the pipeline tests' recipe (``halves``: each batch as two accumulated
     micro-batches, what a pipeline of 2 micro-batches computes: the model's own fp32-router floor)."""
-    from tests.parallel.test_pipeline_parity import _plain_training
+    from tests.parallel.pipeline.test_parity import _plain_training
 
     def logits(model, tokens):
         if not halves:

@@ -4,7 +4,7 @@
   the whole model (HF's rule, RNG seeded per module name), bit for bit (no ranks needed);
 * from a checkpoint: ``load_pretrained_pipeline`` reads only the tensors of the rank's stages (counted at
   the safetensors reader) and gives the weights of a full load; pp2 and pp2 x cp2 (ring attention) then
-  train like one process on the full model in float64 (the pieces of tests/parallel/test_pipeline_parity.py).
+  train like one process on the full model in float64 (the pieces of tests/parallel/pipeline/test_parity.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ndparallel.config.pipeline import torch_compiles_pipeline_stages, torch_sup
 from ndparallel.errors import ConfigError  # noqa: E402
 from ndparallel.parallel.pipeline.tied import copy_names, one_process_parameters  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
-from tests.parallel.test_pipeline_parity import (  # noqa: E402
+from tests.parallel.pipeline.test_parity import (  # noqa: E402
     MAX_NORM,
     TOL,
     _error,
@@ -487,7 +487,7 @@ def _tied_llama(seed: int):
 
 def _tied_reference() -> list[dict]:
     """One process: the tied Llama's parameters after each of the ``STEPS`` steps (AdamW, clipping)."""
-    from tests.parallel.test_pipeline_parity import OPTIM, _batches
+    from tests.parallel.pipeline.test_parity import OPTIM, _batches
 
     model = _tied_llama(0)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)
@@ -509,7 +509,7 @@ class _TiedRun:
         import ndparallel as ndp
         from ndparallel.config.parallelism import ParallelismConfig
         from ndparallel.parallel.pipeline import build_pipeline
-        from tests.parallel.test_pipeline_parity import OPTIM
+        from tests.parallel.pipeline.test_parity import OPTIM
 
         cfg = ParallelismConfig(**parallel)
         self.mesh = _mesh(cfg)
@@ -525,7 +525,7 @@ class _TiedRun:
 
     def train(self, steps: range) -> None:
         from ndparallel.parallel.clip import clip_grad_norm_
-        from tests.parallel.test_pipeline_parity import BATCH, _batches
+        from tests.parallel.pipeline.test_parity import BATCH, _batches
 
         dp, rank = self.mesh.size("dp"), self.mesh.local_rank("dp")
         per = BATCH // dp
@@ -551,7 +551,7 @@ def _tied_checkpoints(root: str, after: list[dict]) -> dict:
     """Save the tied Llama after 2 steps on pp 2 and on pp 1 x dp_shard 2; load each on the other layouts
     (pp 2, V placement with both copies on rank 0, pp 1), train steps 3-5: worst difference from one process."""
     from ndparallel import checkpoint as ckpt
-    from tests.parallel.test_pipeline_parity import OPTIM
+    from tests.parallel.pipeline.test_parity import OPTIM
 
     layouts = {
         "pp2": {"pp_size": 2},

@@ -2,7 +2,7 @@
 parallel and HSDP, against one plain PyTorch process in float64 (docs/pipeline-parallel.md, "Composition
 order").
 
-The reference, the training loop and the bound are tests/parallel/test_pipeline_parity.py's (5 AdamW steps, clipping
+The reference, the training loop and the bound are tests/parallel/pipeline/test_parity.py's (5 AdamW steps, clipping
 active on every step, losses, clipped norms, step-1 gradients and final parameters within ``TOL``). Each
 case also proves its feature ran: checkpointed blocks recompute their forward in backward (counted), compiled
 stages produce dynamo graphs, HSDP stages shard on a 2-D (dp_replicate, dp_shard_cp) FSDP mesh.
@@ -14,12 +14,12 @@ from collections import Counter
 
 import pytest
 
-import tests.parallel.test_pipeline_parity as parity
+import tests.parallel.pipeline.test_parity as parity
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.pipeline import torch_compiles_pipeline_stages
 from ndparallel.errors import ConfigError
 from ndparallel.testing import run_distributed
-from tests.parallel.test_pipeline_parity import STEPS, _check, _transformer_reference
+from tests.parallel.pipeline.test_parity import STEPS, _check, _transformer_reference
 
 M = 4  # micro-batches per step in the 2- and 4-rank cases
 

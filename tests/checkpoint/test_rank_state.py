@@ -1,6 +1,9 @@
-"""Checkpoints across pipeline-parallel sizes: save on pp 2 x dp_shard 2, load on the same mesh, on
-pp 1 x dp_shard 4, on pp 4, in one process, and round-trip an interleaved layout (2 stages and 2
-optimizers per rank); each continues on the single-process trajectory, in float64 (1e-10).
+"""A rank's share of the checkpoint (``ndparallel/checkpoint/rank_state.py`` and ``keys.py``): several modules
+per rank (pipeline stages), one optimizer each, their keys merged over the ranks, so a checkpoint reshards
+across pp sizes. Save on pp 2 x dp_shard 2, load on the same mesh, on pp 1 x dp_shard 4, on pp 4, in one
+process, and round-trip an interleaved layout (2 stages and 2 optimizers per rank); each continues on the
+single-process trajectory, in float64 (1e-10). The refusals (a key no rank holds, ranks that disagree) and the
+arguments (one optimizer per module, distinct names) are checked too.
 
 Stage modules are built here, by hand (the project's pipeline package is not used, so these tests
 prove the checkpoint format alone): a stage holds the reference Transformer's ``tok_embeddings``
@@ -15,11 +18,8 @@ DCP directories under ``tmp_path``; the reference and the one-process loads run 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +33,7 @@ from ndparallel import checkpoint as ckpt
 from ndparallel.checkpoint import CheckpointError
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
+from tests.checkpoint.test_checkpoint import _one_thread, _params
 
 CFG = TransformerConfig(
     vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, dtype="float64", seed=0
@@ -57,21 +58,6 @@ def _batches(steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """One torch thread: this tiny model runs ~10x faster so on two busy cores; the previous setting is restored."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def reference() -> dict[str, Any]:
@@ -342,70 +328,3 @@ def test_several_modules_need_one_optimizer_each_and_distinct_names(tmp_path):
     with pytest.raises(CheckpointError, match="non-empty sequence"):
         ckpt.save(tmp_path / "bad", [])
     assert not (tmp_path / "bad").exists()
-
-
-# ----------------------------------------------------------------------------- format version 2 still loads
-
-V2_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v2"
-"""Written by ndparallel at b7fe050 (format version 2: nested optimizer section, one rank's keys) with
-``make_v2_fixture(V2_FIXTURE)`` below, run against that commit's code. Tiny (a 3-4-2 MLP): a few KB."""
-
-
-def _v2_setup(shift: float = 0.0, lr: float | None = None):
-    """A float64 MLP with weights from linspace (no RNG), AdamW with two param groups, a LinearLR schedule."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(torch.linspace(-1, 1, p.numel(), dtype=torch.float64).reshape(p.shape) * (i + 1) + shift)
-    groups = [
-        {"params": model[0].parameters(), "lr": lr or 1e-2},
-        {"params": model[2].parameters(), "lr": lr or 5e-3, "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.1)
-    return model, opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
-
-
-def _v2_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
-    model(torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(5, 3)).pow(2).mean().backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def make_v2_fixture(path: Path) -> None:
-    model, opt, sched = _v2_setup()
-    _v2_step(model, opt, sched)
-    ckpt.save(path, model, opt, step=1, scheduler=sched.state_dict(), save_rng=False)
-
-
-@_one_thread()
-def test_a_format_version_2_checkpoint_still_loads_and_continues():
-    assert json.loads((V2_FIXTURE / ckpt.MARKER).read_text())["format_version"] == 2
-    assert isinstance(json.loads((V2_FIXTURE / ckpt.STATE_FILE).read_text())["optimizer"]["param_groups"], list)
-    ref_model, ref_opt, ref_sched = _v2_setup()
-    _v2_step(ref_model, ref_opt, ref_sched)
-    model, opt, sched = _v2_setup(shift=0.3, lr=0.9)
-    extra = ckpt.load(V2_FIXTURE, model, opt)
-    sched.load_state_dict(extra["scheduler"])
-    assert extra["step"] == 1
-    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [
-        {k: v for k, v in g.items() if k != "params"} for g in ref_opt.param_groups
-    ]
-    # The fixture's step ran on another CPU: float64 kernels differ there by an ulp (8.9e-16 measured on an
-    # AVX-512 Xeon), so the reference step recomputed here is matched to 1e-12, the step counts exactly.
-    for name, state in ref_opt.state_dict()["state"].items():
-        for key, value in state.items():
-            torch.testing.assert_close(
-                opt.state_dict()["state"][name][key], value, rtol=0, atol=1e-12, msg=str((name, key))
-            )
-    _v2_step(ref_model, ref_opt, ref_sched)
-    _v2_step(model, opt, sched)
-    for (name, a), b in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
-
-    # The two saved groups (lr 1e-2 and 5e-3) regrouped into one live group: refused, model untouched.
-    one_group = torch.optim.AdamW(model.parameters(), lr=0.9, betas=(0.9, 0.95), weight_decay=0.1)
-    before = _params(model)
-    with pytest.raises(CheckpointError, match=r"one live parameter group \(that of '0.weight'\) different 'lr' values"):
-        ckpt.load(V2_FIXTURE, model, one_group)
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ndparallel.testing import run_distributed
-from tests.parallel.test_pipeline_parity import (
+from tests.parallel.pipeline.test_parity import (
     MAX_NORM,
     OPTIM,
     TINY,

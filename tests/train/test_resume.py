@@ -1,9 +1,11 @@
-"""Resuming a pipeline-parallel training job (issue 13): ``ndparallel train`` with pp saves the stage lists
-and their optimizers; a step-2 checkpoint resumes bit-identically on the same mesh and within 1e-10
-(float64) on another pp size, without pp, and on an interleaved schedule, so the loop passes the stage
-lists and the learning-rate schedule, the data position and the RNG come back.
+"""Resuming a training job, per layout: a checkpoint of ``ndparallel train`` resumes bit-identically on the same
+mesh and within 1e-10 (float64) on another mesh or in one process.
 
-All jobs run in one 4-rank gloo group (each a separate ``train()`` call, as a user would run them).
+* dense (dp_shard 2): resumed on dp_shard 2, dp_shard 2 x tp 2 and one process, one spawned group each;
+* pp (issue 13): ``ndparallel train`` with pp saves the stage lists and their optimizers; a step-2 checkpoint
+  resumes on the same mesh, on another pp size, without pp and on an interleaved schedule, so the loop passes
+  the stage lists and the learning-rate schedule, the data position and the RNG come back. All its jobs run
+  in one 4-rank gloo group (each a separate ``train()`` call, as a user would run them).
 """
 
 from __future__ import annotations
@@ -14,9 +16,35 @@ import pytest
 import torch
 
 from ndparallel.testing import run_distributed
+from tests.train.test_train import _config, _train
 
 
-def _config(parallelism: dict, ckpt_dir: str, **checkpoint) -> dict:
+def _float64(config: dict) -> dict:
+    config["model"]["dtype"] = "float64"
+    return config
+
+
+@pytest.mark.slow
+def test_resume_is_exact_on_the_same_mesh_and_close_on_others(tmp_path):
+    """float64: resuming on the same mesh is bit-identical; on another mesh or one process, within 1e-10."""
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_distributed(_train, 2, _float64(_config({"dp_shard_size": 2}, ckpt, every=5, keep_last=5)))[0]
+    assert sorted(os.listdir(ckpt)) == ["step-00000005", "step-00000010"]
+    assert straight["losses"][-1] < straight["losses"][0]
+    middle = f"{ckpt}/step-00000005"
+
+    same = run_distributed(_train, 2, _float64(_config({"dp_shard_size": 2}, str(tmp_path / "a"), resume=middle)))[0]
+    assert same["start_step"] == 5
+    assert same["losses"] == straight["losses"][5:], "same mesh: identical losses"
+
+    other_mesh = _float64(_config({"dp_shard_size": 2, "tp_size": 2}, str(tmp_path / "b"), resume=middle))
+    other = run_distributed(_train, 4, other_mesh)
+    single = run_distributed(_train, 1, _float64(_config({}, str(tmp_path / "c"), resume=middle)))
+    for got in (other[0], single[0]):
+        assert got["losses"] == pytest.approx(straight["losses"][5:], abs=1e-10)
+
+
+def _pipeline_config(parallelism: dict, ckpt_dir: str, **checkpoint) -> dict:
     # n_layers 4: pp_size 4 and pp 2 x 2 stages per rank need a block per stage.
     return {
         "parallelism": parallelism,
@@ -52,10 +80,10 @@ def _jobs(root: str) -> dict[str, dict]:
         result = train(TrainConfig.from_dict(config))
         return {"losses": result.losses, "start_step": result.start_step}
 
-    results = {"straight": run(_config(RESUMED_MESHES["same"], f"{root}/straight"))}
+    results = {"straight": run(_pipeline_config(RESUMED_MESHES["same"], f"{root}/straight"))}
     middle = f"{root}/straight/step-00000002"
     for name, parallelism in RESUMED_MESHES.items():
-        results[name] = run(_config(parallelism, f"{root}/{name}", resume=middle))
+        results[name] = run(_pipeline_config(parallelism, f"{root}/{name}", resume=middle))
     return results
 
 
@@ -102,25 +130,3 @@ def test_pp_resume_is_exact_on_the_same_mesh_and_across_pp_sizes_and_schedules(t
         got = r0[name]
         assert got["start_step"] == 2, name
         assert got["losses"] == pytest.approx(straight[2:], abs=1e-10, rel=0), name
-
-
-def test_an_explicit_false_defer_grad_sync_is_refused_under_pp():
-    """torch's pipeline stage reduce-scatters FSDP gradients once per step, so ``defer_grad_sync: false`` (sync
-    every micro-batch) cannot be honoured under pp with FSDP: refused by name; unset and true are accepted (and
-    false without FSDP, where the field does nothing, as without pp)."""
-    from ndparallel.config.parallelism import ParallelismConfig
-    from ndparallel.errors import ConfigError
-    from ndparallel.train.job_config import TrainConfig
-
-    sizes = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_schedule="1f1b")
-    for defer in (None, True):
-        config = _config({}, "unused")
-        config["train"]["defer_grad_sync"] = defer
-        assert TrainConfig.from_dict(config).check_mesh(sizes) == 2
-    config = _config({}, "unused")
-    config["train"]["defer_grad_sync"] = False
-    with pytest.raises(ConfigError, match=r"train\.defer_grad_sync=false cannot be honoured with pp_size=2"):
-        TrainConfig.from_dict(config).check_mesh(sizes)
-    assert TrainConfig.from_dict(config).check_mesh(ParallelismConfig(dp_shard_size=4)) == 1  # fine without pp
-    no_fsdp = ParallelismConfig(pp_size=2, dp_replicate_size=2, pp_schedule="1f1b")  # replicate: always deferred
-    assert TrainConfig.from_dict(config).check_mesh(no_fsdp) == 2

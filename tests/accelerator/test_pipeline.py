@@ -1,4 +1,5 @@
-"""Accelerator under pipeline parallelism: a hand-written Accelerate loop equals one plain PyTorch process.
+"""The Accelerator under pipeline parallelism (``ndparallel/accelerator/pipeline.py``): a hand-written Accelerate
+loop equals one plain PyTorch process, on each pp layout (the test's parametrisation).
 
 The loop is Accelerate's (prepare, ``model(...)``, ``accelerator.backward``, ``clip_grad_norm_``,
 ``optimizer.step``, ``scheduler.step``, ``zero_grad``); under pp the model call runs the pipeline step and
@@ -38,13 +39,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _model(kind: str):
     if kind == "hf":
-        from tests.parallel.test_pipeline_parity import _tiny_llama
+        from tests.parallel.pipeline.test_parity import _tiny_llama
 
         return _tiny_llama()
     if kind == "hf-tied":  # the embedding and lm_head one tensor: under pp a copy on each end stage
         from transformers import LlamaForCausalLM
 
-        from tests.parallel.test_pipeline_parity import _tiny_llama_config
+        from tests.parallel.pipeline.test_parity import _tiny_llama_config
 
         torch.manual_seed(0)
         return LlamaForCausalLM(_tiny_llama_config(tie_word_embeddings=True)).double()
@@ -244,21 +245,31 @@ def _check(results: list[list[dict]], cases: list[dict]) -> None:
         assert "no_sync() has no meaning under pp_size > 1" in refusals[3]
 
 
-def test_pp2_accelerate_loop_matches_one_process(refs, tmp_path):
-    cases = [
-        {"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}},
-        {"parallel": {"pp_size": 2, "pp_schedule": "gpipe"}, "ref": "hf"},
-        # tied word embeddings: the embedding on pp rank 0, the head's copy on pp rank 1; then both on one rank
-        {"parallel": {"pp_size": 2}, "ref": "hf-tied"},
-        {"parallel": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2}, "ref": "hf-tied"},
-    ]
-    results = run_distributed(_cases, 2, cases, refs, str(tmp_path), timeout=600)
-    _check(results, cases)
-
-
-def test_pp2_dp_shard2_interleaved_accelerate_loop_matches_one_process(refs, tmp_path):
+LAYOUTS = {  # layout: (ranks, cases, each rank's dp index)
+    "pp2": (
+        2,
+        [
+            {"parallel": {"pp_size": 2, "pp_schedule": "1f1b"}},
+            {"parallel": {"pp_size": 2, "pp_schedule": "gpipe"}, "ref": "hf"},
+            # tied word embeddings: the embedding on pp rank 0, the head's copy on pp rank 1; then both on one rank
+            {"parallel": {"pp_size": 2}, "ref": "hf-tied"},
+            {"parallel": {"pp_size": 2, "pp_schedule": V_OR_LOOPED, "pp_stages_per_rank": 2}, "ref": "hf-tied"},
+        ],
+        None,
+    ),
     # Two stages per rank: the one prepared optimizer is checkpointed as one view per stage.
-    cases = [{"parallel": {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "interleaved_1f1b"}}]
-    results = run_distributed(_cases, 4, cases, refs, str(tmp_path), timeout=600)
+    "pp2-dp_shard2-interleaved": (
+        4,
+        [{"parallel": {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "interleaved_1f1b"}}],
+        [0, 1, 0, 1],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_accelerate_loop_under_pp_matches_one_process(refs, tmp_path, layout):
+    world, cases, dp_ranks = LAYOUTS[layout]
+    results = run_distributed(_cases, world, cases, refs, str(tmp_path), timeout=600)
     _check(results, cases)
-    assert [r[0]["dp_rank"] for r in results] == [0, 1, 0, 1]
+    if dp_ranks is not None:
+        assert [r[0]["dp_rank"] for r in results] == dp_ranks
