@@ -197,7 +197,7 @@ def collectives(
     norms = 2 * layers + share.head
     # Once per micro-batch, pp included: the first by the gradient's hook, each later one when its Partial
     # gradient is added to the Replicate one (counted through ndparallel.parallel.pipeline:
-    # tests/estimate/test_estimate_pp.py). In the dtype the norm ran in: the compute dtype under FSDP's
+    # tests/estimate/test_pipeline.py). In the dtype the norm ran in: the compute dtype under FSDP's
     # policy (before FSDP's reduce-scatter casts to fp32), fp32 under autocast, like a router gate's below.
     unsharded_grad_bytes = residual_bytes(train, mesh)
     add("TP all-reduce (norm weight grads)", "all_reduce", ("tp",), "tp",

@@ -90,7 +90,7 @@ def moe_block_params(model: ModelSpec, tp: int) -> float:
 
 def moe_ffn_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: int) -> float:
     """What an MoE block's feed-forward saves for backward per token of the block (in place of the dense SwiGLU's
-    ``4 e f / t``), measured tensor by tensor with saved-tensor hooks (tests/estimate/test_estimate_moe.py).
+    ``4 e f / t``), measured tensor by tensor with saved-tensor hooks (tests/estimate/test_experts.py).
 
     Per routed row (``top_k`` a token): the experts' SwiGLU ``4 e F / t``; the rows the experts read, their
     outputs and the weighted outputs ``index_add`` reads (``3 e d``: whole tokens, all-gathered under tp); the

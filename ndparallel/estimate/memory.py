@@ -277,7 +277,7 @@ def autocast_weight_bytes(
 ) -> float:  # fmt: skip
     """Under autocast each forward saves its own compute-dtype copy of the matmul weights it used (the blocks
     not checkpointed and the output projection; the embedding and norms run in fp32), until its backward: one
-    copy per pipeline micro-batch in flight (measured: tests/estimate/test_estimate_pp.py, docs/planning.md).
+    copy per pipeline micro-batch in flight (measured: tests/estimate/test_pipeline.py, docs/planning.md).
     An MoE block (``moe_blocks`` of the ``blocks``) casts every expert it holds (no FSDP under autocast: all)."""
     if not autocasts(train, mesh):
         return 0.0

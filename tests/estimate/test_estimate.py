@@ -71,7 +71,7 @@ def test_bad_model_input_names_the_fix():
 
 
 def test_a_mixture_of_experts_is_planned_and_dense_numbers_stay():
-    moe = model_spec("tiny-moe")  # planned now: experts, all-to-all and ep (tests/estimate/test_estimate_moe.py)
+    moe = model_spec("tiny-moe")  # planned now: experts, all-to-all and ep (tests/estimate/test_experts.py)
     assert moe.is_moe and (moe.n_experts, moe.top_k, moe.expert_ffn_dim) == (4, 2, 32)
     mixtral = model_spec({**LLAMA3_8B_HF, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2})
     assert mixtral.n_moe_layers == 32 and mixtral.num_active_params() < mixtral.num_params() / 3

@@ -4,7 +4,7 @@ the validation against real gloo ranks: the reference MoE parallelized with ``ep
 ``CommCounter`` and compared with the planner's rows exactly (all-to-all bytes as the mean over each ep group:
 a rank's received rows depend on the routing, their mean is what every rank sends).
 
-``PYTHONPATH=$PWD python -m tests.estimate.test_estimate_moe`` prints the predicted-vs-counted table of
+``PYTHONPATH=$PWD python -m tests.estimate.test_experts`` prints the predicted-vs-counted table of
 docs/planning.md ("Mixture of experts").
 """
 

@@ -3,7 +3,7 @@ saved activation bytes within 10%, 15% under bf16 autocast; parameter bytes, poi
 exactly: they are deterministic).
 
 The ranks run the project's runtime, ``ndparallel.parallel.pipeline.build_pipeline`` (through
-``ndparallel.bench.pipeline.measure_pipeline``). ``python -m tests.estimate.test_estimate_pp``
+``ndparallel.bench.pipeline.measure_pipeline``). ``python -m tests.estimate.test_pipeline``
 prints the measured-vs-predicted table of docs/planning.md.
 """
 
