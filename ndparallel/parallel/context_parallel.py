@@ -50,18 +50,12 @@ __all__ = [
     "make_positions",
     "sequence_indices",
     "shard_sequence",
-    "validate_sequence_length",
 ]
 
 MASKS = ("causal", "none")
 
 
 # ------------------------------------------------------------------------------------ sequence layout
-
-
-def validate_sequence_length(seq_len: int, cp_size: int, load_balance: bool, what: str = "sequence length") -> None:
-    """Raise ConfigError unless ``seq_len`` splits over ``cp_size`` ranks (:mod:`ndparallel.config.sequence`)."""
-    check_sequence_length(seq_len, cp_size, 1, load_balance, what)
 
 
 def sequence_indices(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool, device=None) -> torch.Tensor:

@@ -10,13 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ndparallel.config.sequence import check_sequence_length
 from ndparallel.distributed.ring import attention_kernel, ring_attention, visible_blocks
 from ndparallel.errors import ConfigError
-from ndparallel.parallel.context_parallel import (
-    sequence_indices,
-    shard_sequence,
-    validate_sequence_length,
-)
+from ndparallel.parallel.context_parallel import sequence_indices, shard_sequence
 from ndparallel.testing import run_distributed
 from tests.sequence_functions import GatherRows, ShardRows
 
@@ -178,11 +175,11 @@ def test_visible_blocks_cover_exactly_the_causal_pairs():
 
 def test_sequence_length_validation_names_the_fix():
     with pytest.raises(ConfigError, match=r"not divisible by 2 x cp_size = 8.*cp_load_balance=false"):
-        validate_sequence_length(20, 4, load_balance=True)
+        check_sequence_length(20, 4, 1, load_balance=True)
     with pytest.raises(ConfigError, match="not divisible by cp_size=3"):
-        validate_sequence_length(10, 3, load_balance=False)
-    validate_sequence_length(24, 4, load_balance=True)
-    validate_sequence_length(12, 4, load_balance=False)
+        check_sequence_length(10, 3, 1, load_balance=False)
+    check_sequence_length(24, 4, 1, load_balance=True)
+    check_sequence_length(12, 4, 1, load_balance=False)
 
 
 def bad_inputs() -> list[str]:
