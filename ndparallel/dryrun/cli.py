@@ -15,6 +15,7 @@ import sys
 from ndparallel.dryrun.report import format_report, format_table
 from ndparallel.dryrun.run import dry_run
 from ndparallel.errors import ConfigError
+from ndparallel.estimate.hardware import GPU_KINDS
 
 __all__ = ["add_dry_run_parser", "add_plan_dry_run", "run_dry_run"]
 
@@ -33,6 +34,10 @@ def add_dry_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     )
     p.add_argument("--world", type=int, required=True, help="the job's world size (GPUs), up to 16,384")
     p.add_argument("--gpu-mem", help="memory per GPU (e.g. 80GiB): name the rank, phase and module that would OOM")
+    p.add_argument(
+        "--gpu", default="h100", choices=sorted(GPU_KINDS),
+        help="the GPU kind whose roofline prices the traced ops (peak FLOP/s, HBM bandwidth; h100)",
+    )  # fmt: skip
     p.add_argument(
         "--steps",
         type=int,
@@ -54,6 +59,7 @@ def run_dry_run(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_sources(args.config, args.overrides, os.environ, host_checks=False)
     memory = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
     report = dry_run(cfg, args.world, model=args.model, gpu_memory=memory, steps=args.steps, progress=_progress)
+    report.gpu = args.gpu
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     elif args.table:
@@ -92,7 +98,8 @@ def _plan(args: argparse.Namespace) -> int:
         data["dry_run"] = [
             {"mesh": s.shape, "rank": s.rank.rank, "analytic": s.analytic, "dry_run": s.measured,
              "comm": {d: {"analytic": a, "dry_run": m} for d, (a, m) in s.comm.items()},
-             "differs": s.disagreements()}
+             "compute_s": {"analytic": s.compute_s[0], "trace": s.compute_s[1]},
+             "step_s": {"analytic": s.step_s[0], "trace": s.step_s[1]}, "differs": s.disagreements()}
             for s in sides
         ]  # fmt: skip
         print(json.dumps(data, indent=2))

@@ -105,6 +105,7 @@ def measure_rank(
         nonlocal flops_before
         tracker.reset_peak()
         counter.calls.clear()
+        tracker.ops.clear()
         flops_before = tracker.flops
 
     if isinstance(model, Pipeline):
@@ -135,6 +136,7 @@ def measure_rank(
         activation_peak_bytes=tracker.activation_peak,
         retained_activation_bytes=tracker.retained_activations,
         flops=tracker.flops - flops_before,
+        ops=tracker.ops.rows(),
         comms=_comm_rows(counter, mesh),
         accumulation=accumulation,
         local_batch=local,

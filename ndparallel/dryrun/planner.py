@@ -3,7 +3,9 @@
 For each of the top ranked shapes the job ``ndparallel train`` would run (the same parallelism config, batch,
 sequence and model) is dry-run, and per pipeline rank the analytic figures (:mod:`ndparallel.estimate`) stand
 beside the measured ones: parameter, gradient and optimizer bytes (which must be equal), the activation peak,
-the peak, and the bytes each mesh dimension's collectives move (which should agree within 5%).
+the peak, and the bytes each mesh dimension's collectives move (which should agree within 5%); and the step time
+twice: the planner's, and the trace's, where every op the rank ran is priced at the GPU's roofline
+(:mod:`ndparallel.dryrun.roofline`) in place of the planner's compute term, its exposed communication kept.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ndparallel.dryrun.report import DryRunReport, RankReport
 from ndparallel.dryrun.run import dry_run
 from ndparallel.errors import ConfigError
 from ndparallel.estimate import (
+    ClusterSpec,
     Estimate,
     ModelSpec,
     TrainingSpec,
@@ -27,7 +30,7 @@ from ndparallel.estimate.mesh import MeshShape
 from ndparallel.models import PRESETS, TransformerConfig
 from ndparallel.train.job_config import DataConfig, LoopConfig, TrainConfig
 
-__all__ = ["Side", "compare", "format_side_by_side", "job_of", "plan_dry_runs"]
+__all__ = ["Side", "compare", "format_side_by_side", "job_of", "plan_dry_runs", "trace_compute_s"]
 
 TOLERANCE = 0.05
 """Activation peak and collective bytes: analytic and dry run agree within this fraction (issue 46)."""
@@ -90,7 +93,9 @@ class Side:
     """(the planner's model FLOPs per rank: the step's ``6 N`` + attention over the world, no recompute; the FLOPs
     the dry run traced on this rank, recompute included)."""
     compute_s: tuple[float, float] = (0.0, 0.0)
-    """(the planner's compute seconds, bubble included; the trace's FLOPs at the GPU's peak: a floor)."""
+    """(the planner's compute seconds, bubble included; the trace's: :func:`trace_compute_s`, a floor)."""
+    step_s: tuple[float, float] = (0.0, 0.0)
+    """(the planner's step seconds; the trace's compute seconds + the planner's exposed communication)."""
 
     def disagreements(self) -> list[str]:
         """What breaks the rule: state bytes equal, activations and collective bytes within 5%."""
@@ -107,8 +112,20 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1.0)
 
 
-def compare(e: Estimate, model: ModelSpec, train: TrainingSpec, report: DryRunReport) -> list[Side]:
-    """Each measured rank beside the analytic figures of its pipeline rank."""
+def trace_compute_s(e: Estimate, rank: RankReport, hbm_bw: float) -> float:
+    """The rank's compute seconds from its trace: its step's ops at the roofline of ``e``'s GPU peak and
+    ``hbm_bw``, stretched by the planner's pipeline bubble as the planner stretches its own, plus the optimizer's
+    ops (once per step, after the schedule)."""
+    step = rank.roofline_s(e.time.peak_flops, hbm_bw, "step")
+    return step / (1 - e.time.bubble) + rank.roofline_s(e.time.peak_flops, hbm_bw, "optimizer")
+
+
+def compare(
+    e: Estimate, model: ModelSpec, train: TrainingSpec, report: DryRunReport, cluster: ClusterSpec | None = None
+) -> list[Side]:
+    """Each measured rank beside the analytic figures of its pipeline rank (``cluster``: the GPU's HBM bandwidth
+    for the trace's roofline; default the planner's default GPU)."""
+    hbm_bw = (cluster or ClusterSpec()).hbm_bw
     sides = []
     for r in report.ranks:
         pp_rank = r.coordinate.get("pp", 0)
@@ -135,7 +152,9 @@ def compare(e: Estimate, model: ModelSpec, train: TrainingSpec, report: DryRunRe
             comm.setdefault(_dim(row.dim, e.mesh), [0.0, 0.0])[1] += row.bytes
         side = Side(e.mesh.describe(), r, analytic, measured, {k: (a, m) for k, (a, m) in comm.items()})
         side.flops = (e.time.model_flops_per_step / e.mesh.world_size, float(r.flops))
-        side.compute_s = (e.time.compute_s, r.flops / e.time.peak_flops)
+        trace = trace_compute_s(e, r, hbm_bw)
+        side.compute_s = (e.time.compute_s, trace)
+        side.step_s = (e.time.step_s, trace + e.time.exposed_comm_s)
         sides.append(side)
     return sides
 
@@ -155,7 +174,7 @@ def plan_dry_runs(result: Any, top: int, progress=None) -> list[Side]:  # noqa: 
     for e in result.ranked[:top]:
         cfg = job_of(result.model, result.train, e.mesh)
         report = dry_run(cfg, e.mesh.world_size, progress=progress)
-        sides += compare(e, result.model, result.train, report)
+        sides += compare(e, result.model, result.train, report, result.cluster)
     return sides
 
 
@@ -168,9 +187,10 @@ def format_side_by_side(sides: list[Side]) -> str:
     lines = [
         "dry run beside the plan (analytic | dry run; GiB; state must be equal, activations and collectives within "
         "5%; collectives under 1 MiB are control traffic, not modelled; TFLOP: the model's 6N per rank | traced, "
-        "recompute included; compute s: the plan's | the traced FLOPs at the GPU's peak, a floor):",
+        "recompute included; compute s: the plan's | the trace's ops at the GPU's roofline, a floor; step s: the "
+        "plan's | the trace's compute + the plan's exposed communication):",
         f"{'mesh':<34} {'rank':>6} {'params':>13} {'grads':>13} {'optimizer':>13} {'activations':>13} "
-        f"{'peak':>13} {'TFLOP':>11} {'compute s':>11}  collectives GB by dim",
+        f"{'peak':>13} {'TFLOP':>11} {'compute s':>17} {'step s':>17}  collectives GB by dim",
     ]
     for s in sides:
         cells = [f"{_gib(s.analytic[k])}|{_gib(s.measured[k])}" for k in ("params", "grads", "optimizer",
@@ -178,11 +198,12 @@ def format_side_by_side(sides: list[Side]) -> str:
         comm = ", ".join(f"{d} {a / 1e9:.2f}|{m / 1e9:.2f}" for d, (a, m) in sorted(s.comm.items()))
         bad = s.disagreements()
         flops = f"{s.flops[0] / 1e12:.0f}|{s.flops[1] / 1e12:.0f}"
-        seconds = f"{s.compute_s[0]:.2f}|{s.compute_s[1]:.2f}"
+        seconds = f"{s.compute_s[0]:.3g}|{s.compute_s[1]:.3g}"
+        step = f"{s.step_s[0]:.3g}|{s.step_s[1]:.3g}"
         lines.append(
             f"{s.shape:<34} {s.rank.rank:>6} "
             + " ".join(f"{c:>13}" for c in cells)
-            + f" {flops:>11} {seconds:>11}  {comm}"
+            + f" {flops:>11} {seconds:>17} {step:>17}  {comm}"
             + (f"  DIFFERS: {', '.join(bad)}" if bad else "")
         )
     return "\n".join(lines)

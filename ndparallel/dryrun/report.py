@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ndparallel.dryrun.roofline import OpCount, roofline_s
+from ndparallel.estimate.hardware import GPU_KINDS
+
 __all__ = ["LIMITS", "CommRow", "DryRunReport", "RankReport", "format_report", "format_table"]
 
 GiB = 2**30
@@ -14,6 +17,9 @@ LIMITS = (
     "not modelled: NCCL's buffers, the CUDA caching allocator's rounding and fragmentation, fused or compiled "
     "kernels' savings; no allowance is added for them",
     "mixture of experts: routing is balanced (every expert gets the same tokens)",
+    "compute at the roofline: every traced op at max(FLOPs / bf16 dense peak, bytes / HBM bandwidth) of the "
+    "GPU's data sheet, a floor: no launch overheads, no kernel efficiency below the data sheet, no fusion, no "
+    "overlap, causal attention counted in full",
 )
 """Printed with every report; docs/planning.md ("Dry run") says more."""
 
@@ -57,6 +63,12 @@ class RankReport:
     seconds: float = 0.0
     uneven_shards: bool = False
     """Some parameter's shards differ in size across its shard group (then the last shard rank is measured too)."""
+    ops: list[OpCount] = field(default_factory=list)
+    """The measured step's ops, counted by cost (:mod:`ndparallel.dryrun.roofline`)."""
+
+    def roofline_s(self, peak_flops: float, hbm_bw: float, part: str | None = None) -> float:
+        """Seconds of the measured step's ops (of ``part``: ``step`` or ``optimizer``) at a GPU's roofline."""
+        return roofline_s(self.ops, peak_flops, hbm_bw, part)
 
     def comm_bytes(self, dim: str | None = None) -> int:
         return sum(r.bytes for r in self.comms if dim is None or r.dim == dim)
@@ -78,6 +90,13 @@ class DryRunReport:
     gpu_memory: float | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    gpu: str = "h100"
+    """The GPU kind (``estimate/hardware.py``) whose roofline prices the traced ops in the report."""
+
+    def roofline_s(self, rank: RankReport, part: str | None = None) -> float:
+        """``rank``'s measured ops (of ``part``) at the roofline of this report's GPU kind."""
+        kind = GPU_KINDS[self.gpu]
+        return rank.roofline_s(kind.peak_flops, kind.hbm_bw, part)
 
     @property
     def worst(self) -> RankReport:
@@ -140,7 +159,9 @@ def format_report(report: DryRunReport) -> str:
                 else ""
             )
             + f"; {r.accumulation} micro-batch(es) of "
-            f"{r.local_batch // max(1, r.accumulation)} sequence(s); {r.flops / 1e12:.2f} TFLOP per step",
+            f"{r.local_batch // max(1, r.accumulation)} sequence(s); {r.flops / 1e12:.2f} TFLOP per step; "
+            f"its ops at the {report.gpu} roofline {report.roofline_s(r, 'step') * 1e3:.3g} ms + optimizer "
+            f"{report.roofline_s(r, 'optimizer') * 1e3:.3g} ms",
         ]
         for c in r.comms:
             lines.append(

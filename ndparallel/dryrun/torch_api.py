@@ -18,7 +18,7 @@ import torch
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["fake_store", "fake_tensor_mode", "flop_formula", "is_fake", "on_storage_resize"]
+__all__ = ["fake_store", "fake_tensor_mode", "flop_formula", "gpu_flop_formula", "is_fake", "on_storage_resize"]
 
 
 def _moved(what: str, err: Exception) -> ConfigError:
@@ -64,6 +64,23 @@ def flop_formula(func: Any) -> Callable[..., int] | None:
     """The FLOP formula ``FlopCounterMode`` uses for an aten op (called as ``formula(*args, out_val=out,
     **kwargs)``), or None. torch.utils.flop_counter.flop_registry: an undocumented module attribute."""
     return _flop_registry().get(getattr(func, "overloadpacket", func))
+
+
+def gpu_flop_formula(func: Any) -> Callable[..., int] | None:
+    """:func:`flop_formula`, but the CPU flash-attention kernels a dry run dispatches (which the registry lacks)
+    take the formula of the GPU's flash kernel: the same arguments first (query, key, value; backward: the
+    output's gradient before them), so the same count."""
+    name = getattr(getattr(func, "overloadpacket", func), "__name__", "")
+    gpu = _CPU_FLASH.get(name)
+    if gpu is None:
+        return flop_formula(func)
+    return _flop_registry().get(getattr(torch.ops.aten, gpu))
+
+
+_CPU_FLASH = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+}
 
 
 @functools.cache

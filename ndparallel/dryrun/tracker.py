@@ -1,4 +1,4 @@
-"""What one rank holds and computes during a dry-run step: live bytes by kind, their peak, and FLOPs.
+"""What one rank holds and computes during a dry-run step: live bytes by kind, their peak, FLOPs and the ops.
 
 :class:`RankTracker` is a ``TorchDispatchMode`` over this rank's *local* ops (DTensors are left to desugar into
 them). Every storage an op reads or writes is remembered through a weak reference, with its current size and a
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 # TorchDispatchMode: the documented extension point for intercepting aten ops (a private module on 2.11-2.14).
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ndparallel.dryrun.roofline import OpCensus
 from ndparallel.dryrun.torch_api import during_sharding_propagation, flop_formula, on_storage_resize
 
 __all__ = ["KINDS", "Peak", "RankTracker"]
@@ -96,6 +97,9 @@ class RankTracker(TorchDispatchMode):
         self.peak = Peak()
         self.activation_peak = 0
         self.flops = 0
+        self.ops = OpCensus()
+        """Every op's FLOPs and bytes, by part of the step (``ndparallel.dryrun.roofline``: its time on a GPU)."""
+        self._part = "step"
         self.retained_activations = 0
         """Saved activations still alive when the measured step starts (torch's pipeline keeps the first stage's
         shape-inference forward, one micro-batch, from the first step on)."""
@@ -241,8 +245,10 @@ class RankTracker(TorchDispatchMode):
     def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.state_at_step is None:  # the first optimizer of the step: every gradient is there
             self.state_at_step = {kind: self.totals[kind] for kind in ("params", "grads", "optimizer")}
+        self._part = "optimizer"
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._part = "step"
         for state in optimizer.state.values():
             self.track_all(state.values(), "optimizer")
 
@@ -277,9 +283,10 @@ class RankTracker(TorchDispatchMode):
         formula = flop_formula(func)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
-        for tensor in _leaves((args, kwargs, out)):
-            if isinstance(tensor, torch.Tensor):
-                self._touch(tensor)
+        tensors = [t for t in _leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.ops.add(func, tensors, args, kwargs, out, self._part)
+        for tensor in tensors:
+            self._touch(tensor)
         return out
 
     def _touch(self, tensor: torch.Tensor) -> None:
