@@ -18,7 +18,15 @@ import torch
 
 from ndparallel.errors import ConfigError
 
-__all__ = ["fake_store", "fake_tensor_mode", "flop_formula", "gpu_flop_formula", "is_fake", "on_storage_resize"]
+__all__ = [
+    "fake_store",
+    "fake_tensor_mode",
+    "flop_formula",
+    "gpu_flop_formula",
+    "is_fake",
+    "on_storage_resize",
+    "tensors_in",
+]
 
 
 def _moved(what: str, err: Exception) -> ConfigError:
@@ -26,6 +34,14 @@ def _moved(what: str, err: Exception) -> ConfigError:
         f"the dry run needs {what}, which torch {torch.__version__} does not have where torch 2.11-2.14 keep it "
         f"({type(err).__name__}: {err}); use torch 2.11-2.14"
     )
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors inside an op's or a module's arguments or outputs (nested lists, tuples, dicts).
+    Private: ``torch.utils._pytree`` is how torch's own dispatch modes walk them; no public API does."""
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def fake_store() -> Any:

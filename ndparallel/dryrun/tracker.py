@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndparallel.dryrun.roofline import OpCensus
-from ndparallel.dryrun.torch_api import during_sharding_propagation, flop_formula, on_storage_resize
+from ndparallel.dryrun.torch_api import during_sharding_propagation, flop_formula, on_storage_resize, tensors_in
 
 __all__ = ["KINDS", "Peak", "RankTracker"]
 
@@ -67,17 +67,6 @@ class _Entry:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     # A DTensor's local shard without an autograd op (to_local() would dispatch again from inside the mode).
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    else:
-        yield value
 
 
 class RankTracker(TorchDispatchMode):
@@ -230,8 +219,8 @@ class RankTracker(TorchDispatchMode):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._modules and self._modules[-1] == name:
                 self._modules.pop()
-            for tensor in _leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            for tensor in tensors_in(output):
+                if tensor.requires_grad:
                     tensor.register_hook(self._backward_into(name))
 
         return hook
@@ -283,7 +272,7 @@ class RankTracker(TorchDispatchMode):
         formula = flop_formula(func)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
-        tensors = [t for t in _leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        tensors = tensors_in((args, kwargs, out))
         self.ops.add(func, tensors, args, kwargs, out, self._part)
         for tensor in tensors:
             self._touch(tensor)

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 # TorchDispatchMode: the documented extension point for intercepting aten ops (a private module on 2.11-2.14).
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ndparallel.dryrun.torch_api import is_fake, without_fake_mode
+from ndparallel.dryrun.torch_api import is_fake, tensors_in, without_fake_mode
 
 __all__ = ["SMALL", "DryRunValues", "objects_as_if_every_rank_alike"]
 
@@ -59,7 +59,7 @@ class DryRunValues(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
-        tensors = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = tensors_in((args, kwargs))
         fake = [t for t in tensors if is_fake(t)]
         packet = func.overloadpacket
         if not fake:
@@ -136,14 +136,3 @@ def _balanced_counts(indices: torch.Tensor, minlength: int) -> torch.Tensor:
     counts = [total // bins + (1 if b < total % bins else 0) for b in range(bins)]
     with without_fake_mode():
         return torch.tensor(counts, dtype=torch.int64, device=indices.device.type)
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    else:
-        yield value
