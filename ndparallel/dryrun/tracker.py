@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndparallel.dryrun.roofline import OpCensus
-from ndparallel.dryrun.torch_api import during_sharding_propagation, flop_formula, on_storage_resize, tensors_in
+from ndparallel.dryrun.torch_api import during_sharding_propagation, gpu_flop_formula, on_storage_resize, tensors_in
 
 __all__ = ["KINDS", "Peak", "RankTracker"]
 
@@ -269,7 +269,7 @@ class RankTracker(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar: its local ops come back here
         out = func(*args, **kwargs)
-        formula = flop_formula(func)
+        formula = gpu_flop_formula(func)  # the CPU flash-attention kernels counted as the GPU's
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         tensors = tensors_in((args, kwargs, out))
