@@ -220,17 +220,20 @@ _SAME_MOMENT_S = 1.0
 """Exits this close together are one event for the blame (a loaded machine: torchrun's SIGTERM lands within ms)."""
 
 
-def _hung_rank_behind_its_casualty(ordered: list[int], failures: dict, clock: ExitClock) -> int | None:
-    """A rank that ended the job as hung (its watchdog's exit code) when the rank seen first died of SIGTERM at
-    about the same moment: torchrun's closing SIGTERM to the survivors, which a loaded machine's exit clock can
-    see in the same tick. A SIGTERM well before (someone's ``kill``) keeps the blame."""
+def _cause_behind_the_closing_sigterm(ordered: list[int], failures: dict, clock: ExitClock) -> int | None:
+    """A rank that ended the job on its own (hung: its watchdog's exit code; or a crash signal such as SIGSEGV)
+    when the rank seen first died of SIGTERM at about the same moment: torchrun's closing SIGTERM to the
+    survivors, which a loaded machine's exit clock can see in the same tick, or even first. A SIGTERM well before
+    (someone's ``kill``) keeps the blame, and so does a rank's plain error exit, which a peer's death can cause."""
     head = failures[ordered[0]]
     if head.exitcode != -signal.SIGTERM:
         return None
+    stopping = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT)
     for rank in ordered[1:]:
         failure = failures[rank]
+        on_its_own = failure.exitcode == EXIT_HUNG or (failure.exitcode < 0 and failure.exitcode not in stopping)
         apart = abs(clock.exit_time(failure.pid) - clock.exit_time(head.pid))
-        if failure.exitcode == EXIT_HUNG and (apart < _SAME_MOMENT_S or not math.isfinite(apart)):
+        if on_its_own and (apart < _SAME_MOMENT_S or not math.isfinite(apart)):
             return rank
     return None
 
@@ -238,7 +241,8 @@ def _hung_rank_behind_its_casualty(ordered: list[int], failures: dict, clock: Ex
 def report_failure(failures: dict, clock: ExitClock) -> int:
     """One line about a failed job (``failures``: global rank -> torchrun ProcessFailure); the exit status."""
     ordered = sorted(failures, key=lambda r: (clock.exit_time(failures[r].pid), failures[r].timestamp, r))
-    first = _hung_rank_behind_its_casualty(ordered, failures, clock) or ordered[0]
+    first = _cause_behind_the_closing_sigterm(ordered, failures, clock)
+    first = ordered[0] if first is None else first
     if failures[first].exitcode == EXIT_INTERRUPTED:
         # The ranks agreed to stop on a signal; torchrun may have signalled the slower ones on its way out.
         stopping = (EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGKILL)

@@ -221,10 +221,10 @@ def test_notebook_launcher_timeout_names_the_ranks_that_had_not_started():
     assert not _live_grandchildren(), "ranks outlived notebook_launcher"
 
 
-def test_a_hung_rank_is_blamed_over_the_sigterm_torchrun_sent_its_peer(capsys):
-    """A loaded machine's exit clock can see rank 1's watchdog exit (124, the job hung) and torchrun's closing
-    SIGTERM to rank 0 in the same tick (seen in a fresh-clone run): the hang is the cause. A SIGTERM seconds
-    before the hang (someone's kill) keeps the blame on that rank."""
+def test_a_hung_or_crashed_rank_is_blamed_over_the_sigterm_torchrun_sent_its_peer(capsys):
+    """A loaded machine's exit clock can see rank 1's watchdog exit (124, the job hung) or its segfault and
+    torchrun's closing SIGTERM to rank 0 in the same tick, or the SIGTERM first (both seen in fresh-clone runs):
+    the hang or the crash is the cause. A SIGTERM seconds before (someone's kill) keeps the blame on that rank."""
     import signal
     from types import SimpleNamespace
 
@@ -240,4 +240,13 @@ def test_a_hung_rank_is_blamed_over_the_sigterm_torchrun_sent_its_peer(capsys):
     assert "the job hung: rank 1 did not reach" in capsys.readouterr().err
     killed_first = SimpleNamespace(exit_time=lambda pid: {10: 1.0, 11: 9.0}[pid])
     assert report_failure(failures, killed_first) == 1
+    assert "rank 0 failed first (exit code -15) [SIGTERM]" in capsys.readouterr().err
+    # a segfault whose closing SIGTERM to the peer the clock saw first (seen in a fresh-clone run)
+    crashed = {0: failure(10, -signal.SIGTERM), 1: failure(11, -signal.SIGSEGV)}
+    seen_after = SimpleNamespace(exit_time=lambda pid: {10: 5.0, 11: 5.001}[pid])
+    assert report_failure(crashed, seen_after) == 1
+    assert "rank 1 failed first (exit code -11) [SIGSEGV]; ranks [0] were stopped" in capsys.readouterr().err
+    # a rank's plain error exit right after a peer's SIGTERM may be its consequence: the SIGTERM keeps the blame
+    errored = {0: failure(10, -signal.SIGTERM), 1: failure(11, 1)}
+    assert report_failure(errored, seen_after) == 1
     assert "rank 0 failed first (exit code -15) [SIGTERM]" in capsys.readouterr().err
