@@ -28,6 +28,7 @@ from ndparallel.estimate import (
 )
 from ndparallel.estimate.mesh import MeshShape
 from ndparallel.models import PRESETS, TransformerConfig
+from ndparallel.models.transformer.family import FAMILY as TRANSFORMER_FAMILY
 from ndparallel.train.job_config import DataConfig, LoopConfig, TrainConfig
 
 __all__ = ["Side", "compare", "format_side_by_side", "job_of", "plan_dry_runs", "trace_compute_s"]
@@ -58,7 +59,7 @@ def _transformer(model: ModelSpec, seq_len: int) -> TransformerConfig:
     if model.name in PRESETS:
         return TransformerConfig.from_preset(model.name, max_seq_len=seq_len)
     if (
-        model.family != "transformer"
+        model.family != TRANSFORMER_FAMILY.name  # the spec of another family (a Hugging Face config)
         or set(model.moe_layers) not in (set(), set(range(model.n_layers)))
         or model.tied_embeddings
         or model.head_dim * model.n_heads != model.dim

@@ -116,3 +116,17 @@ def test_json_report(capsys):
         "temporaries",
     }
     assert {c["dim"] for c in rank["comms"]} >= {"tp", "dp_shard"}
+
+
+def test_plan_dry_run_of_another_family_points_at_dry_run_model(tmp_path, capsys):
+    """``plan --dry-run`` builds the reference Transformer of the planned sizes: a Hugging Face config is refused
+    with the command that dry-runs it."""
+    config = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--gpus", "2", "--seq", "32", "--global-batch", "4"]
+    from ndparallel.launch.cli import main as ndparallel_main  # the command that has plan (this file's main: dry-run)
+
+    assert ndparallel_main([*args, "--dp-shard", "2", "--top", "1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "plan --dry-run builds the reference Transformer" in err and "ndparallel dry-run --model" in err, err
