@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ndparallel.config.dims import SIZE_FIELDS
+from ndparallel.config.dims import DATA_PARALLEL_DIMS, SIZE_FIELDS
 from ndparallel.errors import ConfigError, brief_repr
 
 __all__ = ["AccelerateNames", "accelerate_settings", "fsdp_plugin_settings", "is_accelerate_file"]
@@ -274,7 +274,8 @@ class AccelerateNames:
 
     @property
     def data_parallel_size(self) -> int:
-        return self._size("dp_replicate") * self._size("dp_shard")
+        """dp_replicate x dp_shard (``config.dims.DATA_PARALLEL_DIMS``): how many batches at once."""
+        return math.prod(self._size(d) for d in DATA_PARALLEL_DIMS)
 
     @property
     def non_data_parallel_size(self) -> int:
