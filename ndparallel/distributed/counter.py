@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-# The documented extension point for intercepting aten ops lives in a private module on torch 2.11-2.14.
-from torch.utils._python_dispatch import TorchDispatchMode
+from ndparallel.distributed.local_ops import LocalOpMode
 
 __all__ = ["CommCounter", "CountedCall"]
 
@@ -102,22 +100,15 @@ _FUNCTIONAL = {
 }
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(LocalOpMode):
     """Records each collective's kind, payload bytes and process group while it is entered."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.supports_higher_order_operators = True  # e.g. DTensor's random ops: not collectives, passed on
         self.calls: list[CountedCall] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):  # torch names that class in no public module
-            return func(*args, **kwargs)
-        if any(issubclass(t, DTensor) for t in types):
-            # let DTensor desugar first: the collectives it issues come back through this mode on local tensors
-            return NotImplemented
-        self._record(func, args)
+    def local_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self._record(func, args)  # DTensor's collectives come here on local tensors (LocalOpMode)
         return func(*args, **kwargs)
 
     def _record(self, func: Any, args: tuple) -> None:

@@ -34,9 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-# TorchDispatchMode: the documented extension point for intercepting aten ops (a private module on 2.11-2.14).
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from ndparallel.distributed.local_ops import LocalOpMode
 from ndparallel.dryrun.roofline import OpCensus
 from ndparallel.dryrun.torch_api import during_sharding_propagation, gpu_flop_formula, on_storage_resize, tensors_in
 
@@ -69,12 +67,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-class RankTracker(TorchDispatchMode):
+class RankTracker(LocalOpMode):
     """Live bytes by kind, the peak (total, by kind, module, phase), the activation peak, and FLOPs."""
 
     def __init__(self, fake_mode: Any = None) -> None:
         super().__init__()
-        self.supports_higher_order_operators = True
         self.fake_mode = fake_mode
         """The dry run's FakeTensorMode (None on real ranks): a fake tensor of any other mode holds no memory (DTensor
         makes global-shape ones of its own to propagate shardings)."""
@@ -262,12 +259,7 @@ class RankTracker(TorchDispatchMode):
             with self:
                 yield self
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):  # torch names that class in no public module
-            return func(*args, **kwargs)
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor desugar: its local ops come back here
+    def local_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
         formula = gpu_flop_formula(func)  # the CPU flash-attention kernels counted as the GPU's
         if formula is not None:

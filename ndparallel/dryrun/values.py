@@ -25,11 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-# TorchDispatchMode: the documented extension point for intercepting aten ops (a private module on 2.11-2.14).
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from ndparallel.distributed.local_ops import LocalOpMode
 from ndparallel.dryrun.torch_api import is_fake, tensors_in, without_fake_mode
 
 __all__ = ["SMALL", "DryRunValues", "objects_as_if_every_rank_alike"]
@@ -45,20 +42,14 @@ _CONTROL_FACTORIES = (_aten.zeros, _aten.ones, _aten.full, _aten.scalar_tensor)
 tokens are data, which context parallelism shards in place into fake tensors)."""
 
 
-class DryRunValues(TorchDispatchMode):
+class DryRunValues(LocalOpMode):
     """The values of a dry run (see the module docstring); ``stood_in``: how many values had no source."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.supports_higher_order_operators = True
         self.stood_in = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):  # torch names that class in no public module
-            return func(*args, **kwargs)
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
+    def local_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensors = tensors_in((args, kwargs))
         fake = [t for t in tensors if is_fake(t)]
         packet = func.overloadpacket
