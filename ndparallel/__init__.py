@@ -1,49 +1,110 @@
-"""ndparallel: N-dimensional parallelism (data replicate, FSDP shard, tensor, context) for PyTorch.
+"""ndparallel: N-dimensional parallelism (data replicate and shard, tensor, context, pipeline, expert) for PyTorch.
 
 Also 🤗 Accelerate's top-level names (``from accelerate import Accelerator, DistributedType`` changes its package
 only); the few it does not provide import and raise a one-line ConfigError when used."""
 
-from typing import Any
+from __future__ import annotations
 
-from ndparallel import checkpoint, models, train
-from ndparallel.accelerator import Accelerator, set_seed
-from ndparallel.accelerator.dealing import skip_first_batches
-from ndparallel.accelerator.enums import DDPCommunicationHookType, DistributedType
-from ndparallel.accelerator.helpers import find_executable_batch_size, is_available
-from ndparallel.accelerator.kwargs import (
-    AutocastKwargs,
-    DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    ProfileKwargs,
-)
-from ndparallel.accelerator.misc import synchronize_rng_states
-from ndparallel.accelerator.options import FullyShardedDataParallelPlugin
-from ndparallel.accelerator.processes import PartialState
-from ndparallel.accelerator.refusals import TOP_LEVEL as _REFUSED
-from ndparallel.accelerator.refusals import refused as _refused
-from ndparallel.config.parallelism import ParallelismConfig
-from ndparallel.distributed.mesh import Mesh
-from ndparallel.distributed.process import destroy_distributed, init_distributed
-from ndparallel.distributed.reduce import average_over
-from ndparallel.errors import ConfigError
-from ndparallel.launch.notebook import notebook_launcher
-from ndparallel.parallel.clip import clip_grad_norm_
-from ndparallel.parallel.context_parallel import context_parallel
-from ndparallel.parallel.grad_sync import no_sync
-from ndparallel.parallel.loss import auxiliary_loss, cross_entropy_loss
-from ndparallel.parallel.parallelize import parallelize
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ndparallel.parallel.protocol import load_builtin_families_with
 
 __version__ = "0.1.0"
-is_rich_available = is_available("rich")
+
+# Public name -> the module that defines it. Imported on first use (PEP 562), so that ``import ndparallel.launch``
+# (the ``ndparallel`` command, each launched script's runner) does not pay for DTensor, FSDP and DCP it does not
+# use: ~0.5 s of CPU per process (docs/architecture.md, "Tests").
+_EXPORTS: dict[str, str] = {
+    "Accelerator": "ndparallel.accelerator",
+    "set_seed": "ndparallel.accelerator",
+    "skip_first_batches": "ndparallel.accelerator.dealing",
+    "DDPCommunicationHookType": "ndparallel.accelerator.enums",
+    "DistributedType": "ndparallel.accelerator.enums",
+    "find_executable_batch_size": "ndparallel.accelerator.helpers",
+    "AutocastKwargs": "ndparallel.accelerator.kwargs",
+    "DataLoaderConfiguration": "ndparallel.accelerator.kwargs",
+    "DistributedDataParallelKwargs": "ndparallel.accelerator.kwargs",
+    "GradScalerKwargs": "ndparallel.accelerator.kwargs",
+    "InitProcessGroupKwargs": "ndparallel.accelerator.kwargs",
+    "ProfileKwargs": "ndparallel.accelerator.kwargs",
+    "synchronize_rng_states": "ndparallel.accelerator.misc",
+    "FullyShardedDataParallelPlugin": "ndparallel.accelerator.options",
+    "PartialState": "ndparallel.accelerator.processes",
+    "ParallelismConfig": "ndparallel.config.parallelism",
+    "Mesh": "ndparallel.distributed.mesh",
+    "destroy_distributed": "ndparallel.distributed.process",
+    "init_distributed": "ndparallel.distributed.process",
+    "average_over": "ndparallel.distributed.reduce",
+    "ConfigError": "ndparallel.errors",
+    "notebook_launcher": "ndparallel.launch.notebook",
+    "clip_grad_norm_": "ndparallel.parallel.clip",
+    "context_parallel": "ndparallel.parallel.context_parallel",
+    "no_sync": "ndparallel.parallel.grad_sync",
+    "auxiliary_loss": "ndparallel.parallel.loss",
+    "cross_entropy_loss": "ndparallel.parallel.loss",
+    "parallelize": "ndparallel.parallel.parallelize",
+}
+_SUBPACKAGES = ("checkpoint", "models", "train")
+
+# The built-in model families register when ndparallel.models is imported; the family lookup imports it at its
+# first use, so that parallelize() on a Hugging Face model finds its family however parallelize was imported.
+load_builtin_families_with(functools.partial(importlib.import_module, "ndparallel.models"))
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel import checkpoint, models, train
+    from ndparallel.accelerator import Accelerator, set_seed
+    from ndparallel.accelerator.dealing import skip_first_batches
+    from ndparallel.accelerator.enums import DDPCommunicationHookType, DistributedType
+    from ndparallel.accelerator.helpers import find_executable_batch_size
+    from ndparallel.accelerator.kwargs import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProfileKwargs,
+    )
+    from ndparallel.accelerator.misc import synchronize_rng_states
+    from ndparallel.accelerator.options import FullyShardedDataParallelPlugin
+    from ndparallel.accelerator.processes import PartialState
+    from ndparallel.config.parallelism import ParallelismConfig
+    from ndparallel.distributed.mesh import Mesh
+    from ndparallel.distributed.process import destroy_distributed, init_distributed
+    from ndparallel.distributed.reduce import average_over
+    from ndparallel.errors import ConfigError
+    from ndparallel.launch.notebook import notebook_launcher
+    from ndparallel.parallel.clip import clip_grad_norm_
+    from ndparallel.parallel.context_parallel import context_parallel
+    from ndparallel.parallel.grad_sync import no_sync
+    from ndparallel.parallel.loss import auxiliary_loss, cross_entropy_loss
+    from ndparallel.parallel.parallelize import parallelize
 
 
 def __getattr__(name: str) -> Any:
-    """Accelerate's top-level names ndparallel refuses: importable, raising a ConfigError when used."""
-    if name in _REFUSED:
-        return _refused(name, _REFUSED[name])
-    raise AttributeError(f"module 'ndparallel' has no attribute {name!r}")
+    """A public name, imported on first use; Accelerate's top-level names ndparallel refuses are importable and
+    raise a ConfigError when used."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name == "is_rich_available":
+        from ndparallel.accelerator.helpers import is_available
+
+        value = is_available("rich")
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"ndparallel.{name}")
+    else:
+        from ndparallel.accelerator.refusals import TOP_LEVEL, refused
+
+        if name not in TOP_LEVEL:
+            raise AttributeError(f"module 'ndparallel' has no attribute {name!r}")
+        return refused(name, TOP_LEVEL[name])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES, "is_rich_available"})
 
 
 __all__ = [

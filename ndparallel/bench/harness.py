@@ -11,7 +11,7 @@ global-norm clipping, the non-finite agreement, AdamW):
 
 1. ``warmup`` untimed steps, a barrier, then ``steps`` timed steps (CUDA: synchronised). The step
    time of the job is, per step, the slowest rank's.
-2. One instrumented step: collectives counted by :class:`ndparallel.estimate.CommCounter`
+2. One instrumented step: collectives counted by :class:`ndparallel.distributed.counter.CommCounter`
    (calls and payload bytes per collective kind and process group, mapped back to mesh dims),
    and on CPU the peak of live tensor bytes by :class:`ndparallel.bench.memory.LiveMemory`
    (on CUDA the allocator's ``max_memory_allocated`` over the timed steps).

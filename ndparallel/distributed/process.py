@@ -180,6 +180,8 @@ def _clear_sharding_cache() -> None:
     model of the same layout a mesh whose groups were destroyed: "Could not resolve the process group", or
     under a reused group name the wrong group. Private torch API (torch 2.13): the propagation caches through
     torch's own debug helper, the redistribute caches by name, each skipped if absent."""
+    if "torch.distributed.tensor" not in sys.modules:  # never imported: nothing cached (and no 0.4 s import)
+        return
     from torch.distributed.tensor import _redistribute, debug
 
     clears = [getattr(debug, "_clear_sharding_prop_cache", None)]

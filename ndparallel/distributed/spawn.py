@@ -75,10 +75,16 @@ class DistributedTimeout(DistributedError, TimeoutError):
 _PRELOAD_WHEN_IMPORTED = {"transformers": ("transformers", "transformers.modeling_utils")}
 
 
+# What `import ndparallel` gives a user (its names load on first use): named here, not imported, since the
+# harness sits below them; the forkserver imports them once for every rank it forks.
+_ENGINE = ("ndparallel.models", "ndparallel.parallel.parallelize", "ndparallel.checkpoint", "ndparallel.train")
+_ENGINE += ("ndparallel.accelerator", "ndparallel.launch.notebook")
+
+
 def _preload() -> list[str]:
     """What the forkserver imports once, before it forks any rank."""
     extra = [m for lib, mods in _PRELOAD_WHEN_IMPORTED.items() if lib in sys.modules for m in mods]
-    return ["torch", "torch.distributed", "ndparallel", *extra]
+    return ["torch", "torch.distributed", "ndparallel", *_ENGINE, *extra]
 
 
 def spawn_context() -> mp.context.BaseContext:

@@ -23,7 +23,6 @@ router statistics), ``search`` (estimate one shape, rank them all; ``ep`` too fo
 Formulas and validation: docs/planning.md.
 """
 
-from ndparallel.distributed.counter import CommCounter
 from ndparallel.estimate.cluster import GPU_PRESETS, ClusterSpec
 from ndparallel.estimate.comm import Collective, collectives, group_link
 from ndparallel.estimate.compute import ComputeTime, compute_time
@@ -52,7 +51,6 @@ __all__ = [
     "PRECISIONS",
     "ClusterSpec",
     "Collective",
-    "CommCounter",
     "Estimate",
     "MemoryEstimate",
     "MeshShape",

@@ -90,7 +90,10 @@ def _train_config(args: argparse.Namespace):
     return TrainConfig.from_sources(args.config, overrides, os.environ)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser. For ``mesh`` and ``train`` (also each rank of ``train --cpu-ranks``) the other
+    commands' parsers are left out: ``plan``'s imports the planner and, through it, DTensor (~0.4 s of CPU a
+    process); any other ``command`` gets every parser (help, a typo's list of choices)."""
     parser = argparse.ArgumentParser(prog="ndparallel", description="N-dimensional parallel training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -121,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
         help="torchrun underneath: ndparallel launch [torchrun options] [--cpu-ranks N] -- SUBCOMMAND|SCRIPT ...",
         add_help=False,
     )
-    _add_optional_subcommands(sub)
+    if command not in ("mesh", "train"):
+        _add_optional_subcommands(sub)
     return parser
 
 
@@ -167,7 +171,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"\nusage: {usage}")
             return 0
         return launch(argv[1:])
-    parser = _parser()
+    parser = _parser(argv[0] if argv else None)
     # Overrides (key=value) may follow options, which plain parse_args refuses for a nargs="*" positional.
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]

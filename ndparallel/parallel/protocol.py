@@ -34,26 +34,27 @@ they import no model family::
 the class a family subclasses. Planners and jobs import only this module (docs/parallelize.md#model-families).
 
 :func:`family_for` picks the family: the ones given to :func:`register_family` (newest first), then the built-in
-families (registered by ``ndparallel.models`` when it is imported, as ``import ndparallel`` does: Hugging Face's),
+families (registered by ``ndparallel.models`` when it is imported, at the latest at the first lookup: Hugging Face's),
 and otherwise the default (the reference Transformer's), the answer for a model no family claims.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.fqn import fqn_matches
 
-if TYPE_CHECKING:  # the type of one answer; this module calls no planner
+if TYPE_CHECKING:  # the types of two answers; this module calls no planner and imports no DTensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
     from ndparallel.parallel.moe_tensor_parallel import MoETensorParallel
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "family_for",
     "register_builtin_family",
     "register_family",
+    "load_builtin_families_with",
     "registered_families",
 ]
 
@@ -235,8 +237,20 @@ def register_builtin_family(family: FamilyProtocol, *, default: bool = False) ->
         _BUILT_IN.append(family)
 
 
+_BUILT_IN_LOADERS: list[Callable[[], object]] = []
+
+
+def load_builtin_families_with(loader: Callable[[], object]) -> None:
+    """How the built-in families become known without this floor importing them: ``ndparallel``'s ``__init__``
+    hands over a loader (importing ``ndparallel.models``, which registers them), called at the first lookup.
+    ``import ndparallel`` itself stays light (the ``ndparallel`` command, a launched script's runner)."""
+    _BUILT_IN_LOADERS.append(loader)
+
+
 def registered_families() -> list[FamilyProtocol]:
     """Every family in the order :func:`family_for` asks them; the last is the default."""
+    while _BUILT_IN_LOADERS:
+        _BUILT_IN_LOADERS.pop(0)()
     return [*reversed(_REGISTERED), *_BUILT_IN, *(_DEFAULT or [FamilyProtocol()])]
 
 

@@ -371,7 +371,7 @@ def _measure_run(shape: MeshShape, precision: str, checkpointing: str, micro_bat
     from contextlib import nullcontext
 
     import ndparallel as ndp
-    from ndparallel.estimate import CommCounter
+    from ndparallel.distributed.counter import CommCounter
     from ndparallel.parallel.grad_sync import micro_batch_sync
     from ndparallel.parallel.parallelize import parallelize
     from tests.parity import context_parallel_loss_fn, default_loss_fn, local_bytes

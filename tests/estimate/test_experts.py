@@ -199,7 +199,7 @@ def _measure_moe_run(shape: MeshShape, precision: str, micro_batches: int, exper
     from contextlib import nullcontext
 
     import ndparallel as ndp
-    from ndparallel.estimate import CommCounter
+    from ndparallel.distributed.counter import CommCounter
     from ndparallel.parallel.grad_sync import micro_batch_sync
     from ndparallel.parallel.loss import auxiliary_loss
     from ndparallel.parallel.parallelize import parallelize
