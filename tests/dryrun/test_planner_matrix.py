@@ -73,16 +73,9 @@ FULL = {
     "deepseek_v3_pp16_ep64_fsdp64": Cell("deepseek-v3", dict(pp=16, dp_shard=64, ep=64), 4096, global_batch=1024),
 }
 
-_HEAD = (
-    "the planner's saved activations miss part of what the loss head saves (V-wide tensors of the fp32 "
-    "cross-entropy); with 2-4 blocks the head is most of it: +10-25% here (docs/planning.md, 'Dry run', open item)"
-)
 _CHECKPOINTED = "full checkpointing: the planner counts more than autograd saves (-20%; open item)"
 KNOWN: dict[str, dict[str, str]] = {
-    "8b_2L_fsdp8": {"rank 0: activations": _HEAD},
     "8b_2L_hsdp2x2_tp2_cp": {"rank 0: activations": _CHECKPOINTED},
-    "70b_4L_pp2_1f1b_tp2_fsdp2": {"rank 0: activations": _HEAD, "rank 4: activations": _HEAD},
-    "mixtral_2L_ep4_fsdp8": {"rank 0: activations": _HEAD},
 }
 """cell -> {what differs: why}: the named differences (docs/planning.md, "Dry run"). Parameter, gradient and
 optimizer bytes and every dimension's collective bytes agree in every cell."""
