@@ -31,7 +31,7 @@ from ndparallel.models import PRESETS, TransformerConfig
 from ndparallel.models.transformer.family import FAMILY as TRANSFORMER_FAMILY
 from ndparallel.train.job_config import DataConfig, LoopConfig, TrainConfig
 
-__all__ = ["Side", "compare", "format_side_by_side", "job_of", "plan_dry_runs", "trace_compute_s"]
+__all__ = ["Side", "as_dry_run", "compare", "format_side_by_side", "job_of", "plan_dry_runs", "trace_compute_s"]
 
 TOLERANCE = 0.05
 """Activation peak and collective bytes: analytic and dry run agree within this fraction (issue 46)."""
@@ -41,10 +41,17 @@ CONTROL_BYTES = 1 << 20
 shape exchange) are control traffic the planner does not model: shown, not held to the tolerance."""
 
 
+def as_dry_run(train: TrainingSpec) -> TrainingSpec:
+    """``train`` as the dry run runs it: eager (compiled kernels are not modelled: ``compile none``, no compiled
+    loss) on CPU, where ``nn.RMSNorm`` is the composite op (fp32 copies saved), not CUDA's fused kernel. The
+    planner's figures held to the dry run are of this spec (docs/planning.md, "Dry run")."""
+    return dataclasses.replace(train, compile="none", compiled_loss=False, fused_norm=False)
+
+
 def job_of(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> TrainConfig:
     """The ``ndparallel train`` job of one planned shape (the reference Transformer of ``model``'s sizes)."""
     micro_batch = None if mesh.pp > 1 and mesh.pp_microbatches else train.micro_batch
-    knobs = dataclasses.replace(train, compile="none")  # compiled kernels are not modelled by the dry run
+    knobs = as_dry_run(train)
     return TrainConfig(
         parallelism=mesh.to_config(knobs),
         model=_transformer(model, train.seq_len),
@@ -131,11 +138,13 @@ def compare(
     for r in report.ranks:
         pp_rank = r.coordinate.get("pp", 0)
         mem = estimate_memory(model, train, e.mesh, pp_rank if e.mesh.pp > 1 else None)
-        # what autograd saves (the dry run counts saved tensors), not the loss's live logits and their gradient
+        # what autograd saves (the dry run counts saved tensors), not the loss's live logits and their gradient,
+        # for the job as the dry run runs it (eager, the CPU's composite RMSNorm)
+        ran = as_dry_run(train)
         if e.mesh.pp > 1:
-            saved = saved_activation_bytes(model, train, e.mesh, pp_rank, saved_only=True)
+            saved = saved_activation_bytes(model, ran, e.mesh, pp_rank, saved_only=True)
         else:
-            saved = activation_bytes(model, train, e.mesh, saved_only=True)
+            saved = activation_bytes(model, ran, e.mesh, saved_only=True)
         analytic = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                     "activations": saved, "peak": mem.peak}  # fmt: skip
         state = r.state_bytes

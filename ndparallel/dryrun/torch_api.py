@@ -24,6 +24,7 @@ __all__ = [
     "flop_formula",
     "gpu_flop_formula",
     "is_fake",
+    "on_recomputed_save",
     "on_storage_resize",
     "tensors_in",
 ]
@@ -125,6 +126,38 @@ def on_storage_resize(callback: Callable[[torch.UntypedStorage], None]) -> Itera
         yield
     finally:
         torch.UntypedStorage.resize_ = original
+
+
+@contextlib.contextmanager
+def on_recomputed_save(callback: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call ``callback(tensor)`` for each tensor that activation checkpointing's recomputation saves for backward
+    while entered. torch's non-reentrant checkpoint recomputes a block under saved-tensor hooks of its own, which
+    shadow any outer ``saved_tensors_hooks`` (the innermost pair packs): without this the recomputed block's saved
+    tensors would not be seen as saved. torch.utils.checkpoint._recomputation_hook: private (torch 2.11-2.14), its
+    ``pack_hook`` wrapped per instance; without the class nothing is wrapped."""
+    from torch.utils import checkpoint
+
+    cls = getattr(checkpoint, "_recomputation_hook", None)
+    if cls is None:
+        yield
+        return
+    original = cls.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        pack = self.pack_hook
+
+        def pack_hook(tensor: torch.Tensor) -> Any:
+            callback(tensor)
+            return pack(tensor)
+
+        self.pack_hook = pack_hook
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
 
 
 def pipeline_stages(schedule: Any) -> list[Any]:

@@ -9,7 +9,8 @@ phase running then. Kinds, strongest first (a storage keeps the strongest kind i
 - ``unsharded_params``: a parameter a module holds while it runs that is not a shard (FSDP's gathered copy);
 - ``grads``: a parameter's ``.grad`` (told by its post-accumulate-grad hook, which FSDP2 fires too);
 - ``optimizer``: the optimizer's state (registered after its step);
-- ``activations``: what autograd saves for backward (``saved_tensors_hooks``);
+- ``activations``: what autograd saves for backward (``saved_tensors_hooks``; a checkpointed block's recomputation
+  saves under torch's own hooks, seen through ``on_recomputed_save``);
 - ``temporaries``: everything else (communication buffers, unsharded gradients, an op's workspace).
 
 Fake tensors made while DTensor propagates a sharding are no memory (global-shape ones, in the dry run's own
@@ -36,7 +37,13 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel.distributed.local_ops import LocalOpMode
 from ndparallel.dryrun.roofline import OpCensus
-from ndparallel.dryrun.torch_api import during_sharding_propagation, gpu_flop_formula, on_storage_resize, tensors_in
+from ndparallel.dryrun.torch_api import (
+    during_sharding_propagation,
+    gpu_flop_formula,
+    on_recomputed_save,
+    on_storage_resize,
+    tensors_in,
+)
 
 __all__ = ["KINDS", "Peak", "RankTracker"]
 
@@ -250,8 +257,9 @@ class RankTracker(LocalOpMode):
 
     @contextlib.contextmanager
     def active(self) -> Iterator[RankTracker]:
-        """Enter the mode, the saved-tensor hooks and the resize watch together."""
+        """Enter the mode, the saved-tensor hooks (and checkpointing's recomputation's) and the resize watch."""
         with (
+            on_recomputed_save(self.pack),
             on_storage_resize(self._resized),
             during_sharding_propagation(self._propagating),
             torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),

@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["BLOCK_LINEARS", "PER_OP_RECOMPUTED", "checkpointed_count", "per_op", "recomputed_linears"]
+__all__ = [
+    "BLOCK_LINEARS",
+    "PER_OP_RECOMPUTED",
+    "blocks_after_last_checkpointed",
+    "checkpointed_count",
+    "per_op",
+    "recomputed_linears",
+]
 
 BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 """The block's matmuls in forward order (what the per-op policy counts)."""
@@ -38,6 +45,15 @@ def checkpointed_count(n_layers: int, mode: str, option: str = "2") -> int:
     if mode == "full" or per_op(mode, option):
         return n_layers
     return math.ceil(n_layers / int(option))
+
+
+def blocks_after_last_checkpointed(n_layers: int, mode: str, option: str = "2") -> int:
+    """Blocks after the last checkpointed one (none under ``full`` and per-op; per layer, the last is block
+    ``N (ceil(n / N) - 1)``): their backward runs, freeing what they saved, before that block is recomputed."""
+    count = checkpointed_count(n_layers, mode, option)
+    if not count or mode == "full" or per_op(mode, option):
+        return 0
+    return n_layers - 1 - int(option) * (count - 1)
 
 
 def recomputed_linears(mode: str, option: str) -> tuple[str, ...]:

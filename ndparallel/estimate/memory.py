@@ -17,7 +17,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.precision import forward_autocast_dtype
 from ndparallel.distributed.ulysses import kv_heads_sent
 from ndparallel.errors import ConfigError
-from ndparallel.estimate.checkpointing import checkpointed_count, per_op
+from ndparallel.estimate.checkpointing import blocks_after_last_checkpointed, checkpointed_count, per_op
 from ndparallel.estimate.experts import (
     expert_elements,
     gathered_expert_elements,
@@ -35,6 +35,7 @@ from ndparallel.estimate.training import ACTIVATION_CHECKPOINTING, TrainingSpec
 __all__ = [
     "MemoryEstimate",
     "activation_bytes",
+    "activation_parts",
     "autocast_weight_bytes",
     "autocasts",
     "checkpointed_blocks",
@@ -212,8 +213,31 @@ def activation_bytes(
     checkpointed (ndparallel's definition). The loss head is never checkpointed. ``blocks`` / ``head``: a
     pipeline stage's part (default the whole model), ``moe_blocks`` how many of them are MoE blocks (default: the
     model's, or none of a stage's). ``saved_only``: what autograd saves, without the head's logits and their
-    fp32 gradient (live at the start of backward, not saved).
+    fp32 gradient (live at the start of backward, not saved). The peak is the larger of two moments
+    (:func:`activation_parts`): the start of backward, and the last checkpointed block's recomputation.
     """
+    held, recomputing = activation_parts(model, train, mesh, mode, blocks, head, saved_only, moe_blocks)
+    return held + recomputing
+
+
+def activation_parts(
+    model: ModelSpec,
+    train: TrainingSpec,
+    mesh: MeshShape,
+    mode: str | None = None,
+    blocks: int | None = None,
+    head: bool = True,
+    saved_only: bool = False,
+    moe_blocks: int | None = None,
+) -> tuple[float, float]:
+    """(bytes a micro-batch holds at the start of its backward, bytes more while its backward recomputes a block)
+    (arguments: :func:`activation_bytes`).
+
+    At the start of backward: the blocks' saved tensors or inputs and the head's. The head's backward runs first
+    and frees what the head saved (and the logits' gradient) before any block is recomputed, and the blocks after
+    the last checkpointed one have run their backward too (:func:`ndparallel.estimate.checkpointing
+    .blocks_after_last_checkpointed`); while that block is recomputed its saved tensors exist again, beside the
+    logits the caller still holds (``out`` in train/step.py; none when the compiled loss never writes them)."""
     mode = mode or train.activation_checkpointing
     tokens = train.micro_batch * train.seq_len / mesh.cp
     n_layers = model.n_layers if blocks is None else blocks
@@ -221,16 +245,21 @@ def activation_bytes(
     layer, largest = _layer_bytes(model, train, mesh, n_layers, n_moe)
     layer, largest = layer * tokens, largest * tokens
     block_input = train.bytes.compute * model.dim / mesh.tp * tokens
-    checkpointed = checkpointed_blocks(n_layers, mode, train.selective_ac_option)
+    option = train.selective_ac_option
+    checkpointed = checkpointed_blocks(n_layers, mode, option)
     stored = (n_layers - checkpointed) * layer + checkpointed * block_input
-    if per_op(mode, train.selective_ac_option):
+    if per_op(mode, option):
         stored = n_layers * per_op_layer_bytes_per_token(model, train, mesh.tp) * tokens
-    recompute = largest if checkpointed else 0.0
     head_bytes = head_activation_bytes_per_token(model, train, mesh.tp) * tokens if head else 0.0
     if head and saved_only:
         transient = train.bytes.compute if train.compiled_loss else train.bytes.compute + 4
         head_bytes -= model.vocab_size / mesh.tp * transient * tokens
-    return stored + recompute + head_bytes
+    if not checkpointed:
+        return stored + head_bytes, 0.0
+    freed = blocks_after_last_checkpointed(n_layers, mode, option) * layer
+    logits = model.vocab_size / mesh.tp * train.bytes.compute * tokens
+    live_logits = logits if head and not saved_only and not train.compiled_loss else 0.0
+    return stored + head_bytes, max(0.0, largest + live_logits - freed - head_bytes)
 
 
 def _layer_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape, blocks: int, moe: int) -> tuple[float, float]:
@@ -302,17 +331,20 @@ def saved_activation_bytes(
     saved_only: bool = False,
 ) -> float:  # fmt: skip
     """Activation bytes one pp rank holds at its schedule's peak: for each local stage, the micro-batches in
-    flight (:func:`ndparallel.estimate.pipeline.in_flight`) x that stage's bytes per micro-batch (under autocast
-    with the weight copies each micro-batch saves, :func:`autocast_weight_bytes`)."""
+    flight (:func:`ndparallel.estimate.pipeline.in_flight`) x what that stage's micro-batch holds at the start of
+    its backward (under autocast with the weight copies each micro-batch saves, :func:`autocast_weight_bytes`),
+    and once, not per micro-batch, the most a backward adds while it recomputes a checkpointed block (a rank
+    runs one backward at a time: :func:`activation_parts`)."""
     train = pipeline_train(train, mesh)
     share = rank_shares(model, mesh)[pp_rank]
     counts = in_flight(mesh, microbatches(train, mesh), pp_rank)
-    total = 0.0
+    total, recomputing = 0.0, 0.0
     for i, (blocks, count) in enumerate(zip(share.stage_blocks, counts, strict=True)):
         head, moe = i == share.last_stage_local, share.moe_blocks_of(i)
-        per_mb = activation_bytes(model, train, mesh, mode, blocks, head, saved_only, moe)
-        total += count * (per_mb + autocast_weight_bytes(model, train, mesh, blocks, head, mode, moe))
-    return total
+        held, extra = activation_parts(model, train, mesh, mode, blocks, head, saved_only, moe)
+        total += count * (held + autocast_weight_bytes(model, train, mesh, blocks, head, mode, moe))
+        recomputing = max(recomputing, extra if count else 0.0)
+    return total + recomputing
 
 
 @dataclass(frozen=True)
