@@ -1,14 +1,28 @@
 """Isolation between tests: a test that starts a one-process group in the pytest process (``load_pretrained``
 or ``init_distributed`` without ranks) leaves it to no later test. Under pytest-xdist, the spawned parity groups
 that several test files share are computed once per run (``tests.parity.SHARED_CACHE_DIR``).
-The ``NDP_*`` variables an in-process CLI call sets end with its test."""
+The ``NDP_*`` variables an in-process CLI call sets end with its test. Under pytest-xdist each worker computes with
+its share of the cores (:func:`pytest_configure`)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker (and the processes it starts) gets ``cores / workers`` OpenMP threads. With torch's
+    default, one per core, the two workers' references and plain runs each ran OpenMP's spin-waiting team on the
+    cores the other worker's ranks needed: one 4-rank test run twice at once took 113 CPU-s instead of 53
+    (docs/architecture.md, "Tests"). An ``OMP_NUM_THREADS`` the user set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture(autouse=True)
