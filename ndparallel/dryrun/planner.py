@@ -5,7 +5,8 @@ sequence and model) is dry-run, and per pipeline rank the analytic figures (:mod
 beside the measured ones: parameter, gradient and optimizer bytes (which must be equal), the activation peak,
 the peak, and the bytes each mesh dimension's collectives move (which should agree within 5%); and the step time
 twice: the planner's, and the trace's, where every op the rank ran is priced at the GPU's roofline
-(:mod:`ndparallel.dryrun.roofline`) in place of the planner's compute term, its exposed communication kept.
+(:mod:`ndparallel.dryrun.roofline`) in place of the planner's compute term, and the planner's overlap rules
+(:func:`ndparallel.estimate.overlap.exposed_comm`) say what of the planner's communication that compute hides.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ndparallel.dryrun.report import DryRunReport, RankReport
+from ndparallel.dryrun.roofline import split_s
 from ndparallel.dryrun.run import dry_run
 from ndparallel.errors import ConfigError
 from ndparallel.estimate import (
@@ -27,11 +29,22 @@ from ndparallel.estimate import (
     saved_activation_bytes,
 )
 from ndparallel.estimate.mesh import MeshShape
+from ndparallel.estimate.overlap import StepCompute, exposed_comm
 from ndparallel.models import PRESETS, TransformerConfig
 from ndparallel.models.transformer.family import FAMILY as TRANSFORMER_FAMILY
 from ndparallel.train.job_config import DataConfig, LoopConfig, TrainConfig
 
-__all__ = ["Side", "as_dry_run", "compare", "format_side_by_side", "job_of", "plan_dry_runs", "trace_compute_s"]
+__all__ = [
+    "Side",
+    "as_dry_run",
+    "compare",
+    "format_side_by_side",
+    "job_of",
+    "plan_dry_runs",
+    "trace_compute",
+    "trace_compute_s",
+    "trace_step_s",
+]
 
 TOLERANCE = 0.05
 """Activation peak and collective bytes: analytic and dry run agree within this fraction (issue 46)."""
@@ -103,7 +116,8 @@ class Side:
     compute_s: tuple[float, float] = (0.0, 0.0)
     """(the planner's compute seconds, bubble included; the trace's: :func:`trace_compute_s`, a floor)."""
     step_s: tuple[float, float] = (0.0, 0.0)
-    """(the planner's step seconds; the trace's compute seconds + the planner's exposed communication)."""
+    """(the planner's step seconds; the trace's: :func:`trace_step_s`, its compute + the planner's communication
+    that the overlap rules leave exposed against it)."""
 
     def disagreements(self) -> list[str]:
         """What breaks the rule: state bytes equal, activations and collective bytes within 5%."""
@@ -120,12 +134,24 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1.0)
 
 
+def trace_compute(e: Estimate, rank: RankReport, hbm_bw: float) -> StepCompute:
+    """The rank's compute from its trace as the overlap rules read it: its ops at the roofline of ``e``'s GPU peak
+    and ``hbm_bw``, by phase (:func:`ndparallel.dryrun.roofline.split_s`)."""
+    split = split_s(rank.ops, e.time.peak_flops, hbm_bw)
+    return StepCompute(split.forward_s, split.backward_s, split.attention_s, split.per_step_s)
+
+
 def trace_compute_s(e: Estimate, rank: RankReport, hbm_bw: float) -> float:
-    """The rank's compute seconds from its trace: its step's ops at the roofline of ``e``'s GPU peak and
-    ``hbm_bw``, stretched by the planner's pipeline bubble as the planner stretches its own, plus the optimizer's
-    ops (once per step, after the schedule)."""
-    step = rank.roofline_s(e.time.peak_flops, hbm_bw, "step")
-    return step / (1 - e.time.bubble) + rank.roofline_s(e.time.peak_flops, hbm_bw, "optimizer")
+    """The rank's compute seconds from its trace: its micro-batches' ops stretched by the planner's pipeline bubble
+    as the planner stretches its own, plus the ops once per step (clipping, the optimizer)."""
+    return trace_compute(e, rank, hbm_bw).total_s(e.time.bubble)
+
+
+def trace_step_s(e: Estimate, train: TrainingSpec, rank: RankReport, hbm_bw: float) -> float:
+    """The rank's step seconds from its trace: :func:`trace_compute_s` + the planner's collectives that the
+    planner's overlap rules leave exposed against the trace's compute (not against the planner's)."""
+    compute = trace_compute(e, rank, hbm_bw)
+    return compute.total_s(e.time.bubble) + sum(exposed_comm(compute, e.comms, e.mesh, train).values())
 
 
 def compare(
@@ -162,9 +188,8 @@ def compare(
             comm.setdefault(_dim(row.dim, e.mesh), [0.0, 0.0])[1] += row.bytes
         side = Side(e.mesh.describe(), r, analytic, measured, {k: (a, m) for k, (a, m) in comm.items()})
         side.flops = (e.time.model_flops_per_step / e.mesh.world_size, float(r.flops))
-        trace = trace_compute_s(e, r, hbm_bw)
-        side.compute_s = (e.time.compute_s, trace)
-        side.step_s = (e.time.step_s, trace + e.time.exposed_comm_s)
+        side.compute_s = (e.time.compute_s, trace_compute_s(e, r, hbm_bw))
+        side.step_s = (e.time.step_s, trace_step_s(e, train, r, hbm_bw))
         sides.append(side)
     return sides
 
@@ -198,7 +223,7 @@ def format_side_by_side(sides: list[Side]) -> str:
         "dry run beside the plan (analytic | dry run; GiB; state must be equal, activations and collectives within "
         "5%; collectives under 1 MiB are control traffic, not modelled; TFLOP: the model's 6N per rank | traced, "
         "recompute included; compute s: the plan's | the trace's ops at the GPU's roofline, a floor; step s: the "
-        "plan's | the trace's compute + the plan's exposed communication):",
+        "plan's | the trace's compute + the plan's communication its overlap rules leave exposed against it):",
         f"{'mesh':<34} {'rank':>6} {'params':>13} {'grads':>13} {'optimizer':>13} {'activations':>13} "
         f"{'peak':>13} {'TFLOP':>11} {'compute s':>17} {'step s':>17}  collectives GB by dim",
     ]

@@ -23,6 +23,7 @@ __all__ = [
     "fake_tensor_mode",
     "flop_formula",
     "gpu_flop_formula",
+    "in_backward_pass",
     "is_fake",
     "on_recomputed_save",
     "on_storage_resize",
@@ -43,6 +44,13 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def in_backward_pass() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread now (its hooks, an activation
+    checkpoint's recomputation and its final callbacks included). torch._C._current_graph_task_id: private,
+    -1 outside a backward (the id torch's own checkpoint and compiled autograd read); no public API says it."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def fake_store() -> Any:

@@ -40,6 +40,7 @@ from ndparallel.dryrun.roofline import OpCensus
 from ndparallel.dryrun.torch_api import (
     during_sharding_propagation,
     gpu_flop_formula,
+    in_backward_pass,
     on_recomputed_save,
     on_storage_resize,
     tensors_in,
@@ -273,10 +274,20 @@ class RankTracker(LocalOpMode):
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         tensors = tensors_in((args, kwargs, out))
-        self.ops.add(func, tensors, args, kwargs, out, self._part)
+        self.ops.add(func, tensors, args, kwargs, out, self._part, self._op_phase())
         for tensor in tensors:
             self._touch(tensor)
         return out
+
+    def _op_phase(self) -> str:
+        """The census's phase of the op running now: ``backward`` in autograd's backward pass (recompute, FSDP's
+        backward hooks), ``forward`` elsewhere in a micro-batch (from its model's forward on: the loss too),
+        empty outside the micro-batches (clipping, the optimizer)."""
+        if self._part != "step":
+            return ""
+        if in_backward_pass():
+            return "backward"
+        return "forward" if self._micro_batch else ""
 
     def _touch(self, tensor: torch.Tensor) -> None:
         if not self._holds_memory(tensor):

@@ -1,22 +1,5 @@
-"""Step time: compute from FLOPs at an assumed MFU, plus the communication that compute cannot hide.
-
-Overlap assumptions (FSDP2 prefetching, overlapped gradient reduction, no async TP):
-
-* FSDP forward all-gathers hide behind forward compute, except the first unit's of each micro-batch.
-* Backward all-gathers hide behind the micro-batch's backward compute (+ recompute); gradient
-  reductions (reduce-scatter, HSDP / replicate all-reduce) hide behind the backward of the
-  micro-batch that syncs, except the last unit's reduction.
-* TP/SP collectives sit on the critical path: fully exposed.
-* CP ring K/V transfers hide behind attention compute (forward, backward and recompute); the
-  allgather and alltoall (Ulysses) collectives run before or after the attention that needs them:
-  fully exposed.
-* Mixture of experts: the all-to-alls of routed tokens and the router's statistics sit between the router and
-  the experts (the experts wait for their rows, the block's output for the rows coming back): fully exposed.
-  The experts' own FSDP units overlap like any other unit.
-* Pipeline parallel: each rank computes its stages' share of the FLOPs (the slowest rank sets the pace),
-  stretched by the schedule's bubble, ``compute / (1 - bubble)``; the point-to-point sends of the fill and
-  the drain (``2 (p - 1)`` of one micro-batch) are exposed, the others overlap the next micro-batch. Pure
-  replicate under pp all-reduces the gradients after the schedule: exposed.
+"""Step time: compute from FLOPs at an assumed MFU (or by kind, ``compute``), plus the communication that compute
+cannot hide (the overlap rules: ``overlap``).
 """
 
 from __future__ import annotations
@@ -29,6 +12,7 @@ from ndparallel.estimate.compute import compute_time
 from ndparallel.estimate.memory import checkpointed_blocks, pipeline_train
 from ndparallel.estimate.mesh import MeshShape
 from ndparallel.estimate.model import ModelSpec
+from ndparallel.estimate.overlap import StepCompute, exposed_comm
 from ndparallel.estimate.pipeline import bubble_fraction, microbatches, rank_shares
 from ndparallel.estimate.training import TrainingSpec
 
@@ -86,7 +70,7 @@ class StepTime:
 def estimate_step_time(
     model: ModelSpec, train: TrainingSpec, mesh: MeshShape, cluster: ClusterSpec, comms: list[Collective]
 ) -> StepTime:
-    """Compute time and exposed communication of one optimizer step (module docstring: overlap rules)."""
+    """Compute time and exposed communication of one optimizer step (the rules: :mod:`ndparallel.estimate.overlap`)."""
     train = pipeline_train(train, mesh)
     micro_steps = train.accumulation_steps(mesh) or 1
     seq = train.seq_len
@@ -100,51 +84,13 @@ def estimate_step_time(
         attention_s = micro_steps * (parts.attention_forward + parts.attention_backward)
         by_kind, per_step_s = parts.step_by_kind(micro_steps), sum(parts.per_step.values())
 
-    by_phase: dict[str, list[Collective]] = {}
-    for row in comms:
-        by_phase.setdefault(row.phase, []).append(row)
-
-    def total(phase: str) -> float:
-        return sum(row.time_s for row in by_phase.get(phase, []))
-
-    def first_calls(phase: str, count: int) -> float:
-        """What cannot overlap: one call per micro-batch (first gather)."""
-        return sum(row.time_s / row.calls for row in by_phase.get(phase, [])) * count
-
-    # Backward of each micro-batch hides its re-gathers and its gradient reductions: a reduce-scatter on each
-    # micro-batch that reduce-scatters (all of them under FSDP unless deferred), the all-reduces (HSDP,
-    # replicate) on the last. The last reduction of the step cannot overlap.
-    # under pp the schedule gathers each FSDP unit and reduce-scatters its gradient once per step
-    rs_steps = 1 if mesh.pp > 1 else train.reduce_scatter_steps(mesh)
-    gathers = 1 if mesh.pp > 1 else micro_steps
-    scatter = [row for row in by_phase.get("grad_reduce", []) if row.kind == "reduce_scatter"]
-    all_reduce = [row for row in by_phase.get("grad_reduce", []) if row.kind != "reduce_scatter"]
-    scatter_per_sync = sum(row.time_s for row in scatter) / rs_steps
-    regather, backward = total("fsdp_backward") / micro_steps, backward_s / micro_steps
-    scattering = scatter_per_sync if rs_steps == micro_steps else 0.0  # on the micro-batches before the last
-    backward_exposed = (micro_steps - 1) * max(0.0, regather + scattering - backward)
-    backward_exposed += max(0.0, regather + scatter_per_sync + sum(row.time_s for row in all_reduce) - backward)
-    last_calls = sum(row.time_s / row.calls for row in scatter) * rs_steps + sum(
-        row.time_s / row.calls for row in all_reduce
-    )
+    compute = StepCompute(forward_s, backward_s, attention_s, per_step_s)
     bubble = bubble_fraction(mesh, microbatches(train, mesh))
-    pp_sends = [row.time_s / row.calls for row in by_phase.get("pp", [])]
-    exposed = {
-        "pp": 2 * (mesh.pp - 1) * max(pp_sends, default=0.0),
-        "fsdp_forward": max(0.0, total("fsdp_forward") - forward_s) + first_calls("fsdp_forward", gathers),
-        "backward": backward_exposed + last_calls,
-        "tp": total("tp"),
-        "cp_ring": max(0.0, total("cp_ring") - attention_s),
-        "cp": total("cp"),
-        "ep": total("ep"),
-        "loss": total("loss"),
-        "after_schedule": total("after_schedule"),
-    }
     tokens_per_step = train.global_batch * seq
     return StepTime(
-        compute_s=(forward_s + backward_s) / (1 - bubble) + per_step_s,
+        compute_s=compute.total_s(bubble),
         comm_s=sum(row.time_s for row in comms),
-        exposed_s={k: v for k, v in exposed.items() if v > 0},
+        exposed_s=exposed_comm(compute, comms, mesh, train),
         tokens_per_step=tokens_per_step,
         model_flops_per_step=tokens_per_step * flops_per_token,
         world_size=mesh.world_size,
