@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -224,33 +224,35 @@ class TrainStep:
             family_for(module).update_router_biases(module, self.router_bias_rate if applied else 0.0)
         if not pipeline or self.model.aux_losses is None:
             return [load for per_module in loads for load in per_module]
-        mine = [(sid, per) for sid, per in zip(self.model.stage_ids, loads, strict=True)]
-        every = gather_vectors(_encode_stage_loads(mine), group=self.model.pp_group)
-        stages = sorted(stage for vector in every for stage in _decode_stage_loads(vector))
+        layout, counts = _encode_stage_loads(zip(self.model.stage_ids, loads, strict=True))
+        group = self.model.pp_group
+        every = zip(gather_vectors(layout, group=group), gather_vectors(counts, group=group), strict=True)
+        stages = sorted((stage for vectors in every for stage in _decode_stage_loads(*vectors)), key=lambda s: s[0])
         return [load for _, per in stages for load in per]
 
 
-def _encode_stage_loads(stages: Sequence[tuple[int, Sequence[torch.Tensor]]]) -> torch.Tensor:
-    """``[(stage id, [tokens per expert of each router])]`` as one float64 vector, for a tensor all-gather:
-    per stage ``[id, routers, (experts, counts...) per router]``."""
-    parts: list[torch.Tensor] = []
+def _encode_stage_loads(stages: Iterable[tuple[int, Sequence[torch.Tensor]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[(stage id, [tokens per expert of each router])]`` as two vectors for tensor all-gathers: the layout
+    (int64; per stage ``[id, routers, experts of each router...]``) and the counts (float64, concatenated). The
+    layout is a control tensor of its own: the dry run keeps it real while the counts stay fake
+    (``ndparallel/dryrun/values.py``)."""
+    layout: list[int] = []
+    counts: list[torch.Tensor] = []
     for stage_id, per_router in stages:
-        parts.append(torch.tensor([stage_id, len(per_router)], dtype=torch.float64))
-        for load in per_router:
-            parts += [torch.tensor([load.numel()], dtype=torch.float64), load.detach().cpu().double().reshape(-1)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        layout += [stage_id, len(per_router), *(load.numel() for load in per_router)]
+        counts += [load.detach().cpu().double().reshape(-1) for load in per_router]
+    return torch.tensor(layout, dtype=torch.int64), torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64)
 
 
-def _decode_stage_loads(vector: torch.Tensor) -> list[tuple[int, list[torch.Tensor]]]:
+def _decode_stage_loads(layout: torch.Tensor, counts: torch.Tensor) -> list[tuple[int, list[torch.Tensor]]]:
     """The inverse of :func:`_encode_stage_loads`."""
-    values, at, stages = vector.double(), 0, []
-    while at < values.numel():
-        stage_id, routers = int(values[at]), int(values[at + 1])
-        at += 2
+    values, at, offset, stages = layout.tolist(), 0, 0, []
+    while at < len(values):
+        stage_id, routers = values[at], values[at + 1]
+        sizes, at = values[at + 2 : at + 2 + routers], at + 2 + routers
         per_router = []
-        for _ in range(routers):
-            n = int(values[at])
-            per_router.append(values[at + 1 : at + 1 + n].clone())
-            at += 1 + n
+        for n in sizes:
+            per_router.append(counts[offset : offset + n].clone())
+            offset += n
         stages.append((stage_id, per_router))
     return stages

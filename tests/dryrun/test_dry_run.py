@@ -94,6 +94,16 @@ def test_ranks_that_differ_each_pp_stage_and_the_smallest_shards():
     assert report.out_of_memory() is None
 
 
+def test_a_mixture_of_experts_under_pp_and_ep():
+    """tiny-moe on pp 2 x FSDP 4 x ep 2: the stages exchange their routers' loads after the step (a tensor
+    all-gather whose layout the dry run keeps real; DeepSeek-V3's cell at 1,024 ranks once failed there)."""
+    cfg = _config("model.preset=tiny-moe", "pp_size=2", "dp_shard_size=-1", "ep_size=2", "train.global_batch=8")
+    report = dry_run(cfg, 8, gpu_memory=2**40)
+    assert [r.stage_ids for r in report.ranks] == [[0], [1]]
+    for r in report.ranks:
+        assert {"pp", "ep"} <= {c.dim for c in r.comms} and r.flops > 0
+
+
 def test_out_of_memory_names_rank_phase_and_module(capsys):
     code = main(["dry-run", "--world", "8", *TINY, "dp_shard_size=-1", "--gpu-mem", "0.001GiB"])
     out = capsys.readouterr().out
