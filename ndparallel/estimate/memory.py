@@ -280,8 +280,7 @@ def autocasts(train: TrainingSpec, mesh: MeshShape) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _autocast_refusal(precision: str, dp_shard: int, cp: int) -> str:
-    mixed = "no" if precision == "fp32" else precision
+def _autocast_refusal(mixed: str, dp_shard: int, cp: int) -> str:
     try:
         forward_autocast_dtype(ParallelismConfig(dp_shard_size=dp_shard, cp_size=cp, mixed_precision=mixed))
     except ConfigError as err:
@@ -291,7 +290,7 @@ def _autocast_refusal(precision: str, dp_shard: int, cp: int) -> str:
 
 def precision_problem(train: TrainingSpec, mesh: MeshShape) -> str:
     """The trainer's refusal of ``train.precision`` on this mesh ("" if none): fp16 needs FSDP."""
-    return _autocast_refusal(train.precision, mesh.dp_shard, mesh.cp)
+    return _autocast_refusal(train.mixed_precision, mesh.dp_shard, mesh.cp)
 
 
 def residual_bytes(train: TrainingSpec, mesh: MeshShape) -> int:
