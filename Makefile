@@ -13,9 +13,10 @@ TRL ?= trl==1.16.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ndparallel-installed
 CPU_RANKS ?= 4
-# pytest workers (pytest-xdist, one test file each at a time; 0: one process). 2, one per core: 3 burn
-# half as much CPU again in contention for the same tests (docs/architecture.md, "Tests", has the times).
-WORKERS ?= 2
+# pytest workers (pytest-xdist, one test file each at a time; 0: one process). 3 on 2 cores: the jobs tests wait on
+# signals, timeouts and launchers, and a third worker fills those gaps (the whole suite 449 -> 403 s); each worker
+# computes with cores / workers threads (tests/conftest.py). docs/architecture.md, "Tests", has the times.
+WORKERS ?= 3
 XDIST := -n $(WORKERS) --dist loadfile
 # pip byte-compiles every file it installs (~27 s of a fresh install, mostly torch's, most never imported);
 # --no-compile leaves that to the first import, which caches only what runs, so bytecode writing stays on.
