@@ -25,8 +25,10 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ndparallel.config.parallelism import CPU_RANKS_ENV
 from ndparallel.errors import EXIT_HUNG, EXIT_INTERRUPTED, ConfigError
@@ -286,6 +288,33 @@ def _rendezvous_failure(err: BaseException, args: Sequence[str]) -> str:
     return f"the rendezvous at {endpoint} failed ({cause}): did every node start, with the same --rdzv-id?"
 
 
+_TIMER_FILE = os.path.join("elastic", "rendezvous", "utils.py")
+
+
+def _quiet_timer_self_join() -> None:
+    """Silence one known torch teardown error in this (the launcher's) process, and only it.
+
+    torch's rendezvous keep-alive ``_PeriodicTimer`` (torch/distributed/elastic/rendezvous/utils.py, torch 2.11 to
+    2.13) stops its thread from a ``weakref.finalize``; when the garbage collector happens to collect the timer on
+    that very thread, the finalizer's ``thread.join()`` raises ``RuntimeError: cannot join current thread``, which
+    Python prints as "Exception ignored in: <finalize object ...>" with a traceback after the job's last line. The
+    stop event is set before the join, so the thread ends anyway: nothing is lost but the user's trust in the
+    output. Seen once under heavy load after a SIGTERM (docs/troubleshooting.md#exit-time-aborts-and-native-crashes)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        frames = [frame.f_code for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
+        if (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "cannot join current thread"
+            and any(code.co_name == "_stop_thread" and code.co_filename.endswith(_TIMER_FILE) for code in frames)
+        ):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def launch(argv: Sequence[str]) -> int:
     """Run ``torch.distributed.run`` (torchrun) with translated arguments; returns the exit status."""
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -298,6 +327,7 @@ def launch(argv: Sequence[str]) -> int:
     # A rank that crashes natively (SIGSEGV, SIGABRT in a C++ library) prints the Python stack it crashed
     # under to its stderr, not just torchrun's "exitcode: -11". A user's own setting wins.
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    _quiet_timer_self_join()
     with ExitClock() as clock:
         try:
             torchrun_main(args)
