@@ -17,6 +17,8 @@ CPU_RANKS ?= 4
 # signals, timeouts and launchers, and a third worker fills those gaps (the whole suite 449 -> 403 s); each worker
 # computes with cores / workers threads (tests/conftest.py). docs/architecture.md, "Tests", has the times.
 WORKERS ?= 3
+# The fast tier has no waiting jobs to fill: there a third worker only contends (128 s with 2, 142 s with 3).
+FAST_WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
 # pip byte-compiles every file it installs (~27 s of a fresh install, mostly torch's, most never imported);
 # --no-compile leaves that to the first import, which caches only what runs, so bytecode writing stays on.
@@ -46,7 +48,7 @@ test: $(STAMP)
 # CLI processes, notebooks, signals: marker `jobs`) and the costliest tests, 10-60 s each (marker `slow`: big
 # parity groups, inductor builds).
 test-fast: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST)
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -n $(FAST_WORKERS) --dist loadfile
 
 # Breadth sweeps that add no code path of their own (marker `zoo`: every other translated Hugging Face plan
 # of the catalogue on tp 2, dp_shard 2, cp 2 and pp 2, ~20 s); docs/models.md records their last result.
