@@ -90,10 +90,7 @@ def _train_config(args: argparse.Namespace):
     return TrainConfig.from_sources(args.config, overrides, os.environ)
 
 
-def _parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The command's parser. For ``mesh`` and ``train`` (also each rank of ``train --cpu-ranks``) the other
-    commands' parsers are left out: ``plan``'s imports the planner and, through it, DTensor (~0.4 s of CPU a
-    process); any other ``command`` gets every parser (help, a typo's list of choices)."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ndparallel", description="N-dimensional parallel training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -124,8 +121,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         help="torchrun underneath: ndparallel launch [torchrun options] [--cpu-ranks N] -- SUBCOMMAND|SCRIPT ...",
         add_help=False,
     )
-    if command not in ("mesh", "train"):
-        _add_optional_subcommands(sub)
+    _add_optional_subcommands(sub)
     return parser
 
 
@@ -171,7 +167,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"\nusage: {usage}")
             return 0
         return launch(argv[1:])
-    parser = _parser(argv[0] if argv else None)
+    parser = _parser()
     # Overrides (key=value) may follow options, which plain parse_args refuses for a nargs="*" positional.
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
