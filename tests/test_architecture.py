@@ -212,3 +212,18 @@ def test_test_folders_mirror_ndparallel_and_test_names_carry_no_layout_suffix():
         if f.stem.removeprefix("test_").endswith(LAYOUT_SUFFIXES) and not names_a_module(f)
     }
     assert twins == set(), "name the test module by its concept; parametrise the layouts"
+
+
+def test_the_lazy_top_level_names_are_one_list():
+    """``ndparallel/__init__``'s names load on first use: its table, its static imports and ``__all__`` name the
+    same names, and every one resolves."""
+    import ndparallel
+    from tests.floors import PACKAGE
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))
+    static = {alias.asname or alias.name for node in guarded.body for alias in node.names}
+    lazy = {*ndparallel._EXPORTS, *ndparallel._SUBPACKAGES}
+    assert static == lazy
+    assert set(ndparallel.__all__) == lazy | {"is_rich_available"}
+    assert all(getattr(ndparallel, name) is not None for name in ndparallel.__all__)
