@@ -18,6 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["LocalOpMode"]
 
+_METADATA_QUERIES = frozenset({torch.ops.prim.device.default})
+"""Ops that only read a tensor's metadata (the autograd engine asks each gradient's device): passed on untouched.
+Nothing a subclass counts, and in a dry run about three of every four ops (docs/benchmarks.md, dry run)."""
+
 
 def _is_higher_order(func: Any) -> bool:
     # torch names the class of higher-order operators in no public module (torch._ops)
@@ -34,7 +38,7 @@ class LocalOpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         kwargs = kwargs or {}
-        if _is_higher_order(func):
+        if _is_higher_order(func) or func in _METADATA_QUERIES:
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars: its local ops come back here
