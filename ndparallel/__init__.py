@@ -48,9 +48,10 @@ _EXPORTS: dict[str, str] = {
 }
 _SUBPACKAGES = ("checkpoint", "models", "train")
 
-# The built-in model families register when ndparallel.models is imported; the family lookup imports it at its
-# first use, so that parallelize() on a Hugging Face model finds its family however parallelize was imported.
-load_builtin_families_with(functools.partial(importlib.import_module, "ndparallel.models"))
+# The built-in model families register when ndparallel.models.builtin is imported; the family lookup imports it at
+# its first use, so that parallelize() on a Hugging Face model finds its family however parallelize was imported,
+# and a job's config (ndparallel.models.TransformerConfig) reads without the families' DTensor imports.
+load_builtin_families_with(functools.partial(importlib.import_module, "ndparallel.models.builtin"))
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
     from ndparallel import checkpoint, models, train

@@ -17,10 +17,9 @@ from typing import Any
 
 from ndparallel.config.preflight import ModelShape, moe_problem
 from ndparallel.errors import ConfigError
+from ndparallel.models.hf.detect import FAMILY_NAME as HF_FAMILY_NAME
 from ndparallel.models.hf.detect import expert_count
-from ndparallel.models.hf.family import FAMILY as HF_FAMILY
-from ndparallel.models.transformer.family import FAMILY as TRANSFORMER_FAMILY
-from ndparallel.models.transformer.presets import PRESETS, TP_SPLIT_FIELDS, TransformerConfig
+from ndparallel.models.transformer.presets import FAMILY_NAME, PRESETS, TP_SPLIT_FIELDS, TransformerConfig
 
 __all__ = ["ModelSpec", "hf_moe_fields", "model_spec"]
 
@@ -54,7 +53,7 @@ class ModelSpec:
     """Hidden width of the shared experts' one SwiGLU MLP (the reference's ``n_shared_experts x expert_ffn_dim``)."""
     moe_layers: tuple[int, ...] = ()
     """Indices of the MoE blocks, the others dense blocks of ``ffn_dim``; empty with ``n_experts > 0``: every block."""
-    family: str = TRANSFORMER_FAMILY.name
+    family: str = FAMILY_NAME
     """The name of the model family ``parallelize`` would use: the reference model's (also Llama-shaped raw counts),
     or Hugging Face's for a ``config.json`` (``ndparallel.models.*.family.FAMILY.name``)."""
     moe_tp: bool = field(default=True, metadata={"reported": False})
@@ -239,7 +238,7 @@ class ModelSpec:
             head_dim=int(config.get("head_dim") or 0),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             name=str(config.get("_name_or_path") or config.get("model_type") or name),
-            family=HF_FAMILY.name,
+            family=HF_FAMILY_NAME,
             moe_tp=False,  # no MoETensorParallel for Hugging Face MoE blocks yet: parallelize refuses tp > 1
             **hf_moe_fields(config),
         )

@@ -1,15 +1,33 @@
 """Model families, one folder each: ``transformer/`` (the reference decoder) and ``hf/`` (Hugging Face
 ``transformers`` decoders). Each hands the planners what they need through a
-:class:`~ndparallel.parallel.family.ModelFamily`; importing this package registers the built-in ones.
-Adding a family: docs/architecture.md ("Adding a model family").
+:class:`~ndparallel.parallel.family.ModelFamily`; ``builtin`` registers the built-in ones, at the first family
+lookup. Adding a family: docs/architecture.md ("Adding a model family").
 """
 
-from ndparallel.models.hf.family import FAMILY as _HF_FAMILY
-from ndparallel.models.transformer import PRESETS, CoreAttention, Transformer, TransformerConfig
-from ndparallel.models.transformer.family import FAMILY as _TRANSFORMER_FAMILY
-from ndparallel.parallel.protocol import register_builtin_family
+from __future__ import annotations
 
-register_builtin_family(_HF_FAMILY)
-register_builtin_family(_TRANSFORMER_FAMILY, default=True)  # a model no family claims gets the reference answers
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the module that defines it, imported on first use (PEP 562): a job's config reads
+# TransformerConfig without the model's DTensor imports (the ``ndparallel train`` front process).
+_EXPORTS: dict[str, str] = dict.fromkeys(
+    ("CoreAttention", "PRESETS", "Transformer", "TransformerConfig"), "ndparallel.models.transformer"
+)
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel.models.transformer import PRESETS, CoreAttention, Transformer, TransformerConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ndparallel.models' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = ["PRESETS", "CoreAttention", "Transformer", "TransformerConfig"]

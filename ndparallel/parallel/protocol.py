@@ -34,8 +34,8 @@ they import no model family::
 the class a family subclasses. Planners and jobs import only this module (docs/parallelize.md#model-families).
 
 :func:`family_for` picks the family: the ones given to :func:`register_family` (newest first), then the built-in
-families (registered by ``ndparallel.models`` when it is imported, at the latest at the first lookup: Hugging Face's),
-and otherwise the default (the reference Transformer's), the answer for a model no family claims.
+families (registered by ``ndparallel.models.builtin``, which the first lookup imports: Hugging Face's), and
+otherwise the default (the reference Transformer's), the answer for a model no family claims.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def register_family(family: FamilyProtocol) -> FamilyProtocol:
 def register_builtin_family(family: FamilyProtocol, *, default: bool = False) -> None:
     """How a family folder under ``ndparallel/models/`` joins the lookup: asked after every family a user
     registered; ``default=True`` makes it the answer for a model no family claims. Families sit above the
-    planners, so the planners never import one: the models package calls this when it is imported."""
+    planners, so the planners never import one: ``ndparallel.models.builtin`` calls this when it is imported."""
     if default:
         _DEFAULT[:] = [family]
     elif family not in _BUILT_IN:
@@ -242,7 +242,7 @@ _BUILT_IN_LOADERS: list[Callable[[], object]] = []
 
 def load_builtin_families_with(loader: Callable[[], object]) -> None:
     """How the built-in families become known without this floor importing them: ``ndparallel``'s ``__init__``
-    hands over a loader (importing ``ndparallel.models``, which registers them), called at the first lookup.
+    hands over a loader (importing ``ndparallel.models.builtin``, which registers them), called at the first lookup.
     ``import ndparallel`` itself stays light (the ``ndparallel`` command, a launched script's runner)."""
     _BUILT_IN_LOADERS.append(loader)
 

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 
 from torch import nn
 
-__all__ = ["expert_count", "is_hf_model", "is_norm", "module_fqn", "packed_experts"]
+__all__ = ["FAMILY_NAME", "expert_count", "is_hf_model", "is_norm", "module_fqn", "packed_experts"]
+
+FAMILY_NAME = "huggingface"  # HFFamily.name, here for the cost model, which names a family without importing it
 
 
 def is_hf_model(model: nn.Module) -> bool:

@@ -23,7 +23,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.errors import ConfigError
 from ndparallel.models.hf.attention import apply_hf_attention, check_attention, route_hf_attention
-from ndparallel.models.hf.detect import is_hf_model
+from ndparallel.models.hf.detect import FAMILY_NAME, is_hf_model
 from ndparallel.models.hf.moe import adapt_experts, hf_moe_layers, install_global_router_loss
 from ndparallel.models.hf.pretrained import save_pretrained as gather_and_save
 from ndparallel.models.hf.pretrained import unreadable_weights
@@ -38,7 +38,7 @@ __all__ = ["FAMILY", "HuggingFaceFamily", "hf_parallelize_kwargs"]
 class HuggingFaceFamily(ModelFamily):
     """A ``transformers`` PreTrainedModel: its TP plan translated from its own ``base_model_tp_plan``."""
 
-    name = "huggingface"
+    name = FAMILY_NAME
     split_fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
     heads_field = "num_attention_heads"
     pipeline_cp = True  # stages route their attention through ring attention (tests/models/test_pipeline_hf.py)

@@ -1,7 +1,33 @@
 """The reference Llama-style decoder as one family folder: ``presets`` (its shape and named sizes), ``model``
 (the module), ``stage`` (a pipeline stage of it) and ``family`` (what the planners need to know about it)."""
 
-from ndparallel.models.transformer.model import CoreAttention, Transformer
-from ndparallel.models.transformer.presets import PRESETS, TransformerConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> its module, imported on first use (PEP 562): ``presets`` needs no DTensor, ``model`` does.
+_EXPORTS: dict[str, str] = {
+    "CoreAttention": "ndparallel.models.transformer.model",
+    "Transformer": "ndparallel.models.transformer.model",
+    "PRESETS": "ndparallel.models.transformer.presets",
+    "TransformerConfig": "ndparallel.models.transformer.presets",
+}
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel.models.transformer.model import CoreAttention, Transformer
+    from ndparallel.models.transformer.presets import PRESETS, TransformerConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ndparallel.models.transformer' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = ["PRESETS", "CoreAttention", "Transformer", "TransformerConfig"]

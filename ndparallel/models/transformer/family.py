@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (
 from ndparallel.errors import ConfigError
 from ndparallel.models.transformer.model import CoreAttention, Transformer
 from ndparallel.models.transformer.moe import MoE, nonfinite_routers, router_loads, update_router_biases
-from ndparallel.models.transformer.presets import TP_SPLIT_FIELDS
+from ndparallel.models.transformer.presets import FAMILY_NAME, TP_SPLIT_FIELDS
 from ndparallel.models.transformer.stage import TransformerStage
 from ndparallel.parallel.family import ModelFamily
 from ndparallel.parallel.fully_shard import default_shard_groups
@@ -103,7 +103,7 @@ def transformer_tp_plan(moe: bool = False) -> dict[str, ParallelStyle]:
 class TransformerFamily(ModelFamily):
     """:class:`ndparallel.models.Transformer`, and the default for models no other family claims."""
 
-    name = "transformer"
+    name = FAMILY_NAME
     split_fields = TP_SPLIT_FIELDS
     heads_field = "n_heads"
     cp_attention = (CoreAttention,)

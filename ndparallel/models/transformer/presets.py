@@ -12,8 +12,9 @@ from ndparallel.config.preflight import ModelShape, moe_problem
 from ndparallel.config.sources import coerce_fields
 from ndparallel.errors import ConfigError, brief_repr
 
-__all__ = ["PARAM_DTYPES", "PRESETS", "TP_SPLIT_FIELDS", "TransformerConfig", "shrink_preset"]
+__all__ = ["FAMILY_NAME", "PARAM_DTYPES", "PRESETS", "TP_SPLIT_FIELDS", "TransformerConfig", "shrink_preset"]
 
+FAMILY_NAME = "transformer"  # TransformerFamily.name, here for the cost model, which names it without importing it
 PARAM_DTYPES = ("float32", "float64")  # names in ndparallel.config.precision.DTYPES
 # The shape fields the reference TP table shards (heads, kv heads, FFN width, vocabulary): tp must divide them.
 TP_SPLIT_FIELDS = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
