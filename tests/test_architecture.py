@@ -227,3 +227,56 @@ def test_the_lazy_top_level_names_are_one_list():
     assert static == lazy
     assert set(ndparallel.__all__) == lazy | {"is_rich_available"}
     assert all(getattr(ndparallel, name) is not None for name in ndparallel.__all__)
+
+
+def _lazy_packages() -> list[str]:
+    """The packages below the root whose ``__init__`` loads its names on first use (an ``_EXPORTS`` table)."""
+    from tests.floors import PACKAGE
+
+    return sorted(
+        module_name(p)
+        for p in PACKAGE.rglob("__init__.py")
+        if p.parent != PACKAGE and re.search(r"^_EXPORTS\b", p.read_text(), re.MULTILINE)
+    )
+
+
+def test_the_lazy_package_names_are_one_list():
+    """Each lazy package's table, its static imports and ``__all__`` name the same names, and every one resolves
+    to the object its module defines (issue 47: the ``ndparallel train`` front process imports no DTensor)."""
+    import importlib
+
+    from tests.floors import ROOT
+
+    packages = _lazy_packages()
+    assert {"ndparallel.models", "ndparallel.train", "ndparallel.checkpoint"} <= set(packages)
+    for name in packages:
+        path = ROOT / Path(*name.split(".")) / "__init__.py"
+        tree = ast.parse(path.read_text())
+        guarded = next(n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))
+        static = {alias.asname or alias.name for node in guarded.body for alias in node.names}
+        package = importlib.import_module(name)
+        assert static == set(package._EXPORTS) == set(package.__all__), name
+        for attr, module in package._EXPORTS.items():
+            assert getattr(package, attr) is getattr(importlib.import_module(module), attr), f"{name}.{attr}"
+
+
+def test_the_train_front_process_imports_no_dtensor():
+    """``ndparallel train --cpu-ranks N``'s own process (every parser, the config, the mesh and checkpoint-folder
+    checks, the launch up to torchrun's main) never imports ``torch.distributed.tensor`` (~0.45 CPU-s, sympy):
+    only the ranks it starts do (docs/architecture.md, "Tests")."""
+    import subprocess
+    import sys
+
+    from tests.command import REPO, clean_env
+
+    script = (
+        "import sys\nimport torch.distributed.run\n"
+        "torch.distributed.run.main = lambda args: print('dtensor', 'torch.distributed.tensor' in sys.modules)\n"
+        "from ndparallel.launch.cli import main\n"
+        "sys.exit(main(['train', '--config', 'configs/demo.yaml', '--cpu-ranks', '2', 'train.steps=1']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "dtensor False"

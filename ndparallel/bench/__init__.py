@@ -9,10 +9,39 @@
 and recorded numbers are in docs/benchmarks.md.
 """
 
-from ndparallel.bench.case import BenchCase
-from ndparallel.bench.cli import add_bench_parser
-from ndparallel.bench.harness import run_cases
-from ndparallel.bench.result import CaseResult
-from ndparallel.bench.sweep import cases_from_config, load_cases
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> its module, imported on first use (PEP 562): the ``ndparallel`` command builds the bench parser
+# (``cli``) without the harness's DTensor and model imports.
+_EXPORTS: dict[str, str] = {
+    "BenchCase": "ndparallel.bench.case",
+    "add_bench_parser": "ndparallel.bench.cli",
+    "run_cases": "ndparallel.bench.harness",
+    "CaseResult": "ndparallel.bench.result",
+    "cases_from_config": "ndparallel.bench.sweep",
+    "load_cases": "ndparallel.bench.sweep",
+}
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel.bench.case import BenchCase
+    from ndparallel.bench.cli import add_bench_parser
+    from ndparallel.bench.harness import run_cases
+    from ndparallel.bench.result import CaseResult
+    from ndparallel.bench.sweep import cases_from_config, load_cases
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ndparallel.bench' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = ["BenchCase", "CaseResult", "add_bench_parser", "cases_from_config", "load_cases", "run_cases"]

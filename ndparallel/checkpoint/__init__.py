@@ -31,12 +31,48 @@ One module per concept, each readable alone (docs/checkpointing.md, "Package lay
 - ``safetensors_io``: full weights to and from one safetensors file
 """
 
-from ndparallel.checkpoint.format import MARKER, STATE_FILE
-from ndparallel.checkpoint.loading import load
-from ndparallel.checkpoint.safetensors_io import export_safetensors, import_safetensors
-from ndparallel.checkpoint.saving import AsyncSave, save, save_async
-from ndparallel.checkpoint.storage import latest, prune, resolve_latest, validate
-from ndparallel.errors import CheckpointError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> its module, imported on first use (PEP 562): ``ndparallel train``'s front process checks the
+# checkpoint folder (``lock``) without DCP, which imports DTensor.
+_EXPORTS: dict[str, str] = {
+    "MARKER": "ndparallel.checkpoint.format",
+    "STATE_FILE": "ndparallel.checkpoint.format",
+    "load": "ndparallel.checkpoint.loading",
+    "export_safetensors": "ndparallel.checkpoint.safetensors_io",
+    "import_safetensors": "ndparallel.checkpoint.safetensors_io",
+    "AsyncSave": "ndparallel.checkpoint.saving",
+    "save": "ndparallel.checkpoint.saving",
+    "save_async": "ndparallel.checkpoint.saving",
+    "latest": "ndparallel.checkpoint.storage",
+    "prune": "ndparallel.checkpoint.storage",
+    "resolve_latest": "ndparallel.checkpoint.storage",
+    "validate": "ndparallel.checkpoint.storage",
+    "CheckpointError": "ndparallel.errors",
+}
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel.checkpoint.format import MARKER, STATE_FILE
+    from ndparallel.checkpoint.loading import load
+    from ndparallel.checkpoint.safetensors_io import export_safetensors, import_safetensors
+    from ndparallel.checkpoint.saving import AsyncSave, save, save_async
+    from ndparallel.checkpoint.storage import latest, prune, resolve_latest, validate
+    from ndparallel.errors import CheckpointError
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ndparallel.checkpoint' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "MARKER",

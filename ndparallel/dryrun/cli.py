@@ -13,7 +13,6 @@ import os
 import sys
 
 from ndparallel.dryrun.report import format_report, format_table
-from ndparallel.dryrun.run import dry_run
 from ndparallel.errors import ConfigError
 from ndparallel.estimate.hardware import GPU_KINDS
 
@@ -53,6 +52,9 @@ def add_dry_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 
 def run_dry_run(args: argparse.Namespace) -> int:
     """0 when every rank fits (or no --gpu-mem), 1 when one would run out of memory; ConfigError: the caller's."""
+    # Imported here, not with the parser: the engine's DTensor and training imports cost every ``ndparallel``
+    # command (the ``train`` front process builds this parser too) ~0.5 CPU-s (docs/architecture.md, "Tests").
+    from ndparallel.dryrun.run import dry_run
     from ndparallel.estimate import parse_bytes
     from ndparallel.train.job_config import TrainConfig
 

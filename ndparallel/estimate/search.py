@@ -19,7 +19,6 @@ from ndparallel.estimate.timing import StepTime, estimate_step_time
 from ndparallel.estimate.training import TrainingSpec
 from ndparallel.estimate.units import GiB
 from ndparallel.parallel.compile import check_compile
-from ndparallel.parallel.moe_tensor_parallel import moe_tp_problem
 
 __all__ = ["MAX_SHAPES", "Estimate", "Plan", "estimate", "mesh_shapes", "plan", "shape_problems"]
 
@@ -127,6 +126,10 @@ def _moe_tp_problems(model: ModelSpec, mesh: MeshShape) -> list[str]:
     layer then)."""
     if not model.is_moe or model.moe_tp:
         return []
+    # Imported here: its module holds the DTensor split too, which the ``ndparallel`` command's parser
+    # (this package's ``plan``) does not import up front.
+    from ndparallel.parallel.moe_tensor_parallel import moe_tp_problem
+
     problem = moe_tp_problem((None,), None, mesh.tp, model.family)  # type: ignore[arg-type]  # a stand-in layer
     return [problem] if problem else []
 

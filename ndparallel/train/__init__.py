@@ -1,7 +1,35 @@
 """The training job behind ``ndparallel train``: config, data, loop, progress."""
 
-from ndparallel.train.data import BatchLoader, ByteCorpus
-from ndparallel.train.job_config import TrainConfig
-from ndparallel.train.loop import TrainResult, train
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> its module, imported on first use (PEP 562): ``ndparallel train``'s front process reads the
+# config (``job_config``) without the loop's DTensor and checkpoint imports.
+_EXPORTS: dict[str, str] = {
+    "BatchLoader": "ndparallel.train.data",
+    "ByteCorpus": "ndparallel.train.data",
+    "TrainConfig": "ndparallel.train.job_config",
+    "TrainResult": "ndparallel.train.loop",
+    "train": "ndparallel.train.loop",
+}
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel.train.data import BatchLoader, ByteCorpus
+    from ndparallel.train.job_config import TrainConfig
+    from ndparallel.train.loop import TrainResult, train
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ndparallel.train' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = ["BatchLoader", "ByteCorpus", "TrainConfig", "TrainResult", "train"]

@@ -13,9 +13,41 @@ One module per concept::
 See docs/verify.md.
 """
 
-from ndparallel.verify.api import verify
-from ndparallel.verify.compare import Row, Tolerance, VerifyTable
-from ndparallel.verify.layouts import Layout, auto_layouts, fold, parse_layouts, parse_reshards
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> its module, imported on first use (PEP 562): the ``ndparallel`` command builds the verify parser
+# (``cli``) without the runs' DTensor imports.
+_EXPORTS: dict[str, str] = {
+    "verify": "ndparallel.verify.api",
+    "Row": "ndparallel.verify.compare",
+    "Tolerance": "ndparallel.verify.compare",
+    "VerifyTable": "ndparallel.verify.compare",
+    "Layout": "ndparallel.verify.layouts",
+    "auto_layouts": "ndparallel.verify.layouts",
+    "fold": "ndparallel.verify.layouts",
+    "parse_layouts": "ndparallel.verify.layouts",
+    "parse_reshards": "ndparallel.verify.layouts",
+}
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel.verify.api import verify
+    from ndparallel.verify.compare import Row, Tolerance, VerifyTable
+    from ndparallel.verify.layouts import Layout, auto_layouts, fold, parse_layouts, parse_reshards
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ndparallel.verify' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "Layout",

@@ -6,9 +6,38 @@ modules, parallelised on the mesh without pp), ``torch_api`` (torch's stage and 
 ``runtime`` (the step: loss, context parallel buffers, replicate sync, shape guard), ``build``.
 """
 
-from ndparallel.parallel.pipeline.build import build_pipeline
-from ndparallel.parallel.pipeline.placement import last_stage_rank, stage_ids
-from ndparallel.parallel.pipeline.runtime import Pipeline
-from ndparallel.parallel.pipeline.split import balanced_split, stage_ranges
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> its module, imported on first use (PEP 562): the cost model reads ``placement`` and ``split``
+# without the runtime's DTensor imports (the ``ndparallel train`` front process builds the plan parser).
+_EXPORTS: dict[str, str] = {
+    "build_pipeline": "ndparallel.parallel.pipeline.build",
+    "last_stage_rank": "ndparallel.parallel.pipeline.placement",
+    "stage_ids": "ndparallel.parallel.pipeline.placement",
+    "Pipeline": "ndparallel.parallel.pipeline.runtime",
+    "balanced_split": "ndparallel.parallel.pipeline.split",
+    "stage_ranges": "ndparallel.parallel.pipeline.split",
+}
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each on first use
+    from ndparallel.parallel.pipeline.build import build_pipeline
+    from ndparallel.parallel.pipeline.placement import last_stage_rank, stage_ids
+    from ndparallel.parallel.pipeline.runtime import Pipeline
+    from ndparallel.parallel.pipeline.split import balanced_split, stage_ranges
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ndparallel.parallel.pipeline' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = ["Pipeline", "balanced_split", "build_pipeline", "last_stage_rank", "stage_ids", "stage_ranges"]
