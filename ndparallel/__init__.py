@@ -9,6 +9,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ndparallel.lazy import lazy_names
 from ndparallel.parallel.protocol import load_builtin_families_with
 
 __version__ = "0.1.0"
@@ -83,29 +84,25 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from ndparallel.parallel.parallelize import parallelize
 
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported on first use; Accelerate's top-level names ndparallel refuses are importable and
-    raise a ConfigError when used."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name == "is_rich_available":
+def _accelerate_only_name(name: str) -> Any:
+    """Accelerate's top-level names that ndparallel does not export from a module: ``is_rich_available``, and the
+    ones it refuses (importable; using one raises a ConfigError)."""
+    if name == "is_rich_available":
         from ndparallel.accelerator.helpers import is_available
 
-        value = is_available("rich")
-    elif name in _SUBPACKAGES:
-        value = importlib.import_module(f"ndparallel.{name}")
-    else:
-        from ndparallel.accelerator.refusals import TOP_LEVEL, refused
+        return is_available("rich")
+    from ndparallel.accelerator.refusals import TOP_LEVEL, refused
 
-        if name not in TOP_LEVEL:
-            raise AttributeError(f"module 'ndparallel' has no attribute {name!r}")
-        return refused(name, TOP_LEVEL[name])
-    globals()[name] = value
-    return value
+    if name not in TOP_LEVEL:
+        raise AttributeError(f"module 'ndparallel' has no attribute {name!r}")
+    return refused(name, TOP_LEVEL[name])
+
+
+__getattr__, _lazy_dir = lazy_names(__name__, _EXPORTS, subpackages=_SUBPACKAGES, fallback=_accelerate_only_name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES, "is_rich_available"})
+    return sorted({*_lazy_dir(), "is_rich_available"})
 
 
 __all__ = [

@@ -20,7 +20,7 @@ BEGIN, END = "<!-- floors:begin (python -m tests.floors --write) -->", "<!-- flo
 
 # Bottom up: (floor name, top-level packages or root modules, what lives there).
 FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("errors", ("errors",), "the exceptions every floor raises"),
+    ("errors", ("errors", "lazy"), "the exceptions every floor raises; names imported on first use (PEP 562)"),
     ("config", ("config",), "what a user declares, and every rule checkable on it alone: no ranks, no model"),
     ("distributed", ("distributed",), "ranks and collectives, knowing no module tree; the gloo rank harness"),
     ("parallel", ("parallel",), "the family protocol, the planners and their order, pipeline runtime, clip, loss"),
@@ -51,6 +51,7 @@ ROOT_MODULES = (
     "__init__",
     "__main__",
     "errors",
+    "lazy",
     "local_sgd",
     "logging",
     "parallelism_config",

@@ -11,8 +11,9 @@ and recorded numbers are in docs/benchmarks.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ndparallel.lazy import lazy_names
 
 # Public name -> its module, imported on first use (PEP 562): the ``ndparallel`` command builds the bench parser
 # (``cli``) without the harness's DTensor and model imports.
@@ -33,15 +34,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from ndparallel.bench.sweep import cases_from_config, load_cases
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ndparallel.bench' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 
 __all__ = ["BenchCase", "CaseResult", "add_bench_parser", "cases_from_config", "load_cases", "run_cases"]

@@ -33,8 +33,9 @@ One module per concept, each readable alone (docs/checkpointing.md, "Package lay
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ndparallel.lazy import lazy_names
 
 # Public name -> its module, imported on first use (PEP 562): ``ndparallel train``'s front process checks the
 # checkpoint folder (``lock``) without DCP, which imports DTensor.
@@ -63,15 +64,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from ndparallel.errors import CheckpointError
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ndparallel.checkpoint' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 
 __all__ = [

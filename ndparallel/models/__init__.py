@@ -6,8 +6,9 @@ lookup. Adding a family: docs/architecture.md ("Adding a model family").
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ndparallel.lazy import lazy_names
 
 # Public name -> the module that defines it, imported on first use (PEP 562): a job's config reads
 # TransformerConfig without the model's DTensor imports (the ``ndparallel train`` front process).
@@ -19,15 +20,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from ndparallel.models.transformer import PRESETS, CoreAttention, Transformer, TransformerConfig
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ndparallel.models' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 
 __all__ = ["PRESETS", "CoreAttention", "Transformer", "TransformerConfig"]

@@ -15,8 +15,9 @@ See docs/verify.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ndparallel.lazy import lazy_names
 
 # Public name -> its module, imported on first use (PEP 562): the ``ndparallel`` command builds the verify parser
 # (``cli``) without the runs' DTensor imports.
@@ -38,15 +39,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from ndparallel.verify.layouts import Layout, auto_layouts, fold, parse_layouts, parse_reshards
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ndparallel.verify' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 
 __all__ = [

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ndparallel.lazy import lazy_names
 
 # Public name -> its module, imported on first use (PEP 562): ``presets`` needs no DTensor, ``model`` does.
 _EXPORTS: dict[str, str] = {
@@ -19,15 +20,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from ndparallel.models.transformer.presets import PRESETS, TransformerConfig
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ndparallel.models.transformer' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 
 __all__ = ["PRESETS", "CoreAttention", "Transformer", "TransformerConfig"]

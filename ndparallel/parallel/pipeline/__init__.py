@@ -8,8 +8,9 @@ modules, parallelised on the mesh without pp), ``torch_api`` (torch's stage and 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ndparallel.lazy import lazy_names
 
 # Public name -> its module, imported on first use (PEP 562): the cost model reads ``placement`` and ``split``
 # without the runtime's DTensor imports (the ``ndparallel train`` front process builds the plan parser).
@@ -29,15 +30,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from ndparallel.parallel.pipeline.split import balanced_split, stage_ranges
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ndparallel.parallel.pipeline' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 
 __all__ = ["Pipeline", "balanced_split", "build_pipeline", "last_stage_rank", "stage_ids", "stage_ranges"]
