@@ -36,7 +36,7 @@ class Peak:
     """How it was obtained, for the report."""
 
 
-def cpu_matmul_peak(size: int = 512, seconds: float = 0.5, dtype: torch.dtype = torch.float32) -> Peak:
+def cpu_matmul_peak(size: int = 512, seconds: float = 0.2, dtype: torch.dtype = torch.float32) -> Peak:
     """Machine peak: the best single-thread FLOP/s of a square ``size`` matmul, times the core count.
 
     One thread and the *best* of many short runs: on a machine shared with other work, the fastest
