@@ -28,6 +28,7 @@ from ndparallel.estimate import (
     estimate_memory,
     saved_activation_bytes,
 )
+from ndparallel.estimate.comm import collectives
 from ndparallel.estimate.mesh import MeshShape
 from ndparallel.estimate.overlap import StepCompute, exposed_comm
 from ndparallel.models import PRESETS, TransformerConfig
@@ -182,7 +183,9 @@ def compare(
             "peak": r.peak_bytes,
         }
         comm: dict[str, list[float]] = {}
-        for row in e.comms:
+        # under pp, this pp rank's collectives (e.comms are the pp rank whose communication takes longest)
+        rows = collectives(model, train, e.mesh, cluster or ClusterSpec(), pp_rank) if e.mesh.pp > 1 else e.comms
+        for row in rows:
             comm.setdefault(_dim(row.group, e.mesh), [0.0, 0.0])[0] += row.payload_bytes
         for row in r.comms:
             comm.setdefault(_dim(row.dim, e.mesh), [0.0, 0.0])[1] += row.bytes

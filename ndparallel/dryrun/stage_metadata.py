@@ -10,7 +10,8 @@ arrives, so the dry run answers instead (:class:`StageMailbox`, one per dry run,
 - backward: gradients shaped like the stage's own outputs (a gradient has its tensor's shape).
 
 The exchange happens in the first step only, before the first micro-batch: :func:`after_shape_inference` tells
-when the step proper starts (the measurement begins there, in a dry run and on real ranks alike).
+when the step proper starts (the measurement begins there, in a dry run and on real ranks alike): after the
+inference's cleanup, as a multi-stage schedule gathers its FSDP units before its first micro-batch.
 """
 
 from __future__ import annotations
@@ -27,20 +28,29 @@ __all__ = ["StageMailbox", "after_shape_inference"]
 
 
 def after_shape_inference(schedule: Any, callback: Callable[[], None]) -> None:
-    """Call ``callback()`` once, when the schedule's first micro-batch starts (its shapes then inferred):
-    ``PipelineStage.forward_one_chunk`` of each stage, wrapped on the instance."""
-    called = False
-    for stage in pipeline_stages(schedule):
-        original = stage.forward_one_chunk
+    """Call ``callback()`` once, when the first step's shape inference is over: after the last stage's
+    ``_post_metadata_inference_cleanup`` (torch's FSDP reshard after the inference), before the schedule's first
+    action, which under multi-stage schedules is FSDP's unshard (all-gather) of the stages to come, not yet its
+    first micro-batch; where torch has no such cleanup, at the first micro-batch (``forward_one_chunk``)."""
+    stages = pipeline_stages(schedule)
+    # torch's private PipelineStage._post_metadata_inference_cleanup (torch 2.13), wrapped on the instance
+    hook = "_post_metadata_inference_cleanup" if all(hasattr(s, "_post_metadata_inference_cleanup") for s in stages) \
+        else "forward_one_chunk"  # fmt: skip
+    calls = 0
+    for stage in stages:
+        original = getattr(stage, hook)
 
-        def forward_one_chunk(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            nonlocal called
-            if not called:
-                called = True
+        def wrapped(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            nonlocal calls
+            if hook == "forward_one_chunk" and not calls:
                 callback()
-            return _original(*args, **kwargs)
+            out = _original(*args, **kwargs)
+            calls += 1
+            if hook != "forward_one_chunk" and calls == len(stages):
+                callback()
+            return out
 
-        stage.forward_one_chunk = forward_one_chunk
+        setattr(stage, hook, wrapped)  # instance attributes: this run's stages only
 
 
 class StageMailbox:

@@ -29,7 +29,7 @@ from ndparallel.estimate.experts import (
 )
 from ndparallel.estimate.mesh import MeshShape
 from ndparallel.estimate.model import ModelSpec
-from ndparallel.estimate.pipeline import RankShare, in_flight, microbatches, rank_shares
+from ndparallel.estimate.pipeline import MEASURED_SCHEDULES, RankShare, in_flight, microbatches, rank_shares
 from ndparallel.estimate.training import ACTIVATION_CHECKPOINTING, TrainingSpec
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "pipeline_train",
     "precision_problem",
     "residual_bytes",
+    "rotary_copy_bytes",
     "saved_activation_bytes",
 ]
 
@@ -196,6 +197,17 @@ def head_activation_bytes_per_token(model: ModelSpec, train: TrainingSpec, tp: i
     return norm_activation_bytes_per_token(model, train, tp) + vocab * (train.bytes.compute + 4 + 4)
 
 
+def rotary_copy_bytes(model: ModelSpec, train: TrainingSpec, mesh: MeshShape) -> float:
+    """The rotary cos and sin each block saves for a micro-batch: FSDP2's mixed precision casts a unit's floating
+    inputs, so every block saves its own compute-dtype copy (checkpointed: as its input; else in the rotation's
+    products), ``[rows, seq / cp, head_dim / 2]`` each (rows: the micro-batch under pp, whose stages gather the
+    tables by position, else 1), not split over tp. Uncast, the blocks share one table (not counted)."""
+    if mesh.fsdp == 1 or train.bytes.compute == train.bytes.param:
+        return 0.0
+    rows = train.micro_batch if mesh.pp > 1 else 1
+    return train.bytes.compute * model.head_dim * rows * train.seq_len / mesh.cp
+
+
 def activation_bytes(
     model: ModelSpec,
     train: TrainingSpec,
@@ -242,14 +254,15 @@ def activation_parts(
     tokens = train.micro_batch * train.seq_len / mesh.cp
     n_layers = model.n_layers if blocks is None else blocks
     n_moe = (model.n_moe_layers if blocks is None else 0) if moe_blocks is None else moe_blocks
+    rotary = rotary_copy_bytes(model, train, mesh)  # every block's own, checkpointed or not (saved once)
     layer, largest = _layer_bytes(model, train, mesh, n_layers, n_moe)
-    layer, largest = layer * tokens, largest * tokens
-    block_input = train.bytes.compute * model.dim / mesh.tp * tokens
+    layer, largest = layer * tokens + rotary, largest * tokens  # the recomputed block's tables: its input's
+    block_input = train.bytes.compute * model.dim / mesh.tp * tokens + rotary
     option = train.selective_ac_option
     checkpointed = checkpointed_blocks(n_layers, mode, option)
     stored = (n_layers - checkpointed) * layer + checkpointed * block_input
     if per_op(mode, option):
-        stored = n_layers * per_op_layer_bytes_per_token(model, train, mesh.tp) * tokens
+        stored = n_layers * (per_op_layer_bytes_per_token(model, train, mesh.tp) * tokens + rotary)
     head_bytes = head_activation_bytes_per_token(model, train, mesh.tp) * tokens if head else 0.0
     if head and saved_only:
         transient = train.bytes.compute if train.compiled_loss else train.bytes.compute + 4
@@ -333,17 +346,23 @@ def saved_activation_bytes(
     flight (:func:`ndparallel.estimate.pipeline.in_flight`) x what that stage's micro-batch holds at the start of
     its backward (under autocast with the weight copies each micro-batch saves, :func:`autocast_weight_bytes`),
     and once, not per micro-batch, the most a backward adds while it recomputes a checkpointed block (a rank
-    runs one backward at a time: :func:`activation_parts`)."""
+    runs one backward at a time: :func:`activation_parts`). Under the measured schedules the head's stage runs
+    each micro-batch's backward right after its forward, so while another local stage recomputes, the head's stage
+    holds none (measured by the dry run, interleaved 1F1B: tests/dryrun/test_planner_matrix.py)."""
     train = pipeline_train(train, mesh)
     share = rank_shares(model, mesh)[pp_rank]
     counts = in_flight(mesh, microbatches(train, mesh), pp_rank)
-    total, recomputing = 0.0, 0.0
+    total, head_held, extras = 0.0, 0.0, []
     for i, (blocks, count) in enumerate(zip(share.stage_blocks, counts, strict=True)):
         head, moe = i == share.last_stage_local, share.moe_blocks_of(i)
         held, extra = activation_parts(model, train, mesh, mode, blocks, head, saved_only, moe)
-        total += count * (held + autocast_weight_bytes(model, train, mesh, blocks, head, mode, moe))
-        recomputing = max(recomputing, extra if count else 0.0)
-    return total + recomputing
+        held = count * (held + autocast_weight_bytes(model, train, mesh, blocks, head, mode, moe))
+        total += held
+        if head and mesh.pp_schedule in MEASURED_SCHEDULES:
+            head_held = held
+        extras.append((head, extra if count else 0.0))
+    recomputing = max((extra if head else extra - head_held for head, extra in extras), default=0.0)
+    return total + max(0.0, recomputing)
 
 
 @dataclass(frozen=True)

@@ -80,10 +80,33 @@ _RECV_BUFFERS = (
     "the dry run counts each of the stage's m receive buffers (torch's PipelineStage allocates one per micro-batch "
     "and keeps it all step) as saved from when its first block's checkpoint saves it until the step ends (a storage "
     "keeps the strongest kind it was seen as), where only the k micro-batches in flight hold theirs: (m - k) e d / t "
-    "a token more, +7% here (a limit of the dry run; the buffers are real memory the planner does not count yet)"
+    "a token more (a limit of the dry run; the buffers are real memory the planner does not count yet)"
 )
+
+
+def _recv_buffers(measured: str) -> str:
+    """The receive-buffer limit, with what it came to in one cell (measured: dry run over planner)."""
+    return f"{_RECV_BUFFERS}; here {measured}"
+
+
 KNOWN: dict[str, dict[str, str]] = {
-    "70b_4L_pp2_1f1b_tp2_fsdp2_ac": {"rank 4: activations": _RECV_BUFFERS},
+    "70b_4L_pp2_1f1b_tp2_fsdp2_ac": {"rank 4: activations": _recv_buffers("+7%: m - k = 3 buffers of 8 MiB")},
+    # pp rank r of 8: k = 8 - r in flight, m = 16: 8 + r buffers of 8 MiB, 72-120 MiB, +7.5% (r 1) to +28% (r 7)
+    "70b_pp8_1f1b_tp8_fsdp16": {
+        f"rank {128 * r}: activations": _recv_buffers(f"{8 + r} buffers of 8 MiB, +{pct}%")
+        for r, pct in zip(range(1, 8), (7.5, 9.1, 11.2, 13.8, 16.4, 21.0, 28.1), strict=True)
+    },
+    # interleaved, v = 2 stages a rank, m = 16: rank r's stages r (but on rank 0) and r + 8 keep 11 (r 1) to 23 (r 7)
+    # buffers of 8 MiB beyond their micro-batches in flight; rank 0's 8 (stage 8) are +4.9%, within the 5%
+    "70b_pp8_interleaved_tp8_fsdp4": {
+        f"rank {32 * r}: activations": _recv_buffers(f"{9 + 2 * r} buffers of 8 MiB, +{pct}%")
+        for r, pct in zip(range(1, 8), (6.9, 8.7, 10.9, 13.5, 15.7, 19.6, 24.8), strict=True)
+    },
+    # pp rank r of 16: k = 16 - r in flight, m = 16: r buffers of 16 MiB; ranks 1-6 within 5% (+0.6% to +4.8%)
+    "405b_pp16_tp8_fsdp8": {
+        f"rank {64 * r}: activations": _recv_buffers(f"{r} buffers of 16 MiB, +{pct}%")
+        for r, pct in zip(range(7, 16), (6.0, 7.3, 9.0, 10.9, 13.2, 16.0, 19.5, 24.1, 31.0), strict=True)
+    },
 }
 """cell -> {what differs: why}: the named differences (docs/planning.md, "Dry run"). Parameter, gradient and
 optimizer bytes and every dimension's collective bytes agree in every cell."""

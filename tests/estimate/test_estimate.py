@@ -25,7 +25,12 @@ from ndparallel.estimate import (
     plan,
 )
 from ndparallel.estimate.cli import main as plan_main
-from ndparallel.estimate.memory import head_activation_bytes_per_token, layer_activation_bytes_per_token
+from ndparallel.estimate.memory import (
+    activation_parts,
+    head_activation_bytes_per_token,
+    layer_activation_bytes_per_token,
+    rotary_copy_bytes,
+)
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.testing import run_distributed
 from tests.estimate.tables import comparison_row, table_header
@@ -78,13 +83,13 @@ def test_a_mixture_of_experts_is_planned_and_dense_numbers_stay():
     e = estimate(moe, TrainingSpec(global_batch=8, seq_len=64), MeshShape(dp_shard=4, ep=2), ClusterSpec(num_gpus=4))
     assert e.valid and {"ep", "ep_fsdp", "dp_cp"} <= {row.group for row in e.comms}
     # A dense model gets no MoE row and the numbers docs/planning.md records: 1B at micro-batch 4 x 4096 on one
-    # GPU, 40.0 GiB peak; 8B's best shape on 64 GPUs (8x4x2x1), 44.3 GiB and 565,573 tok/s.
+    # GPU, 40.0 GiB peak; 8B's best shape on 64 GPUs (8x4x2x1), 44.4 GiB and 565,573 tok/s.
     one = estimate(model_spec("1b"), TrainingSpec(global_batch=4, seq_len=4096, micro_batch=4), MeshShape())
     assert round(one.memory.peak / GiB, 1) == 40.0 and round(one.memory.state / GiB, 1) == 14.2
     best = estimate(
         model_spec("8b"), TrainingSpec(global_batch=512, seq_len=8192), MeshShape(8, 4, 2, 1), ClusterSpec(num_gpus=64)
     )
-    assert round(best.memory.peak / GiB, 1) == 44.3 and round(best.time.tokens_per_s) == 565_573
+    assert round(best.memory.peak / GiB, 1) == 44.4 and round(best.time.tokens_per_s) == 565_573
     assert not {"ep", "ep_fsdp", "dp_cp"} & {row.group for row in best.comms}
 
 
@@ -150,6 +155,22 @@ def test_memory_is_monotone_in_each_dim():
     assert by_mode["none"] > by_mode["selective"] > by_mode["full"]
     fsdp = [estimate_memory(model, train, MeshShape(dp_replicate=8 // s, dp_shard=s)).state for s in (1, 2, 4, 8)]
     assert _decreasing(fsdp)
+
+
+def test_each_block_saves_its_own_cast_rotary_tables():
+    """Under FSDP's mixed precision FSDP2 casts each block's floating inputs: every block saves its own bf16 cos
+    and sin (checkpointed: beside its input), seq / cp rows, not split over tp; the dry run sees them
+    (tests/dryrun/test_planner_matrix.py). Without the cast the blocks share one table (not counted)."""
+    model, train = model_spec("8b"), TrainingSpec(seq_len=4096, activation_checkpointing="full")
+    tables = 2 * model.head_dim * 4096  # cos + sin, head_dim / 2 each, bf16
+    fsdp = MeshShape(dp_shard=8)
+    assert rotary_copy_bytes(model, train, fsdp) == tables
+    assert rotary_copy_bytes(model, train, MeshShape(dp_shard=2, cp=4)) == tables / 4
+    assert rotary_copy_bytes(model, train, MeshShape(dp_shard=2, tp=4)) == tables
+    assert rotary_copy_bytes(model, train, MeshShape(tp=8)) == 0  # autocast, no FSDP cast
+    assert rotary_copy_bytes(model, TrainingSpec(seq_len=4096, precision="fp32"), fsdp) == 0
+    held, _ = activation_parts(model, train, fsdp, head=False)
+    assert held == model.n_layers * (2 * model.dim * 4096 + tables)
 
 
 # ------------------------------------------------------------------------------------------ comm
