@@ -108,10 +108,12 @@ class CommCounter(LocalOpMode):
         self.calls: list[CountedCall] = []
 
     def local_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        self._record(func, args)  # DTensor's collectives come here on local tensors (LocalOpMode)
+        self.record(func, args)  # DTensor's collectives come here on local tensors (LocalOpMode)
         return func(*args, **kwargs)
 
-    def _record(self, func: Any, args: tuple) -> None:
+    def record(self, func: Any, args: tuple) -> None:
+        """Count ``func(*args)`` if it is a collective (another mode that sees every local op may call this
+        instead of entering the counter: the dry run's tracker, one dispatch layer fewer)."""
         namespace = getattr(func, "namespace", "")
         name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else str(func)
         if namespace == "c10d" and name in _C10D:

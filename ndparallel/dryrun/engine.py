@@ -90,14 +90,14 @@ def measure_rank(
         torch.optim.AdamW(m.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, foreach=True)
         for m in modules
     ]
-    tracker = RankTracker(mode)
+    values = DryRunValues() if fake else None
+    tracker = RankTracker(mode, values)
     step = TrainStep(
         model, optimizers if isinstance(model, Pipeline) else optimizers[0], mesh, max_grad_norm=t.max_grad_norm,
         defer_grad_sync=bool(t.defer_grad_sync), max_nonfinite_steps=t.max_nonfinite_steps, phase=tracker.set_phase,
         router_bias_rate=t.router_bias_rate,
     )  # fmt: skip
     handles = tracker.watch(modules, optimizers)
-    values = DryRunValues() if fake else None
     counter = CommCounter()
     flops_before = 0
 
@@ -111,15 +111,15 @@ def measure_rank(
     if isinstance(model, Pipeline):
         after_shape_inference(model.schedule, measure_from_here)
     try:
-        fake_only = (values, objects_as_if_every_rank_alike()) if fake else (contextlib.nullcontext(),) * 2
-        with mode or contextlib.nullcontext(), fake_only[0], fake_only[1], tracker.active():
+        objects = objects_as_if_every_rank_alike() if fake else contextlib.nullcontext()
+        with mode or contextlib.nullcontext(), objects, tracker.active():
             _create_optimizer_state(optimizers)
             tracker.track_all((p for m in modules for p in m.parameters()), "params")
             for number in range(1, steps + 1):
                 measured = number == steps
                 if measured:
                     measure_from_here()
-                with counter if measured else contextlib.nullcontext():
+                with tracker.counting(counter) if measured else contextlib.nullcontext():
                     step(inputs, labels, accumulation, number)
     finally:
         for handle in handles:

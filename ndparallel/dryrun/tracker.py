@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ndparallel.distributed.counter import CommCounter
 from ndparallel.distributed.local_ops import LocalOpMode
 from ndparallel.dryrun.roofline import OpCensus
 from ndparallel.dryrun.torch_api import (
@@ -78,9 +79,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class RankTracker(LocalOpMode):
     """Live bytes by kind, the peak (total, by kind, module, phase), the activation peak, and FLOPs."""
 
-    def __init__(self, fake_mode: Any = None) -> None:
+    def __init__(self, fake_mode: Any = None, values: LocalOpMode | None = None) -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        self._values = values
+        """What answers each op beneath this mode (the dry run's :class:`~ndparallel.dryrun.values.DryRunValues`),
+        called in place of entering it as a mode of its own: one dispatch layer fewer over every op."""
         """The dry run's FakeTensorMode (None on real ranks): a fake tensor of any other mode holds no memory (DTensor
         makes global-shape ones of its own to propagate shardings)."""
         self._propagating = [0]
@@ -105,6 +109,7 @@ class RankTracker(LocalOpMode):
         self._roots: set[str] = set()
         self._modules: list[str] = []
         self._backward_module = ""
+        self._counter: CommCounter | None = None
 
     # -- storages ---------------------------------------------------------------------------------------------
     def track(self, tensor: Any, kind: str = "temporaries") -> None:
@@ -268,8 +273,21 @@ class RankTracker(LocalOpMode):
             with self:
                 yield self
 
+    @contextlib.contextmanager
+    def counting(self, counter: CommCounter) -> Iterator[None]:
+        """While entered, every collective this mode sees is also counted by ``counter``: what entering the
+        counter as a mode of its own would count, without a second dispatch layer over every op (about a tenth
+        of a dry run's time)."""
+        self._counter = counter
+        try:
+            yield
+        finally:
+            self._counter = None
+
     def local_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        out = func(*args, **kwargs)
+        if self._counter is not None:
+            self._counter.record(func, args)
+        out = func(*args, **kwargs) if self._values is None else self._values.local_op(func, args, kwargs)
         formula = gpu_flop_formula(func)  # the CPU flash-attention kernels counted as the GPU's
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
