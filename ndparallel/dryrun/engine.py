@@ -109,6 +109,7 @@ def measure_rank(
         flops_before = tracker.flops
 
     if isinstance(model, Pipeline):
+        model.absorbs_shape_inference = False  # the step of a job under way: torch's inference inside it
         after_shape_inference(model.schedule, measure_from_here)
     try:
         objects = objects_as_if_every_rank_alike() if fake else contextlib.nullcontext()

@@ -73,6 +73,11 @@ class Pipeline:
         self.positions_arg = positions_arg
         self.tied = tied or TiedCopies()
         self.aux_losses = aux_losses  # None: the model has no auxiliary losses (every rank knows alike)
+        self.absorbs_shape_inference = True
+        """A model with auxiliary losses runs its first batch (and its first after a switch between step and eval)
+        once before the real run, to keep torch's shape inference out of its router counts and losses
+        (:meth:`_dry_run`). ``ndparallel dry-run``, which measures a step of a job under way and whose values are
+        fake, turns it off: that run doubles a first step's time and is no part of a later step."""
         self.pp_group = mesh["pp"].get_group()
         inner = mesh.without_pp()
         self._inner = inner
@@ -200,7 +205,8 @@ class Pipeline:
                 "its inputs at the first step and would hang on others; pass a mask with every batch, or with none"
             )
         self._masked = documents is not None
-        if self.aux_losses is not None and training != self._last_mode:  # torch infers shapes again: absorb it
+        if self.aux_losses is not None and self.absorbs_shape_inference and training != self._last_mode:
+            # torch infers shapes again: absorb it
             self._dry_run(tokens, labels, run, positions, documents)
         self._last_mode = training
         losses = self._schedule(tokens, labels, run, positions, documents)
