@@ -198,7 +198,10 @@ def compare(
 
 
 def _dim(name: str, mesh: MeshShape) -> str:
-    """One name per process group: the dry run names FSDP's group ``dp_shard`` when cp is 1 (the same ranks)."""
+    """One name per process group: the dry run names FSDP's group ``dp_shard`` when cp is 1 (the same ranks), and
+    ep's after dp_shard or cp when ep spans all of dp_shard x cp (``ep_fsdp`` 1)."""
+    if name == "ep" and mesh.ep == mesh.dp_shard * mesh.cp:
+        name = "dp_shard_cp"
     if name == "dp_shard":
         name = "dp_shard_cp"
     if name == "dp_shard_cp" and mesh.dp_shard == 1 and mesh.cp > 1:
