@@ -75,9 +75,14 @@ class DistributedTimeout(DistributedError, TimeoutError):
 _PRELOAD_WHEN_IMPORTED = {"transformers": ("transformers", "transformers.modeling_utils")}
 
 
-# What `import ndparallel` gives a user (its names load on first use): named here, not imported, since the
-# harness sits below them; the forkserver imports them once for every rank it forks.
-_ENGINE = ("ndparallel.models", "ndparallel.parallel.parallelize", "ndparallel.checkpoint", "ndparallel.train")
+# What `import ndparallel` gives a user: named here, not imported, since the harness sits below them; the
+# forkserver imports them once for every rank it forks. The modules themselves, not their packages, whose names
+# load on first use (ndparallel/lazy.py): importing a package alone would leave each rank to import its engine
+# (a guard in tests/distributed/test_mesh_and_harness.py holds the list to the packages' tables).
+_ENGINE = ("ndparallel.models.builtin", "ndparallel.models.transformer.model", "ndparallel.parallel.parallelize")
+_ENGINE += tuple(f"ndparallel.checkpoint.{m}" for m in ("format", "loading", "safetensors_io", "saving", "storage"))
+_ENGINE += ("ndparallel.train.data", "ndparallel.train.job_config", "ndparallel.train.loop")
+_ENGINE += tuple(f"ndparallel.parallel.pipeline.{m}" for m in ("build", "placement", "runtime", "split"))
 _ENGINE += ("ndparallel.accelerator", "ndparallel.launch.notebook")
 
 

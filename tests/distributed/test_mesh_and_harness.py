@@ -183,3 +183,25 @@ def test_harness_native_crash_is_reported_with_its_python_stack():
     assert "exited with code -11" in str(info.value)
     assert "Segmentation fault" in str(info.value)
     assert "_segfault_on_rank_one" in str(info.value), "the crashing rank's Python stack names the function"
+
+
+def test_the_forkserver_preloads_the_engine_modules_not_only_their_lazy_packages():
+    """The harness's forkserver imports the engine once for every rank it forks. Packages whose names load on first
+    use (ndparallel/lazy.py) would import almost nothing: every module their tables name must be preloaded."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, sys
+from ndparallel.distributed.spawn import _preload
+for name in _preload():
+    importlib.import_module(name)
+missing = []
+for package in ("ndparallel.models", "ndparallel.models.transformer", "ndparallel.checkpoint", "ndparallel.train",
+                "ndparallel.parallel.pipeline"):
+    missing += [m for m in vars(sys.modules[package])["_EXPORTS"].values() if m not in sys.modules]
+print(sorted(set(missing)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
