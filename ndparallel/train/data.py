@@ -42,8 +42,7 @@ DOCUMENT_START = 0  # the byte each document starts with in documents mode (NUL:
 def corpus_files(path: str | Path | None = None) -> list[Path]:
     """The files of the corpus: ``path`` (a file, or every file under a folder), or the stdlib's ``*.py``."""
     if path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+        files = _stdlib_sources()
     else:
         root = Path(path)
         if not root.exists():
@@ -52,6 +51,16 @@ def corpus_files(path: str | Path | None = None) -> list[Path]:
     if not files:
         raise ConfigError(f"data.path={str(path)!r} holds no files")
     return files
+
+
+def _stdlib_sources() -> list[Path]:
+    """The standard library's ``*.py`` files, site-packages left out, sorted. ``os.walk`` prunes site-packages
+    before listing it; ``Path.rglob`` walked it too and took ~0.2 s of every rank's start."""
+    found = []
+    for folder, folders, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        folders[:] = [name for name in folders if name not in ("site-packages", "__pycache__")]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    return sorted(p for p in found if p.is_file())
 
 
 def _files_under(root: Path) -> list[Path]:

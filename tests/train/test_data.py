@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ def test_default_corpus_is_stdlib_source():
     assert len(files) > 100
     assert all(f.suffix == ".py" for f in files)
     assert files == sorted(files)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])  # the walk prunes site-packages; rglob's answer, filtered
+    assert files == sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
 
 
 def test_windows_are_shifted_labels_and_deterministic():
