@@ -86,10 +86,15 @@ _ENGINE += tuple(f"ndparallel.parallel.pipeline.{m}" for m in ("build", "placeme
 _ENGINE += ("ndparallel.accelerator", "ndparallel.launch.notebook")
 
 
+# torch's own: FSDP2's fully_shard calls a function wrapped by torch._disable_dynamo, whose first call imports
+# torch._dynamo (~0.45 s of CPU in every rank that shards, though nothing is compiled).
+_TORCH = ("torch", "torch.distributed", "torch._dynamo")
+
+
 def _preload() -> list[str]:
     """What the forkserver imports once, before it forks any rank."""
     extra = [m for lib, mods in _PRELOAD_WHEN_IMPORTED.items() if lib in sys.modules for m in mods]
-    return ["torch", "torch.distributed", "ndparallel", *_ENGINE, *extra]
+    return [*_TORCH, "ndparallel", *_ENGINE, *extra]
 
 
 def spawn_context() -> mp.context.BaseContext:
