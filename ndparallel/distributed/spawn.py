@@ -71,8 +71,9 @@ class DistributedTimeout(DistributedError, TimeoutError):
 
 
 # Libraries preloaded only when this process has imported them: its ranks will most likely import them too
-# (transformers' modeling_utils costs ~3 s of CPU per process), and a process that never did pays nothing.
-_PRELOAD_WHEN_IMPORTED = {"transformers": ("transformers", "transformers.modeling_utils")}
+# (transformers' modeling_utils costs ~3 s of CPU per process; pytest 0.06 s, in every rank whose function a test
+# module defines), and a process that never did pays nothing.
+_PRELOAD_WHEN_IMPORTED = {"transformers": ("transformers", "transformers.modeling_utils"), "pytest": ("pytest",)}
 
 
 # What `import ndparallel` gives a user: named here, not imported, since the harness sits below them; the
