@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.parallel.test_parallelize import ALL_RUNS, reference_for, results
 
 TOLERANCE = 0.05
@@ -24,12 +26,13 @@ def shard_factor(parallel: dict) -> int:
     return math.prod(parallel.get(f"{d}_size", 1) for d in ("dp_shard", "cp", "tp"))
 
 
-def memory_rows() -> list[dict]:
+def memory_rows(world_sizes: tuple[int, ...] = tuple(ALL_RUNS)) -> list[dict]:
     """One row per run: shape, per-rank bytes (max over ranks), expected bytes and their ratio.
 
     The single-process total is the run's own reference (same dtype: float64 runs hold 8 bytes per value)."""
     rows = []
-    for world_size, runs in ALL_RUNS.items():
+    for world_size in world_sizes:
+        runs = ALL_RUNS[world_size]
         for label, ranks in results(world_size).items():
             parallel, kwargs = runs[label]
             total = sum(reference_for(kwargs)["memory"][k] for k in KINDS)
@@ -49,8 +52,10 @@ def memory_rows() -> list[dict]:
     return rows
 
 
-def test_per_rank_memory_divides_by_shard_factor():
-    for row in memory_rows():
+# The 8-rank group is slow, as its parity test in tests/parallel/test_parallelize.py (the fast tier never spawns it)
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=pytest.mark.slow) if n == 8 else n for n in ALL_RUNS])
+def test_per_rank_memory_divides_by_shard_factor(world_size):
+    for row in memory_rows((world_size,)):
         assert abs(row["ratio"] - 1) <= TOLERANCE, (
             f"{row['label']}: {row['per_rank']} B per rank vs {row['expected']:.0f} B expected "
             f"(single process {row['single']} B / {row['factor']})"
