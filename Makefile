@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH)"
 	@$(PY) -m uv --version >/dev/null 2>&1 || $(PIP_INSTALL) "$(UV)" || true
-	$(PY) -m uv pip install -q --python $(PY) $(DEPS) "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" \
+	$(PY) -m uv pip install -q --python $(PY) $(DEPS) "torch==$$($(PY) -c 'from importlib.metadata import version; print(version("torch"))')" \
 		|| $(PIP_INSTALL) $(DEPS)
 	@touch $@
 
