@@ -12,12 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ndparallel.distributed.exit_collections import skip_collections_at_exit
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Each xdist worker (and the processes it starts) gets ``cores / workers`` OpenMP threads. With torch's
     default, one per core, the two workers' references and plain runs each ran OpenMP's spin-waiting team on the
     cores the other worker's ranks needed: one 4-rank test run twice at once took 113 CPU-s instead of 53
-    (docs/architecture.md, "Tests"). An ``OMP_NUM_THREADS`` the user set is kept."""
+    (docs/architecture.md, "Tests"). An ``OMP_NUM_THREADS`` the user set is kept. Every pytest process (with
+    torch and transformers loaded) skips the garbage collections at exit, as the ``ndparallel`` command does."""
+    skip_collections_at_exit()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // workers)
