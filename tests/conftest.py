@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ndparallel.distributed.exit_collections import skip_collections_at_exit
+from ndparallel.launch.exit_collections import skip_collections_at_exit
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -181,9 +181,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; bad input prints one clear line instead of a traceback."""
-    from ndparallel.distributed.exit_collections import skip_collections_at_exit
+    from ndparallel.launch.exit_collections import skip_collections_at_exit
 
-    skip_collections_at_exit()  # the launcher, the `train` ranks and every other subcommand: ~0.35 s of CPU each
+    skip_collections_at_exit()  # the launcher, the `train` ranks and every other subcommand
     entry = _main
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Under torchrun: record a failing rank's traceback so the agent's summary shows it.
