@@ -20,6 +20,7 @@ __all__ = [
     "job_timeout",
     "parse_timeout",
     "process_group_timeout",
+    "silent_after",
 ]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -27,7 +28,10 @@ DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "NDP_TIMEOUT_S"
 """Set by ``ndparallel launch --timeout S``: the ranks' hang timeout when the script names none."""
 SILENT_AFTER = 3
-"""Heartbeat intervals without a new heartbeat before a rank counts as silent."""
+"""Heartbeat intervals without a new heartbeat before a rank counts as silent (at least ``SILENT_FLOOR_S``)."""
+SILENT_FLOOR_S = 3.0
+"""The shortest silence that counts, whatever the interval: a loaded machine starves a live rank's heartbeat
+thread for a second or so (docs/troubleshooting.md, "A lost node")."""
 
 
 def job_timeout(timeout_s: float | None = None) -> float:
@@ -56,7 +60,13 @@ def heartbeat_interval(timeout_s: float) -> float:
     return min(2.0, max(0.2, timeout_s / 20))
 
 
+def silent_after(timeout_s: float) -> float:
+    """Seconds without a new heartbeat before a peer counts as silent: ``SILENT_AFTER`` heartbeat intervals,
+    at least ``SILENT_FLOOR_S``."""
+    return max(SILENT_FLOOR_S, SILENT_AFTER * heartbeat_interval(timeout_s))
+
+
 def process_group_timeout(timeout_s: float) -> float:
     """The process group's own collective timeout: after the watchdog's verdict (``timeout_s`` plus
-    the few intervals it takes to be sure), so that the rank named is the one behind."""
-    return timeout_s + (SILENT_AFTER + 3) * heartbeat_interval(timeout_s) + 10
+    the silence and few intervals it takes to be sure), so that the rank named is the one behind."""
+    return timeout_s + silent_after(timeout_s) + 3 * heartbeat_interval(timeout_s) + 10

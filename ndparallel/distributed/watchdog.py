@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ndparallel.distributed.heartbeat import Beat, main_thread_position, read_beats
 from ndparallel.distributed.store import hosts_the_store, job_store
-from ndparallel.distributed.timeouts import SILENT_AFTER, heartbeat_interval
+from ndparallel.distributed.timeouts import heartbeat_interval, silent_after
 from ndparallel.distributed.verdict import (
     in_phase,
     judge,
@@ -116,7 +116,7 @@ class Watchdog:
             return running
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return cls(None, 0, 1, timeout_s)
-        store = job_store(max(_STORE_TIMEOUT_FLOOR_S, SILENT_AFTER * heartbeat_interval(timeout_s)))
+        store = job_store(max(_STORE_TIMEOUT_FLOOR_S, silent_after(timeout_s)))
         cls._current = cls(store, dist.get_rank(), dist.get_world_size(), timeout_s)
         return cls._current
 
@@ -131,6 +131,7 @@ class Watchdog:
         """Wait ``timeout_s`` for peers from now on (``math.inf``: post heartbeats, never judge)."""
         self.timeout_s = timeout_s
         self.interval = heartbeat_interval(timeout_s)
+        self.silent_after = silent_after(timeout_s)
         if hasattr(self, "_wake"):
             self._wake.set()  # the thread's next heartbeat comes at the new pace
 
@@ -178,10 +179,10 @@ class Watchdog:
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
         try:
             self._end_if_judged()
-            deadline = time.monotonic() + (SILENT_AFTER + 0.5) * self.interval
+            deadline = time.monotonic() + self.silent_after + 0.5 * self.interval
             while time.monotonic() < deadline:
                 beats = self._read_beats()
-                silent = silence(beats, seen, time.monotonic(), SILENT_AFTER * self.interval, self.rank)
+                silent = silence(beats, seen, time.monotonic(), self.silent_after, self.rank)
                 time.sleep(self.interval / 2)
             beats = self._read_beats()
         except Exception as store_err:  # the store went with the node that hosted it
@@ -189,7 +190,7 @@ class Watchdog:
         finally:
             if main:
                 signal.signal(signal.SIGTERM, previous)
-        silent.update({r: SILENT_AFTER * self.interval for r in range(self.world_size) if r not in beats})
+        silent.update({r: self.silent_after for r in range(self.world_size) if r not in beats})
         silent.pop(self.rank, None)
         for rank in [r for r in silent if r in beats and beats[r].phase.startswith(_LEAVING)]:
             del silent[rank]  # a peer that explained its own failure and left: not lost
@@ -261,11 +262,11 @@ class Watchdog:
     def _watch(self) -> None:
         seq, phase, since = self._where()
         stuck = time.monotonic() - since
-        if not self._waiting() or stuck < self.timeout_s - (SILENT_AFTER + 1) * self.interval:
+        if not self._waiting() or stuck < self.timeout_s - self.silent_after - self.interval:
             self._seen.clear()
             return
         beats = self._read_beats()
-        silent = silence(beats, self._seen, time.monotonic(), SILENT_AFTER * self.interval, self.rank)
+        silent = silence(beats, self._seen, time.monotonic(), self.silent_after, self.rank)
         if stuck >= self.timeout_s:
             verdict = judge(beats, silent, self.timeout_s)
             if verdict:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ndparallel.distributed.heartbeat import Beat
-from ndparallel.distributed.timeouts import heartbeat_interval, process_group_timeout
+from ndparallel.distributed.timeouts import heartbeat_interval, process_group_timeout, silent_after
 from ndparallel.distributed.verdict import describe, judge
 from ndparallel.testing import run_distributed
 
@@ -64,8 +64,9 @@ def test_silent_ranks_are_named_first_and_whole_nodes_by_node():
 
 def test_timeouts_leave_the_watchdog_time_to_speak_first():
     assert heartbeat_interval(600) == 2.0 and heartbeat_interval(1) == 0.2
+    assert silent_after(4) == 3.0 and silent_after(600) == 6.0  # 3 intervals, never under the floor of 3 s
     for timeout in (1, 4, 20, 600, 3600):
-        assert process_group_timeout(timeout) >= timeout + 6 * heartbeat_interval(timeout) + 10
+        assert process_group_timeout(timeout) >= timeout + silent_after(timeout) + 3 * heartbeat_interval(timeout) + 10
 
 
 def _heartbeats_on_two_ranks() -> list:
@@ -134,6 +135,47 @@ def test_the_rank_that_judges_waits_until_every_rank_printed_the_verdict(tmp_pat
         err = (tmp_path / f"rank-{rank}.err").read_text()
         assert err.startswith("ndparallel: error: the job hung: rank 1 did not reach the collective within 2s"), err
     assert time.monotonic() - started < 90
+
+
+def _a_rank_behind_whose_heartbeats_stall(folder: str) -> None:
+    """Rank 1 stays in step 1 while rank 0 waits in step 2's barrier (timeout 4 s, a heartbeat every 0.2 s);
+    rank 1's watchdog thread, as on a loaded machine, posts nothing from 2 s to 4.8 s: across rank 0's verdict."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from ndparallel.distributed.watchdog import Watchdog
+
+    with open(f"{folder}/rank-{dist.get_rank()}.err", "w") as err:
+        os.dup2(err.fileno(), 2)
+    watchdog = Watchdog.for_job(timeout_s=4)
+    watchdog.phase("step 1: forward/backward")
+    if dist.get_rank() == 1:
+        post, started, stalled = watchdog._post, time.monotonic(), []  # noqa: SLF001
+
+        def starved() -> None:
+            if not stalled and time.monotonic() - started > 2.0:
+                stalled.append(True)
+                time.sleep(2.8)
+            post()
+
+        watchdog._post = starved  # noqa: SLF001
+        time.sleep(3600)  # behind: never reaches step 2
+    watchdog.phase("step 2: forward/backward")
+    dist.barrier()
+
+
+def test_a_live_rank_whose_heartbeats_stall_is_behind_not_lost(tmp_path):
+    # A CI run at --timeout 4 (heartbeats 0.2 s apart) blamed a live rank as "stopped responding" after 0.6 s
+    # without a heartbeat: its watchdog thread had been starved of CPU. Silence now needs at least 3 s.
+    from ndparallel.testing import DistributedError
+
+    with pytest.raises(DistributedError, match="exited with code 124"):
+        run_distributed(_a_rank_behind_whose_heartbeats_stall, 2, str(tmp_path), timeout=120)
+    err = (tmp_path / "rank-0.err").read_text()
+    assert "the job hung: rank 1 did not arrive at 'step 2: forward/backward' within 4s" in err, err
+    assert "stopped responding" not in err, err
 
 
 def test_a_late_launcher_forward_of_the_same_stop_is_not_a_second_stop(monkeypatch):
