@@ -46,6 +46,8 @@ from ndparallel.parallel.loss import cross_entropy_loss
 __all__ = [
     "FLOAT64_TOL",
     "FP32_TOL",
+    "ShardwiseAdamW",
+    "adamw",
     "assert_parity",
     "build_model",
     "context_parallel_loss_fn",
@@ -129,6 +131,60 @@ def full_params(named) -> dict[str, np.ndarray]:
     return out
 
 
+class ShardwiseAdamW:
+    """torch's AdamW stepping each parameter's local shard (``to_local()``: the same storage), for the parity runs.
+
+    AdamW is elementwise, so this is the update torch's AdamW makes on the DTensor parameters themselves: a gradient
+    held with other placements than its parameter (a replicated norm's Partial gradient under tp) is first
+    redistributed to the parameter's, as DTensor does inside each of AdamW's ops. What it leaves out is DTensor's
+    sharding propagation, which on each layout's first step takes most of a parity rank's CPU (docs/architecture.md,
+    "Tests"). The training loop, Accelerator, Trainer and TRL tests step AdamW on the DTensor parameters themselves.
+    """
+
+    def __init__(self, params, **options: Any):
+        self.params = list(params)
+        self.options = options
+        self.inner: torch.optim.AdamW | None = None  # built at the first step, once FSDP has laid out its shards
+        self.shards: list[torch.Tensor] = []
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state if self.inner is not None else {}
+
+    def step(self) -> None:
+        with torch.no_grad():
+            if self.inner is None:
+                self.shards = [_local(p).detach() for p in self.params]
+                self.inner = torch.optim.AdamW(self.shards, **self.options)
+            for param, shard in zip(self.params, self.shards, strict=True):
+                if _local(param).data_ptr() != shard.data_ptr():
+                    raise RuntimeError("a parameter's local shard moved after the first step: re-create the optimizer")
+                grad = param.grad
+                if isinstance(grad, DTensor) and grad.placements != param.placements:
+                    grad = grad.redistribute(param.device_mesh, param.placements)
+                shard.grad = None if grad is None else _local(grad).detach()
+            self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            raise ValueError("ShardwiseAdamW sets gradients to None")
+        for param, shard in zip(self.params, self.shards or self.params, strict=True):
+            param.grad = shard.grad = None
+
+
+def adamw(params, **options: Any) -> torch.optim.AdamW | ShardwiseAdamW:
+    """The parity runs' AdamW: torch's on plain parameters (the one-process reference), :class:`ShardwiseAdamW` on
+    DTensor ones."""
+    params = list(params)
+    if any(isinstance(p, DTensor) for p in params):
+        return ShardwiseAdamW(params, **options)
+    return torch.optim.AdamW(params, **options)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def record_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, result: dict, step: int) -> None:
     """After a backward: keep step 1's gradients and the grad norm (not clipped), then step and zero."""
     if step == 0:
@@ -208,7 +264,7 @@ def train_steps(
         dp_size, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     if global_batch % (dp_size * grad_accum):
         raise ValueError(f"global_batch={global_batch} must divide by dp size {dp_size} x grad_accum {grad_accum}")
-    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1)
+    optimizer = adamw(net.parameters(), lr=lr, weight_decay=0.1)
     batches = make_batches(steps, global_batch, seq_len, net.config.vocab_size, data_seed)
     per_rank = global_batch // dp_size
     micro = per_rank // grad_accum

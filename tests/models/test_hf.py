@@ -24,7 +24,7 @@ pytest.importorskip("safetensors", reason="Hugging Face tests need safetensors: 
 
 from ndparallel.errors import ConfigError  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
-from tests.parity import NO_CLIP, assert_parity, full_grads, make_batches  # noqa: E402
+from tests.parity import NO_CLIP, adamw, assert_parity, full_grads, make_batches  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "mistral")
 STEPS, GLOBAL_BATCH, SEQ, LR = 3, 4, 16, 1e-2
@@ -92,7 +92,7 @@ def train(family: str, parallel: dict | None, steps: int = STEPS, dtype: str = "
         mesh = ndp.init_distributed(ndp.ParallelismConfig.from_dict(parallel))
         model = ndp.parallelize(model, mesh.config, mesh)
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = adamw(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = GLOBAL_BATCH // dp
     result = {"losses": [], "grad_norms": [], "dtype": dtype}
     for step, (tokens, labels) in enumerate(make_batches(steps, GLOBAL_BATCH, SEQ, model.config.vocab_size)):

@@ -25,7 +25,7 @@ transformers = pytest.importorskip(
 from ndparallel.errors import ConfigError  # noqa: E402
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.models.test_hf import hf_loss, raised  # noqa: E402
-from tests.parity import NO_CLIP, assert_parity, full_grads, make_batches  # noqa: E402
+from tests.parity import NO_CLIP, adamw, assert_parity, full_grads, make_batches  # noqa: E402
 
 STEPS, BATCH, SEQ, LR = 2, 2, 16, 1e-2
 ROTATES = ("ring", "allgather", "alltoall")
@@ -93,7 +93,7 @@ def train(model_type: str, parallel: dict | None, **overrides) -> dict:
     if parallel is not None:
         mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
         model = ndp.parallelize(model, mesh.config, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = adamw(model.parameters(), lr=LR)
     result = {"losses": [], "grad_norms": [], "dtype": "float64"}
     for step, (tokens, labels) in enumerate(make_batches(STEPS, BATCH, SEQ, model.config.vocab_size)):
         loss = hf_loss(model, tokens, labels, mesh)

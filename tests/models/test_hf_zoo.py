@@ -26,7 +26,15 @@ transformers = pytest.importorskip(
 
 from ndparallel.testing import run_distributed  # noqa: E402
 from tests.models.test_hf import hf_loss  # noqa: E402
-from tests.parity import NO_CLIP, assert_parity, full_grads, full_params, make_batches, record_and_step  # noqa: E402
+from tests.parity import (  # noqa: E402
+    NO_CLIP,
+    adamw,
+    assert_parity,
+    full_grads,
+    full_params,
+    make_batches,
+    record_and_step,
+)
 
 STEPS, BATCH, SEQ, LR = 3, 4, 16, 1e-2
 # model_type -> tiny-config overrides (the rest comes from tiny_config)
@@ -156,7 +164,7 @@ def train(
         mesh = _mesh(parallel)
         model = ndp.parallelize(model, mesh.config, mesh)
         dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = adamw(model.parameters(), lr=LR, weight_decay=0.1)
     per_rank = BATCH // dp
     result = {"losses": [], "grad_norms": [], "dtype": "float64"}
     for step, (tokens, labels) in enumerate(make_batches(steps, BATCH, SEQ, model.config.vocab_size)):
@@ -194,7 +202,7 @@ def _train_pipeline(model, parallel: dict, steps: int) -> dict:
     mesh = _mesh(parallel)
     pipe = build_pipeline(model, mesh.config, mesh, microbatches=2)
     params = [p for stage in pipe.stages for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    optimizer = adamw(params, lr=LR, weight_decay=0.1)
     result = {"losses": [], "grad_norms": [], "dtype": "float64", "grads": {}}
     for step, (tokens, labels) in enumerate(make_batches(steps, BATCH, SEQ, model.config.vocab_size)):
         result["losses"].append(pipe.step(tokens, labels).item())

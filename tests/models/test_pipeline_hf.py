@@ -31,6 +31,7 @@ from tests.parallel.pipeline.test_parity import (  # noqa: E402
     _tiny_llama_config,
     _train_pipeline,
 )
+from tests.parity import adamw  # noqa: E402
 
 V_OR_LOOPED = "zbv" if torch_supports_v_schedules() else "interleaved_1f1b"
 
@@ -490,7 +491,7 @@ def _tied_reference() -> list[dict]:
     from tests.parallel.pipeline.test_parity import OPTIM, _batches
 
     model = _tied_llama(0)
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)
+    optimizer = adamw(model.parameters(), foreach=False, **OPTIM)
     after = []
     for x, y in _batches(model.config.vocab_size):
         torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).backward()

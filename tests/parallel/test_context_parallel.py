@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.loss import cross_entropy_loss
 from ndparallel.testing import run_distributed
-from tests.parity import NO_CLIP, assert_parity, build_model, full_grads, make_batches, reference, run_many
+from tests.parity import NO_CLIP, adamw, assert_parity, build_model, full_grads, make_batches, reference, run_many
 
 STEPS = 3
 DATA = {"lr": 1e-2, "global_batch": 8, "seq_len": 32}  # explicit, so the hand-written loop below matches
@@ -82,7 +82,7 @@ def manual_cp_training(steps: int = STEPS, lr: float = DATA["lr"]) -> dict:
     torch.manual_seed(0)
     mesh = ndp.init_distributed(ndp.ParallelismConfig(cp_size=dist.get_world_size()))
     model = apply_context_parallel(build_model(seed=0, dtype="float64"), mesh, mesh.config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    optimizer = adamw(model.parameters(), lr=lr, weight_decay=0.1)
     group = mesh["cp"].get_group()
     result = {"losses": [], "grad_norms": [], "dtype": "float64"}
     batches = make_batches(steps, DATA["global_batch"], DATA["seq_len"], model.config.vocab_size, 1)

@@ -19,7 +19,7 @@ import torch
 
 from ndparallel.errors import ConfigError
 from ndparallel.testing import run_distributed
-from tests.parity import FLOAT64_TOL, NO_CLIP, assert_parity, build_model, full_grads
+from tests.parity import FLOAT64_TOL, NO_CLIP, adamw, assert_parity, build_model, full_grads
 
 STEPS, BATCH, SEQ, MICRO = 2, 4, 16, 2
 DOCUMENTS = [[3, 7, 4], [16], [5, 5, 2], [9, 7]]  # lengths per row; the rest of a row is padding
@@ -86,7 +86,7 @@ def train(parallel: dict | None, steps: int = STEPS, moe: bool = False) -> dict:
         mesh = ndp.init_distributed(ndp.ParallelismConfig(**parallel))
         model = ndp.parallelize(model, mesh.config, mesh)
         dp, rank = mesh.size("dp"), mesh.local_rank("dp")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
     result = {"losses": [], "grad_norms": [], "dtype": "float64"}
     for step in range(steps):
         batch = packed_batch(step)
@@ -127,7 +127,7 @@ def _train_pipeline(parallel: dict, steps: int) -> dict:
         return cross_entropy_loss(logits, labels) * (count * scale["ranks"] * MICRO / scale["total"])
 
     pipe = build_pipeline(model, mesh.config, mesh, microbatches=MICRO, loss_fn=loss_fn)
-    optimizer = torch.optim.AdamW(list(pipe.parameters()), lr=1e-2)
+    optimizer = adamw(list(pipe.parameters()), lr=1e-2)
     result = {"losses": [], "grad_norms": [], "dtype": "float64", "grads": {}}
     dp, rank = mesh.size("dp"), mesh.local_rank("dp")
     for step in range(steps):

@@ -14,7 +14,7 @@ from ndparallel.models.transformer.family import FAMILY, transformer_tp_plan
 from ndparallel.parallel.loss import cross_entropy_loss
 from ndparallel.parallel.tensor_parallel import check_tp_divisibility
 from ndparallel.testing import run_distributed
-from tests.parity import build_model
+from tests.parity import adamw, build_model
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def _train_user_model(parallel: dict | None, steps: int = 3) -> dict:
             blocks=lambda name, module: isinstance(module, MLPBlock),
             fsdp_groups=[["embed"], ["final_norm", "head"]],
         )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(3)
     dp, rank = (mesh.size("dp"), mesh.local_rank("dp")) if mesh else (1, 0)
     losses, norms = [], []

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ndparallel.config.pipeline import torch_supports_v_schedules
 from ndparallel.parallel.pipeline.tied import one_process_parameters
 from ndparallel.testing import run_distributed
+from tests.parity import adamw
 
 TOL = 1e-10  # float64; measured <= 2e-14 (docs/pipeline-parallel.md)
 FP32_TOL = 1e-4  # fp32 smoke: measured 3e-7 on the losses
@@ -42,7 +43,7 @@ def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _plain_training(model: torch.nn.Module, logits_of) -> dict:
     """The reference: one process, whole model, global batch, mean cross-entropy, clip, AdamW."""
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)
+    optimizer = adamw(model.parameters(), foreach=False, **OPTIM)
     out = {"losses": [], "norms": [], "grads": None}
     for step, (x, y) in enumerate(_batches(model.config.vocab_size)):
         loss = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten())
@@ -108,7 +109,7 @@ def _mesh(cfg):
 def _train_pipeline(pipe, ref: dict, vocab_size: int, dp: int = 1, dp_rank: int = 0) -> dict:
     """The reference recipe (AdamW, clipping at ``MAX_NORM``) on this rank's pipeline, its dp slice of each
     batch; the worst differences from ``ref``: loss and grad norm every step, step-1 grads, final params."""
-    optimizers = [torch.optim.AdamW(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
+    optimizers = [adamw(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
     per = BATCH // dp
     err = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "final": 0.0}
     for step, (x, y) in enumerate(_batches(vocab_size)):

@@ -30,6 +30,7 @@ from tests.parallel.pipeline.test_parity import (
     _plain_training,
     _transformer_reference,
 )
+from tests.parity import adamw
 
 MICRO = 4  # pipeline micro-batches (= the reference's accumulation steps)
 # Tolerances: the measured worst (torch 2.13 CPU, 5 AdamW steps, clipping active) is in the comments; bounds sit
@@ -62,7 +63,7 @@ def _low_precision_reference(autocast: bool, dp: int) -> dict:
     from ndparallel.models import Transformer, TransformerConfig
 
     model = Transformer(TransformerConfig(dtype="float32", **TINY))
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OPTIM)
+    optimizer = adamw(model.parameters(), foreach=False, **OPTIM)
     out = {"losses": [], "norms": [], "grads": None}
     chunks = dp * MICRO
     for step, (x, y) in enumerate(_batches(TINY["vocab_size"])):
@@ -167,7 +168,7 @@ def _run(case: dict) -> dict:
             return {"refused": f"{type(err).__name__}: {err}"}
         return {"refused": None}
     pipe = build_pipeline(model, cfg, mesh, microbatches=MICRO)
-    optimizers = [torch.optim.AdamW(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
+    optimizers = [adamw(s.parameters(), foreach=False, **OPTIM) for s in pipe.stages]
     dp, dp_rank = mesh.size("dp"), mesh.local_rank("dp")
     per = 8 // dp
     out = {"losses": [], "norms": [], "grads": {}, "final": {}}
