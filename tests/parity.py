@@ -135,10 +135,11 @@ class ShardwiseAdamW:
     """torch's AdamW stepping each parameter's local shard (``to_local()``: the same storage), for the parity runs.
 
     AdamW is elementwise, so this is the update torch's AdamW makes on the DTensor parameters themselves: a gradient
-    held with other placements than its parameter (a replicated norm's Partial gradient under tp) is first
-    redistributed to the parameter's, as DTensor does inside each of AdamW's ops. What it leaves out is DTensor's
-    sharding propagation, which on each layout's first step takes most of a parity rank's CPU (docs/architecture.md,
-    "Tests"). The training loop, Accelerator, Trainer and TRL tests step AdamW on the DTensor parameters themselves.
+    held with other placements than its parameter (a replicated parameter's Partial gradient, in test_moe_parity's
+    layouts) is first redistributed to the parameter's, as DTensor does inside each of AdamW's ops. What it leaves
+    out is DTensor's sharding propagation, which on each layout's first step takes most of a parity rank's CPU
+    (docs/architecture.md, "Tests"). The training loop, Accelerator, Trainer and TRL tests step AdamW on the DTensor
+    parameters themselves.
     """
 
     def __init__(self, params, **options: Any):

@@ -213,3 +213,41 @@ print(sorted(name for name in set(sys.modules) - preloaded if name.startswith("t
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["[]", "[]"], done.stdout
+
+
+def _shardwise_adamw_against_torchs() -> dict:
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import ndparallel as ndp
+    from tests.parity import ShardwiseAdamW
+
+    mesh = ndp.init_distributed(ndp.ParallelismConfig(dp_shard_size=2), device_type="cpu")["dp_shard"]
+    torch.manual_seed(0)
+    start = torch.randn(5, 3, dtype=torch.float64)  # 5 rows over 2 ranks: uneven shards
+    grads = [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
+    options = dict(lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+    same = {}
+    for placement in (Shard(0), Replicate()):  # a replicated parameter gets a Partial gradient: each rank a half
+        ours, torchs = (torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [placement])) for _ in range(2))
+        for param, optimizer in (
+            (ours, ShardwiseAdamW([ours], **options)),
+            (torchs, torch.optim.AdamW([torchs], **options)),
+        ):
+            for grad in grads:
+                if placement == Replicate():
+                    param.grad = DTensor.from_local(grad / 2, mesh, [Partial()], run_check=False)
+                else:
+                    param.grad = distribute_tensor(grad, mesh, [placement])
+                optimizer.step()
+                optimizer.zero_grad()
+        moved = not torch.equal(ours.full_tensor(), start)
+        same[str(placement)] = moved and torch.equal(ours.full_tensor(), torchs.full_tensor())
+    return same
+
+
+def test_the_parity_runs_adamw_steps_shards_exactly_as_torchs_adamw_on_dtensors():
+    # tests/parity.py's ShardwiseAdamW (docs/parallelize.md): bitwise torch's AdamW on the DTensor parameter, on
+    # uneven shards and on a replicated parameter whose gradient is Partial (redistributed first, as DTensor does).
+    for rank in run_distributed(_shardwise_adamw_against_torchs, 2, timeout=120):
+        assert rank == {"S(0)": True, "R": True}, rank
