@@ -167,7 +167,7 @@ def _a_rank_behind_whose_heartbeats_stall(folder: str) -> None:
 
 
 def test_a_live_rank_whose_heartbeats_stall_is_behind_not_lost(tmp_path):
-    # A CI run at --timeout 4 (heartbeats 0.2 s apart) blamed a live rank as "stopped responding" after 0.6 s
+    # A full-suite run at --timeout 4 (heartbeats 0.2 s apart) blamed a live rank as "stopped responding" after 0.6 s
     # without a heartbeat: its watchdog thread had been starved of CPU. Silence now needs at least 3 s.
     from ndparallel.testing import DistributedError
 
