@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from ndparallel.distributed.buckets import local_tensor
 from ndparallel.distributed.reduce import average_over
 from ndparallel.models import Transformer, TransformerConfig
 from ndparallel.parallel.clip import clip_grad_norm_, total_grad_norm
@@ -155,22 +156,22 @@ class ShardwiseAdamW:
     def step(self) -> None:
         with torch.no_grad():
             if self.inner is None:
-                self.shards = [_local(p).detach() for p in self.params]
+                self.shards = [local_tensor(p).detach() for p in self.params]
                 self.inner = torch.optim.AdamW(self.shards, **self.options)
             for param, shard in zip(self.params, self.shards, strict=True):
-                if _local(param).data_ptr() != shard.data_ptr():
+                if local_tensor(param).data_ptr() != shard.data_ptr():
                     raise RuntimeError("a parameter's local shard moved after the first step: re-create the optimizer")
                 grad = param.grad
                 if isinstance(grad, DTensor) and grad.placements != param.placements:
                     grad = grad.redistribute(param.device_mesh, param.placements)
-                shard.grad = None if grad is None else _local(grad).detach()
+                shard.grad = None if grad is None else local_tensor(grad).detach()
             self.inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none:
             raise ValueError("ShardwiseAdamW sets gradients to None")
-        for param, shard in zip(self.params, self.shards or self.params, strict=True):
-            param.grad = shard.grad = None
+        for tensor in (*self.params, *self.shards):
+            tensor.grad = None
 
 
 def adamw(params, **options: Any) -> torch.optim.AdamW | ShardwiseAdamW:
@@ -180,10 +181,6 @@ def adamw(params, **options: Any) -> torch.optim.AdamW | ShardwiseAdamW:
     if any(isinstance(p, DTensor) for p in params):
         return ShardwiseAdamW(params, **options)
     return torch.optim.AdamW(params, **options)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def record_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, result: dict, step: int) -> None:

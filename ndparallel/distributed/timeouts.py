@@ -31,7 +31,7 @@ SILENT_AFTER = 3
 """Heartbeat intervals without a new heartbeat before a rank counts as silent (at least ``SILENT_FLOOR_S``)."""
 SILENT_FLOOR_S = 3.0
 """The shortest silence that counts, whatever the interval: a loaded machine starves a live rank's heartbeat
-thread for a second or so (docs/troubleshooting.md, "A lost node")."""
+thread for a second or so (docs/troubleshooting.md, "Silence needs 3 s")."""
 
 
 def job_timeout(timeout_s: float | None = None) -> float:
