@@ -17,8 +17,6 @@ CPU_RANKS ?= 4
 # signals, timeouts and launchers, and a third worker fills those gaps (the whole suite 449 -> 403 s); each worker
 # computes with cores / workers threads (tests/conftest.py). docs/architecture.md, "Tests", has the times.
 WORKERS ?= 3
-# The fast tier has no waiting jobs to fill: there a third worker only contends (128 s with 2, 142 s with 3).
-FAST_WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
 # pip byte-compiles every file it installs (~27 s of a fresh install, mostly torch's, most never imported);
 # --no-compile leaves that to the first import, which caches only what runs, so bytecode writing stays on.
@@ -44,18 +42,20 @@ demo: $(STAMP)
 	$(VENV)/bin/ndparallel train --config configs/demo.yaml --cpu-ranks $(CPU_RANKS)
 
 # The whole suite on this machine's best CPU kernels, then the kernel-sensitive parity checks (marker
-# `capability`: fp32 smoke bounds and two float64 shapes) again on ATen's portable `default` kernels.
+# `capability`: fp32 smoke bounds and two float64 shapes, one file: no workers) again on ATen's portable
+# `default` kernels.
 # Inductor gets its own cache there: torch 2.13 reuses C++ kernels cached under another capability
 # and fails to build them ("'at::vec' has not been declared").
 test: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q $(XDIST) -m "not zoo and not examples and not matrix"
-	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -m capability
+	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-cache-default $(PY) -m pytest -q -n 0 -m capability
 
-# The inner loop, what a plain `pytest` runs (pyproject's addopts): everything but the jobs (torchrun launches,
+# The inner loop, exactly a plain `pytest` (pyproject's addopts): everything but the jobs (torchrun launches,
 # CLI processes, notebooks, signals: marker `jobs`) and the costliest tests, 10-60 s each (marker `slow`: big
-# parity groups, inductor builds).
+# parity groups, inductor builds), on one xdist worker per core (tests/conftest.py; here a third worker, having no
+# waiting jobs to fill, only contends: 128 s with 2, 142 s with 3).
 test-fast: $(STAMP)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -n $(FAST_WORKERS) --dist loadfile
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q
 
 # Breadth sweeps that add no code path of their own (marker `zoo`: every other translated Hugging Face plan
 # of the catalogue on tp 2, dp_shard 2, cp 2 and pp 2, ~20 s); docs/models.md records their last result.
@@ -76,7 +76,7 @@ accelerate-examples: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m examples
 
 dryrun-matrix: $(STAMP)  # the planner against the dry run at real sizes (tests/dryrun; minutes to an hour)
-	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -m matrix tests/dryrun
+	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q -n 0 -m matrix tests/dryrun
 
 bench: $(STAMP)
 	$(VENV)/bin/ndparallel bench --config benchmarks/scaling.yaml

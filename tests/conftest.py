@@ -2,7 +2,8 @@
 or ``init_distributed`` without ranks) leaves it to no later test. Under pytest-xdist, the spawned parity groups
 that several test files share are computed once per run (``tests.parity.SHARED_CACHE_DIR``).
 The ``NDP_*`` variables an in-process CLI call sets end with its test. Under pytest-xdist each worker computes with
-its share of the cores (:func:`pytest_configure`)."""
+its share of the cores (:func:`pytest_configure`). A plain ``pytest`` over the suite or a folder runs on xdist
+workers (:func:`pytest_xdist_auto_num_workers`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,24 @@ def pytest_configure(config: pytest.Config) -> None:
         threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+# Measured only on 2 cores, where 2 workers are best (3 contend: docs/architecture.md, "Tests"); each worker runs
+# spawned groups of up to 8 ranks, so more workers than this are left to an explicit -n.
+MAX_AUTO_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """pyproject's ``-n auto``: the suite, or a folder of it, runs on one worker per core (at most
+    :data:`MAX_AUTO_WORKERS`), one test file each at a time. Named files or tests, ``-s`` and ``--pdb``
+    (xdist's own rule) run in this process, where a worker would only add its start-up. An explicit ``-n`` or
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist reads it
+    named = [arg.split("::")[0] for arg in config.args]
+    if config.option.capture == "no" or not all(os.path.isdir(path) for path in named):
+        return 0
+    return min(len(os.sched_getaffinity(0)), MAX_AUTO_WORKERS)
 
 
 @pytest.fixture(autouse=True)
