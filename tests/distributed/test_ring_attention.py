@@ -126,6 +126,7 @@ def distributed_gradcheck() -> list[str]:
     return checked
 
 
+@pytest.mark.slow  # the fast tier's parity above already holds the float64 gradients to 1e-10 of full attention
 def test_ring_attention_gradcheck_float64():
     results = run_distributed(distributed_gradcheck, 2)
     assert results[0] == results[1] and len(results[0]) == 4

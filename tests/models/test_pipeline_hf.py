@@ -356,6 +356,7 @@ def test_pp2_loads_only_its_stages_and_trains_like_one_process(checkpoint, tied_
     assert sorted(n for r in results for n in r[3][0]) == sorted(expected)
 
 
+@pytest.mark.slow  # 4 ranks, pp composed with cp, tp and FSDP; the fast tier keeps pp 2 alone (the test above)
 def test_pp2_cp2_ring_attention_and_pp2_tp2_match_one_process(checkpoint, tied_checkpoint):
     path, ref, full = checkpoint
     untested = [{"cp_rotate_method": "alltoall"}, {"cp_rotate_method": "allgather"}]

@@ -60,49 +60,59 @@ LOW_PRECISION = {
         5e-2,
     ),
 }
-RUNS = [(parallel, {**COMMON, **kwargs}) for parallel, kwargs in LAYOUTS.values()]
-RUNS += [(parallel, {**COMMON, **kwargs}) for parallel, kwargs, _, _ in LOW_PRECISION.values()]
+RUNS = {label: (parallel, {**COMMON, **kwargs}) for label, (parallel, kwargs) in LAYOUTS.items()}
+RUNS |= {label: (parallel, {**COMMON, **kwargs}) for label, (parallel, kwargs, _, _) in LOW_PRECISION.items()}
+# The fast tier's group: the two layouts that need 4 ranks to show (the experts' own FSDP, ep x tp); ep 2 alone is
+# in test_moe_parity's 2-rank group. The other layouts and the fp32 / bf16 bounds are one `slow` group.
+FAST = ("ep2 x ep_fsdp2", "ep2 x tp2")
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_cached(4, RUNS)
+def results(label: str) -> list[dict]:
+    """``label``'s per-rank results, from its tier's 4-rank group (spawned once per pytest run)."""
+    labels = [name for name in RUNS if (name in FAST) == (label in FAST)]
+    per_rank = run_cached(4, [RUNS[name] for name in labels])
+    return [rank[labels.index(label)] for rank in per_rank]
 
 
-def test_expert_parallel_four_ranks_equals_one_process(results):
-    for index, (label, (parallel, kwargs)) in enumerate(LAYOUTS.items()):
+@pytest.mark.parametrize(
+    "label", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow) for name in LAYOUTS]
+)
+def test_expert_parallel_four_ranks_equals_one_process(label):
+    parallel, kwargs = LAYOUTS[label]
+    ref = _reference({**COMMON, **kwargs})
+    ep, tp = parallel.get("ep_size", 1), parallel.get("tp_size", 1)
+    ranks = results(label)
+    for rank, got in enumerate(ranks):
+        assert_parity(got, ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"])
+        assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
+        assert got["coordinate"].get("ep", 0) == (rank // tp) % ep, label
+        dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
+        if tp > 1:  # 4 experts [4, 32, 64]: 2 a rank (over ep, or FSDP's dp 2 without it), hidden width over tp
+            want = ("ep_fsdp", "ep", "tp") if ep > 1 else ("dp_shard_cp", "tp")
+            assert (dims, local) == (want, (2, 16, 64)) and placements[-1] == "S(1)", (label, dims, local)
+            assert "R" not in placements, (label, placements)
+            gate = got["layouts"]["layers.0.feed_forward.router.gate.weight"]
+            assert gate[0][-1] == "tp" and gate[1][-1] == "R", (label, gate)  # the router: whole on each tp rank
+            continue
+        if parallel.get("dp_replicate_size", 1) > 1:  # replicated over ep_replicate only, as HSDP does
+            assert dims == ("ep_replicate", "ep_fsdp", "ep") and placements[0] == "R", (label, dims, placements)
+            assert placements[-1] == "S(0)" and local == (2, 32, 64), (label, placements, local)
+            continue
+        assert dims == ("ep_fsdp", "ep") and "R" not in placements, (label, dims, placements)
+        assert placements[-1] == "S(0)" and local == (1, 32, 64), (label, placements, local)
+    print_worst(label, ranks, ref)
+
+
+@pytest.mark.slow
+def test_expert_parallel_in_fp32_and_bf16_within_measured_bounds():
+    for label, (_parallel, kwargs, tol, param_tol) in LOW_PRECISION.items():
         ref = _reference({**COMMON, **kwargs})
-        ep, tp = parallel.get("ep_size", 1), parallel.get("tp_size", 1)
-        for rank, per_rank in enumerate(results):
-            got = per_rank[index]
-            assert_parity(got, ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"])
-            assert param_error(got, ref) <= FLOAT64_TOL["grad_tol"], f"{label}: params after 5 steps differ"
-            assert got["coordinate"].get("ep", 0) == (rank // tp) % ep, label
-            dims, placements, local = got["layouts"]["layers.0.feed_forward.experts.w1"]
-            if tp > 1:  # 4 experts [4, 32, 64]: 2 a rank (over ep, or FSDP's dp 2 without it), hidden width over tp
-                want = ("ep_fsdp", "ep", "tp") if ep > 1 else ("dp_shard_cp", "tp")
-                assert (dims, local) == (want, (2, 16, 64)) and placements[-1] == "S(1)", (label, dims, local)
-                assert "R" not in placements, (label, placements)
-                gate = got["layouts"]["layers.0.feed_forward.router.gate.weight"]
-                assert gate[0][-1] == "tp" and gate[1][-1] == "R", (label, gate)  # the router: whole on each tp rank
-                continue
-            if parallel.get("dp_replicate_size", 1) > 1:  # replicated over ep_replicate only, as HSDP does
-                assert dims == ("ep_replicate", "ep_fsdp", "ep") and placements[0] == "R", (label, dims, placements)
-                assert placements[-1] == "S(0)" and local == (2, 32, 64), (label, placements, local)
-                continue
-            assert dims == ("ep_fsdp", "ep") and "R" not in placements, (label, dims, placements)
-            assert placements[-1] == "S(0)" and local == (1, 32, 64), (label, placements, local)
-        print_worst(label, [per_rank[index] for per_rank in results], ref)
-
-
-def test_expert_parallel_in_fp32_and_bf16_within_measured_bounds(results):
-    for index, (label, (_parallel, kwargs, tol, param_tol)) in enumerate(LOW_PRECISION.items(), start=len(LAYOUTS)):
-        ref = _reference({**COMMON, **kwargs})
-        for rank, per_rank in enumerate(results):
-            assert_parity(per_rank[index], ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"], **tol)
-            assert param_error(per_rank[index], ref) <= param_tol, label
-        print_worst(label, [per_rank[index] for per_rank in results], ref)
-    bf16 = results[0][len(LAYOUTS) + list(LOW_PRECISION).index("ep2 bf16")]
+        ranks = results(label)
+        for rank, got in enumerate(ranks):
+            assert_parity(got, ref, label=f"{label} rank {rank}", max_norm=COMMON["max_norm"], **tol)
+            assert param_error(got, ref) <= param_tol, label
+        print_worst(label, ranks, ref)
+    bf16 = results("ep2 bf16")[0]
     assert param_error(bf16, _reference({**COMMON, **F32})) > 1e-4  # bf16 really ran: it is not fp32
 
 
