@@ -20,20 +20,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 # TorchDispatchMode lives in a private module on every torch version (2.11-2.14), but it is the
 # documented extension point for intercepting aten ops (CommDebugMode and FlopCounterMode build on it).
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveMemory", "local_shard", "state_bytes"]
+from ndparallel.distributed.local_ops import local_shard
 
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local elements (any other tensor itself), without going through autograd or dispatch."""
-    # DTensor keeps its shard in ``_local_tensor``; ``to_local()`` is an autograd op and would be dispatched
-    # again from inside the mode (and costs ~45x more per call), so read the attribute (stable on torch 2.11-2.14).
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+__all__ = ["LiveMemory", "state_bytes"]
 
 
 def _storage(tensor: Any) -> torch.UntypedStorage | None:

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ndparallel.bench.memory import local_shard, state_bytes
+from ndparallel.bench.memory import state_bytes
 from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.distributed.counter import CommCounter
+from ndparallel.distributed.local_ops import local_shard
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.models import Transformer, TransformerConfig

@@ -3,6 +3,7 @@
 What the collective counter and the dry run's tracker and value stand-ins share: a higher-order operator
 (DTensor's random ops, checkpointing's wrappers) runs as it is, and a DTensor op desugars first, so its local
 ops and the collectives it issues come back through the mode on plain tensors. A subclass sees only those.
+``local_shard`` reads a DTensor's shard from inside such a mode.
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ from torch.distributed.tensor import DTensor
 # torch 2.11-2.14.
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LocalOpMode"]
+__all__ = ["LocalOpMode", "local_shard"]
 
 _METADATA_QUERIES = frozenset({torch.ops.prim.device.default})
 """Ops that only read a tensor's metadata (the autograd engine asks each gradient's device): passed on untouched.
 Nothing a subclass counts, and in a dry run about three of every four ops (docs/benchmarks.md, dry run)."""
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local elements (any other tensor itself), without going through autograd or dispatch."""
+    # DTensor keeps its shard in ``_local_tensor``; ``to_local()`` is an autograd op and would be dispatched
+    # again from inside a dispatch mode (and costs ~45x more per call), so read the attribute (stable on torch
+    # 2.11-2.14).
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _is_higher_order(func: Any) -> bool:

@@ -27,6 +27,7 @@ from ndparallel.config.parallelism import ParallelismConfig
 from ndparallel.config.precision import parallelize_config
 from ndparallel.config.preflight import check_job as preflight
 from ndparallel.distributed.counter import CommCounter
+from ndparallel.distributed.local_ops import local_shard
 from ndparallel.distributed.mesh import Mesh
 from ndparallel.distributed.process import init_distributed
 from ndparallel.dryrun.models import DryRunModel
@@ -162,15 +163,11 @@ def _step_counter_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
     """Bytes of AdamW's per-parameter ``step`` counters (a scalar each: counted in the optimizer's state, not in
     the planner's, which counts exp_avg and exp_avg_sq)."""
     return sum(
-        _local(state["step"]).untyped_storage().nbytes()
+        local_shard(state["step"]).untyped_storage().nbytes()
         for optimizer in optimizers
         for state in optimizer.state.values()
         if isinstance(state.get("step"), torch.Tensor)
     )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # no dispatch (see tracker._local)
 
 
 def _parallelise(model: nn.Module, mesh: Mesh, accumulation: int) -> nn.Module | Pipeline:

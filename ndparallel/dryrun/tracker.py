@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ndparallel.distributed.counter import CommCounter
-from ndparallel.distributed.local_ops import LocalOpMode
+from ndparallel.distributed.local_ops import LocalOpMode, local_shard
 from ndparallel.dryrun.roofline import OpCensus
 from ndparallel.dryrun.torch_api import (
     during_sharding_propagation,
@@ -69,11 +68,6 @@ class _Entry:
 
     def __init__(self, ref: weakref.ref, nbytes: int, kind: str) -> None:
         self.ref, self.nbytes, self.kind = ref, nbytes, kind
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # A DTensor's local shard without an autograd op (to_local() would dispatch again from inside the mode).
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class RankTracker(LocalOpMode):
@@ -117,7 +111,7 @@ class RankTracker(LocalOpMode):
         if not isinstance(tensor, torch.Tensor) or not self._holds_memory(tensor):
             return
         try:
-            storage = _local(tensor).untyped_storage()
+            storage = local_shard(tensor).untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, some subclasses)
             return
         key = id(storage)
@@ -136,7 +130,7 @@ class RankTracker(LocalOpMode):
     def _holds_memory(self, tensor: torch.Tensor) -> bool:
         if self._propagating[0]:
             return False
-        mode = getattr(_local(tensor), "fake_mode", None)  # FakeTensor.fake_mode (torch._subclasses, private)
+        mode = getattr(local_shard(tensor), "fake_mode", None)  # FakeTensor.fake_mode (torch._subclasses, private)
         return mode is None or mode is self.fake_mode
 
     def track_all(self, tensors: Iterable[Any], kind: str) -> None:

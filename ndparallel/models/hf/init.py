@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ndparallel.distributed.buckets import local_tensor
 from ndparallel.errors import ConfigError
 from ndparallel.models.seed import name_seed
 
@@ -100,10 +101,6 @@ def init_buffers(model: nn.Module, init_module: Callable[[nn.Module], None] | No
         )
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _sentinel(tensor: torch.Tensor) -> float | int | None:
     if tensor.is_floating_point() or tensor.is_complex():
         return float("nan")
@@ -115,13 +112,13 @@ def _sentinel(tensor: torch.Tensor) -> float | int | None:
 def _fill_sentinel(tensor: torch.Tensor) -> None:
     value = _sentinel(tensor)
     if value is not None:
-        _local(tensor).fill_(value)
+        local_tensor(tensor).fill_(value)
     if hasattr(tensor, "_is_hf_initialized"):  # transformers' init.* skips a tensor flagged initialised
         del tensor._is_hf_initialized
 
 
 def _is_sentinel(tensor: torch.Tensor) -> bool:
-    local, value = _local(tensor), _sentinel(tensor)
+    local, value = local_tensor(tensor), _sentinel(tensor)
     if value is None or not local.numel():
         return False
     return bool(torch.isnan(local).all()) if value != value else bool((local == value).all())

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ndparallel.distributed.buckets import local_tensor
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.clip import mark_counted_elsewhere
 
@@ -102,7 +102,7 @@ def _check_alike(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
     could not be added region by region."""
     if copies.peer is None:
         return
-    shapes = [list(_local(p).shape) for _, params in sorted(copies.params.items()) for p in params[:1]]
+    shapes = [list(local_tensor(p).shape) for _, params in sorted(copies.params.items()) for p in params[:1]]
     mine = torch.full((len(shapes), _MAX_DIMS), -1, dtype=torch.int64)
     for row, shape in zip(mine, shapes, strict=True):
         row[: len(shape)] = torch.tensor(shape)
@@ -113,10 +113,6 @@ def _check_alike(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
             f"the last stage (local shapes {mine.tolist()} vs {theirs.tolist()}): shard both alike, untie them "
             "(config.tie_word_embeddings=False) or use pp_size=1"
         )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()
@@ -133,13 +129,13 @@ def sum_tied_grads(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
         grads = [p.grad for p in unique]
         if any(g is None for g in grads):
             raise RuntimeError(f"tied weight {name}: a copy has no gradient after the pipeline step")
-        total = _local(grads[0]).clone()
+        total = local_tensor(grads[0]).clone()
         for grad in grads[1:]:
-            total += _local(grad)
+            total += local_tensor(grad)
         if copies.peer is not None:
             total = total + _swap(total, copies.peer, pp_group)  # a + b here, b + a there: the same number
         for grad in grads:
-            _local(grad).copy_(total)
+            local_tensor(grad).copy_(total)
 
 
 def _check_frozen_alike(copies: TiedCopies, pp_group: dist.ProcessGroup) -> None:
