@@ -313,7 +313,7 @@ def test_an_moe_is_verified_with_its_router_losses_and_ep_is_a_layout():
     loss = _plain_step(spec, model, None, 1, None)(tokens[:, :-1], tokens[:, 1:])
     assert isinstance(model, Transformer)
     expected = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) + auxiliary_loss(model)
-    assert abs(float(loss) - float(expected)) < 1e-12 and float(auxiliary_loss(model) or 0) == 0  # collected
+    assert abs(loss.item() - expected.item()) < 1e-12 and float(auxiliary_loss(model) or 0) == 0  # collected
     layout = parse_layouts("dp_shard=2,ep=2", 2)[0]
     assert layout.ranks == 2 and layout.parallelism() == {"dp_shard_size": 2, "ep_size": 2}
     table = verify("tiny-moe", "dp_shard=2,ep=2;dp_shard=2,tp=2,ep=2", cpu_ranks=4)  # experts over (ep, tp) too
