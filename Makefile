@@ -53,7 +53,7 @@ test: $(STAMP)
 # The inner loop, exactly a plain `pytest` (pyproject's addopts): everything but the jobs (torchrun launches,
 # CLI processes, notebooks, signals: marker `jobs`) and the costliest tests, 10-60 s each (marker `slow`: big
 # parity groups, inductor builds), on one xdist worker per core (tests/conftest.py; here a third worker, having no
-# waiting jobs to fill, only contends: 128 s with 2, 142 s with 3).
+# waiting jobs to fill, only contends: 128 s with 2, 142 s with 3). PYTEST_XDIST_AUTO_NUM_WORKERS=N picks the count.
 test-fast: $(STAMP)
 	env -u ATEN_CPU_CAPABILITY $(PY) -m pytest -q
 

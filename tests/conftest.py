@@ -16,6 +16,12 @@ import torch.distributed as dist
 from ndparallel.launch.exit_collections import skip_collections_at_exit
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Each xdist worker (and the processes it starts) gets ``cores / workers`` OpenMP threads. With torch's
     default, one per core, the two workers' references and plain runs each ran OpenMP's spin-waiting team on the
@@ -25,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     skip_collections_at_exit()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        threads = max(1, usable_cores() // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
@@ -35,17 +41,20 @@ def pytest_configure(config: pytest.Config) -> None:
 MAX_AUTO_WORKERS = 4
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: `-p no:xdist -o addopts=` still loads this file
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """pyproject's ``-n auto``: the suite, or a folder of it, runs on one worker per core (at most
-    :data:`MAX_AUTO_WORKERS`), one test file each at a time. Named files or tests, ``-s`` and ``--pdb``
-    (xdist's own rule) run in this process, where a worker would only add its start-up. An explicit ``-n`` or
-    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
+    :data:`MAX_AUTO_WORKERS`; none on one core), one test file each at a time. Named files or tests, ``-s``,
+    ``--trace`` and ``--pdb`` (xdist's own rule) run in this process, where a worker would only add its start-up
+    or lose the terminal. An explicit ``-n`` (``-n 0``: no workers) or ``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist reads it
     named = [arg.split("::")[0] for arg in config.args]
-    if config.option.capture == "no" or not all(os.path.isdir(path) for path in named):
+    interactive = config.option.capture == "no" or config.option.trace
+    if interactive or not all(os.path.isdir(path) for path in named):
         return 0
-    return min(len(os.sched_getaffinity(0)), MAX_AUTO_WORKERS)
+    cores = usable_cores()
+    return min(cores, MAX_AUTO_WORKERS) if cores > 1 else 0
 
 
 @pytest.fixture(autouse=True)

@@ -238,7 +238,7 @@ def test_pipeline_bf16_is_the_non_pp_bf16_model_per_stage():
 
 
 # ------------------------------------------------------------------------------------------ measured
-# The 4-rank group (pp composed with every other dimension) is `slow`: the fast tier measures the schedules on 2
+# The 4-rank group (pp composed with every other dimension) is `slow`: the fast tier measures the schedules on 2 ranks
 @pytest.mark.parametrize("world_size", [pytest.param(n, marks=pytest.mark.slow) if n == 4 else n for n in sorted(RUNS)])
 def test_pipeline_predictions_match_measured_ranks(world_size):
     specs = RUNS[world_size]

@@ -254,7 +254,7 @@ def test_parallelize_with_cp_matches_one_process(world_size):
     _check_runs(list(RUNS[world_size]), [r["runs"] for r in results] if world_size == 2 else results)
 
 
-@pytest.mark.slow  # as the 8-rank group's own parity test: the fast tier keeps cp's 2- and 4-rank groups above
+@pytest.mark.slow  # as the 8-rank group's own parity test: the fast tier keeps cp's 2-rank group above
 def test_dp_shard2_cp2_tp2_matches_one_process():
     """The 8-rank shape, trained in tests/parallel/test_parallelize.py's 8-rank group (one spawn for both files)."""
     from tests.parallel.test_parallelize import RUNS_8, results
