@@ -16,12 +16,6 @@ import torch.distributed as dist
 from ndparallel.launch.exit_collections import skip_collections_at_exit
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the platform has one)."""
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
-    return len(affinity(0)) if affinity else os.cpu_count() or 1
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Each xdist worker (and the processes it starts) gets ``cores / workers`` OpenMP threads. With torch's
     default, one per core, the two workers' references and plain runs each ran OpenMP's spin-waiting team on the
@@ -31,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
     skip_collections_at_exit()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, usable_cores() // workers)
+        threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
@@ -53,7 +47,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     interactive = config.option.capture == "no" or config.option.trace
     if interactive or not all(os.path.isdir(path) for path in named):
         return 0
-    cores = usable_cores()
+    cores = os.cpu_count() or 1  # as the harness and the launcher count them
     return min(cores, MAX_AUTO_WORKERS) if cores > 1 else 0
 
 

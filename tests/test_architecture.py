@@ -285,9 +285,10 @@ def test_the_train_front_process_imports_no_dtensor():
 def test_a_plain_pytest_runs_the_suite_on_workers_and_named_tests_in_one_process(monkeypatch):
     """pyproject's ``-n auto`` meets tests/conftest.py's rule: a folder (or the whole suite) on one xdist worker
     per core, at most four; named files or tests, ``-s`` and ``--trace``, in the pytest process itself."""
+    import os
     from types import SimpleNamespace
 
-    from tests.conftest import MAX_AUTO_WORKERS, pytest_xdist_auto_num_workers, usable_cores
+    from tests.conftest import MAX_AUTO_WORKERS, pytest_xdist_auto_num_workers
     from tests.floors import ROOT
 
     assert "\naddopts = '-n auto --dist loadfile " in (ROOT / "pyproject.toml").read_text()
@@ -298,8 +299,9 @@ def test_a_plain_pytest_runs_the_suite_on_workers_and_named_tests_in_one_process
         options = SimpleNamespace(capture=capture, trace=trace)
         return pytest_xdist_auto_num_workers(SimpleNamespace(args=list(args), option=options))
 
-    cores = min(usable_cores(), MAX_AUTO_WORKERS) if usable_cores() > 1 else 0
-    assert workers("tests") == workers("tests/config", "tests/parallel/pipeline") == cores
+    cores = os.cpu_count() or 1
+    expected = min(cores, MAX_AUTO_WORKERS) if cores > 1 else 0
+    assert workers("tests") == workers("tests/config", "tests/parallel/pipeline") == expected
     assert workers("tests/config/test_config.py") == workers("tests/config", "tests/test_readme.py") == 0
     assert workers("tests/test_readme.py::test_readme_usage_example_runs") == 0
     assert workers("tests", capture="no") == workers("tests", trace=True) == 0
